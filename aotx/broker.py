@@ -1,0 +1,262 @@
+"""The broker: ``service.sock`` (AF_UNIX, SOCK_SEQPACKET) <-> mapped mailboxes.
+
+The broker holds transport state only.  For each packet from a connected
+gateway it takes a free mailbox, copies the packet in, publishes it to the
+device (state 1) and rings the device's doorbell.  When the device publishes a
+reply (state 2) and rings back, the broker copies the reply out, frees the
+mailbox (state 0) and sends the reply to the connection that owns the mailbox,
+if that connection still exists.  A mailbox whose connection went away stays
+unavailable until its reply arrives; the reply is then dropped, so it can never
+reach a newer connection.  After a broker restart, every mailbox not in state 0
+is treated the same way (orphaned).
+
+Only peers whose SO_PEERCRED uid equals the broker's own are served, and the
+socket is a named file in a 0700 folder (never an abstract socket).  The broker
+only ever calls ``send`` on client sockets: no ancillary data, so no file
+descriptor can leave it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import signal
+import socket
+import struct
+
+from . import wire
+from .mailbox import FREE, REPLY, REQUEST, SCAN_ALL, Bell, Region
+from .paths import RuntimePaths
+
+log = logging.getLogger("aotx.broker")
+
+_PEERCRED = struct.Struct("3i")
+
+
+class _Orphan:
+    """Owner marker for mailboxes whose connection is gone."""
+
+
+ORPHAN = _Orphan()
+
+
+def peer_uid(sock: socket.socket) -> int:
+    _pid, uid, _gid = _PEERCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return int(uid)
+
+
+class Connection:
+    _next_id = 0
+
+    def __init__(self, sock: socket.socket) -> None:
+        Connection._next_id += 1
+        self.id = Connection._next_id
+        self.sock = sock
+        self.open = True
+
+
+class Broker:
+    def __init__(self, paths: RuntimePaths, mailboxes: int) -> None:
+        self.paths = paths
+        self.region = Region(paths.region, mailboxes)
+        self.bell = Bell(paths.broker_bell, paths.device_bell)
+        self.owner: list[Connection | _Orphan | None] = [None] * mailboxes
+        self.free: collections.deque[int] = collections.deque()
+        self.sequence = 0
+        self.stats = collections.Counter[str]()
+        self.connections: set[Connection] = set()
+        orphans = 0
+        for i in range(mailboxes):
+            state = self.region.state(i)
+            if state == FREE:
+                self.free.append(i)
+            elif state == REPLY:
+                # A reply that a previous broker never collected: drop it.
+                self.region.release(i)
+                self.free.append(i)
+                orphans += 1
+            else:
+                self.owner[i] = ORPHAN
+                orphans += 1
+        if orphans:
+            log.info("event=broker.orphans count=%d", orphans)
+        self._server: socket.socket | None = None
+        self._stopping: asyncio.Event | None = None
+
+    # -- device side -------------------------------------------------------
+    def _on_bell(self) -> None:
+        indices = self.bell.drain()
+        if SCAN_ALL in indices:
+            indices = list(range(self.region.count))
+        for i in indices:
+            if i >= self.region.count or self.region.state(i) != REPLY:
+                continue
+            packet = self.region.read(i)
+            owner = self.owner[i]
+            self.owner[i] = None
+            self.region.release(i)
+            self.free.append(i)
+            if isinstance(owner, Connection) and owner.open:
+                self.stats["replies"] += 1
+                self._send(owner, packet)
+            else:
+                self.stats["dropped"] += 1
+                log.info("event=broker.reply_dropped mailbox=%d", i)
+
+    def _send(self, conn: Connection, packet: bytes) -> None:
+        try:
+            conn.sock.send(packet)
+        except BlockingIOError:
+            # The gateway is not reading; queue the send on the loop.
+            asyncio.get_running_loop().create_task(self._send_later(conn, packet))
+        except OSError:
+            self._close(conn)
+
+    async def _send_later(self, conn: Connection, packet: bytes) -> None:
+        try:
+            await asyncio.get_running_loop().sock_sendall(conn.sock, packet)
+        except OSError:
+            self._close(conn)
+
+    # -- gateway side ------------------------------------------------------
+    def _refuse(self, conn: Connection, data: bytes, status: int, message: str) -> None:
+        """Answer a packet from the broker itself (bad packet or no mailbox)."""
+        try:
+            header = wire.decode_header(data)
+            reply = header.reply(status)
+        except wire.WireError:
+            reply = wire.Header(op=wire.Op.INFO, status=status)
+        body = message.encode()[: wire.MAX_PAYLOAD]
+        self._send(conn, wire.encode_packet(reply, body))
+
+    def _relay(self, conn: Connection, data: bytes) -> None:
+        self.stats["packets"] += 1
+        if len(data) > wire.MAX_PACKET:
+            self._refuse(conn, data, 413, "packet exceeds 65536 bytes")
+            return
+        try:
+            wire.decode_packet(data)
+        except wire.WireError as exc:
+            self._refuse(conn, data, exc.status, exc.message)
+            return
+        if not self.free:
+            self.stats["busy"] += 1
+            self._refuse(conn, data, 503, "no free mailbox")
+            return
+        i = self.free.popleft()
+        self.owner[i] = conn
+        self.sequence += 1
+        self.region.publish(i, data, REQUEST, self.sequence)
+        self.bell.ring(i)
+
+    async def _serve_connection(self, conn: Connection) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                data = await loop.sock_recv(conn.sock, wire.MAX_PACKET + 1)
+                if not data:
+                    break
+                self._relay(conn, data)
+        except OSError:
+            pass
+        finally:
+            self._close(conn)
+
+    def _close(self, conn: Connection) -> None:
+        if not conn.open:
+            return
+        conn.open = False
+        self.connections.discard(conn)
+        in_flight = 0
+        for i, owner in enumerate(self.owner):
+            if owner is conn:
+                self.owner[i] = ORPHAN
+                in_flight += 1
+        conn.sock.close()
+        log.info("event=broker.disconnect conn=%d in_flight=%d", conn.id, in_flight)
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        path = self.paths.socket
+        if os.path.exists(path):
+            os.unlink(path)
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        old = os.umask(0o177)
+        try:
+            srv.bind(path)
+        finally:
+            os.umask(old)
+        srv.listen(128)
+        srv.setblocking(False)
+        self._server = srv
+        loop.add_reader(self.bell.fd, self._on_bell)
+        self._on_bell_scan()
+        log.info("event=broker.listening socket=%s mailboxes=%d", path, self.region.count)
+        accept = loop.create_task(self._accept_loop(srv))
+        await self._stopping.wait()
+        accept.cancel()
+        loop.remove_reader(self.bell.fd)
+        srv.close()
+        for conn in list(self.connections):
+            self._close(conn)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def _on_bell_scan(self) -> None:
+        for i in range(self.region.count):
+            if self.region.state(i) == REPLY:
+                self.bell.ring_self()
+                break
+
+    async def _accept_loop(self, srv: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        my_uid = os.getuid()
+        while True:
+            sock, _ = await loop.sock_accept(srv)
+            uid = peer_uid(sock)
+            if uid != my_uid:
+                log.warning("event=broker.refused_peer uid=%d", uid)
+                sock.close()
+                continue
+            sock.setblocking(False)
+            conn = Connection(sock)
+            self.connections.add(conn)
+            log.info("event=broker.connect conn=%d", conn.id)
+            loop.create_task(self._serve_connection(conn))
+
+    def stop(self) -> None:
+        if self._stopping is not None:
+            self._stopping.set()
+
+    def mailbox_counts(self) -> dict[str, int]:
+        counts = {"free": len(self.free), "in_flight": 0, "orphaned": 0}
+        for owner in self.owner:
+            if isinstance(owner, Connection):
+                counts["in_flight"] += 1
+            elif owner is ORPHAN:
+                counts["orphaned"] += 1
+        return counts
+
+
+def run(paths: RuntimePaths, mailboxes: int) -> None:
+    paths.ensure()
+    broker = Broker(paths, mailboxes)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, broker.stop)
+        await broker.serve()
+
+    asyncio.run(main())
+    broker.region.close()
+    log.info("event=broker.stopped")
+
+
+__all__ = ["Broker", "run", "peer_uid", "FREE", "REQUEST", "REPLY"]

@@ -1,0 +1,510 @@
+"""The device runtime: the authority for grants, requests, results and models.
+
+Threads
+-------
+* The **control thread** (the process's main thread) waits on the device
+  doorbell, takes each published mailbox, answers it and publishes the reply.
+  Admissions, reads, cancellations and telemetry never wait for a decode step.
+  ``WAIT`` packets (a subscriber waiting for new bytes) are parked and answered
+  as soon as the engine produces bytes or the request changes state.
+* One **engine thread** per model runs its :class:`~aotx.scheduler.Scheduler`.
+  After each step it rings the device's own doorbell when packets are parked,
+  so the control thread answers them without polling.
+
+All request state is guarded by one lock, held briefly by both threads and
+never during ``llama_decode``.
+"""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import logging
+import os
+import secrets
+import select
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+from . import wire
+from .engine import EngineConfig, LlamaEngine, Sampler
+from .mailbox import REQUEST, SCAN_ALL, Bell, Region
+from .models import ModelSpec, file_sha256, load_specs
+from .paths import RuntimePaths
+from .scheduler import Request, Scheduler
+from .template import ChatTemplate, TemplateError
+from .wire import Action, Header, Op, WireError
+
+log = logging.getLogger("aotx.device")
+
+WAIT_DEFAULT_MS = 15_000
+WAIT_MAX_MS = 60_000
+
+
+@dataclass
+class DeviceLimits:
+    window_bytes: int = 32768
+    max_active: int = 1024  # queued + running, device-wide
+    retention_seconds: int = 900
+    retention_requests: int = 4096
+    max_output_tokens: int = 8192
+    media_bytes: int = 64 << 20
+
+
+@dataclass
+class LoadedModel:
+    spec: ModelSpec
+    engine: LlamaEngine
+    template: ChatTemplate
+    scheduler: Scheduler
+    sha256: bytes
+    published_at: int
+    thread: threading.Thread | None = None
+    modalities: int = wire.MOD_TEXT
+
+
+@dataclass
+class Parked:
+    mailbox: int
+    header: Header
+    deadline: float
+
+
+@dataclass
+class Counters:
+    admitted: int = 0
+    refused: dict[int, int] = field(default_factory=lambda: collections.defaultdict(int))
+
+
+def next_epoch(paths: RuntimePaths) -> int:
+    """Hand out the next runtime epoch for this state folder, durably, never twice."""
+    last = 0
+    try:
+        with open(paths.epoch_file) as f:
+            last = int(f.read().strip() or 0)
+    except FileNotFoundError:
+        pass
+    except ValueError:
+        raise SystemExit(f"{paths.epoch_file} is corrupt; refusing to guess an epoch") from None
+    epoch = last + 1
+    tmp = paths.epoch_file + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, f"{epoch}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, paths.epoch_file)
+    dfd = os.open(paths.state_dir, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return epoch
+
+
+def _role_name(role: wire.Role) -> str:
+    return ("system", "user", "assistant")[role]
+
+
+class Device:
+    def __init__(self, paths: RuntimePaths, specs: list[ModelSpec], mailboxes: int,
+                 limits: DeviceLimits | None = None) -> None:
+        self.paths = paths
+        self.limits = limits or DeviceLimits()
+        paths.ensure()
+        self._lockfile = os.open(os.path.join(paths.run_dir, "device.lock"),
+                                 os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lockfile, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SystemExit(f"another device is running on {paths.state_dir}") from None
+        self.epoch = next_epoch(paths)
+        self.started_unix_ns = time.time_ns()
+        self.clock0 = time.monotonic_ns()
+        self.lock = threading.Lock()
+        self.requests: collections.OrderedDict[bytes, Request] = collections.OrderedDict()
+        self.terminal_order: collections.deque[bytes] = collections.deque()
+        self.grants: dict[int, wire.Grant] = {}
+        self.grant_revision = 0
+        self.parked: dict[bytes, list[Parked]] = collections.defaultdict(list)
+        self.parked_mailboxes: set[int] = set()
+        self.n_parked = 0
+        self.counters = Counters()
+        self.models: dict[int, LoadedModel] = {}
+        self.region = Region(paths.region, mailboxes)
+        self.bell = Bell(paths.device_bell, paths.broker_bell)
+        self._stopping = False
+        for spec in specs:
+            self._load(spec)
+
+    # -- models ----------------------------------------------------------------
+    def _load(self, spec: ModelSpec) -> None:
+        log.info("event=model.load alias=%s role=%d path=%s slots=%d context=%d",
+                 spec.alias, spec.role, spec.path, spec.slots, spec.context)
+        t0 = time.monotonic()
+        digest = file_sha256(spec.path, os.path.join(self.paths.state_dir, "model-hashes.json"))
+        if spec.sha256 and digest.hex() != spec.sha256:
+            raise SystemExit(f"model {spec.alias}: {spec.path} has SHA-256 {digest.hex()}, "
+                             f"the models file pins {spec.sha256}")
+        engine = LlamaEngine(EngineConfig(path=spec.path, slots=spec.slots,
+                                          slot_context=spec.context, batch=spec.batch,
+                                          threads=spec.threads))
+        try:
+            template = ChatTemplate(engine.metadata("tokenizer.chat_template"),
+                                    bos_token=engine.token_text(
+                                        int(engine.metadata("tokenizer.ggml.bos_token_id") or 0)),
+                                    eos_token=engine.token_text(
+                                        int(engine.metadata("tokenizer.ggml.eos_token_id") or 0)))
+        except TemplateError as exc:
+            engine.close()
+            raise SystemExit(f"model {spec.alias} ({spec.path}) refused: {exc}") from None
+        scheduler = Scheduler(
+            engine, spec.slots, spec.batch, self.lock,
+            make_sampler=lambda r: Sampler(r.temperature, r.top_p, r.seed),
+            free_sampler=lambda s: s.free(),  # type: ignore[attr-defined]
+            on_step=self._after_step, on_terminal=self._on_terminal)
+        mods = 0
+        for m in spec.modalities:
+            mods |= {"text": wire.MOD_TEXT, "image": wire.MOD_IMAGE, "audio": wire.MOD_AUDIO}[m]
+        self.models[spec.role] = LoadedModel(spec, engine, template, scheduler, digest,
+                                             int(os.stat(spec.path).st_mtime), modalities=mods)
+        log.info("event=model.ready alias=%s role=%d sha256=%s params_bytes=%d kv_bytes=%d "
+                 "threads=%d seconds=%.1f", spec.alias, spec.role, digest.hex(),
+                 engine.model_bytes, engine.kv_bytes(), engine.threads, time.monotonic() - t0)
+
+    # -- engine callbacks (engine thread, lock held for on_terminal) ------------
+    def _on_terminal(self, req: Request) -> None:
+        self.terminal_order.append(req.identity)
+
+    def _after_step(self) -> None:
+        if self.n_parked:
+            self.bell.ring_self()
+
+    # -- helpers -----------------------------------------------------------------
+    def info(self) -> wire.Info:
+        first = next(iter(self.models.values()))
+        return wire.Info(
+            epoch=self.epoch,
+            models=tuple(wire.ModelInfo(m.spec.role, m.spec.alias, m.sha256, m.modalities,
+                                        m.published_at, m.engine.slot_context)
+                         for m in self.models.values()),
+            window_bytes=self.limits.window_bytes,
+            context_tokens=first.engine.slot_context,
+            output_tokens=self.limits.max_output_tokens,
+            active_requests=self.limits.max_active,
+            slots=sum(m.spec.slots for m in self.models.values()),
+            media_bytes=self.limits.media_bytes,
+            retention_seconds=self.limits.retention_seconds,
+            retention_requests=self.limits.retention_requests,
+            mailboxes=self.region.count,
+            kv_cells=sum(m.spec.slots * m.engine.slot_context for m in self.models.values()),
+            started_unix_ns=self.started_unix_ns)
+
+    def _state_fields(self, req: Request) -> dict[str, int]:
+        return dict(phase=int(req.phase), role=req.role, total=len(req.out),
+                    prompt_tokens=req.prompt_tokens, sampled_tokens=req.sampled,
+                    finish=int(req.finish), failure=req.failure,
+                    cancel_requested=int(req.cancel_requested), revision=req.revision)
+
+    def _grant_for(self, h: Header, action: int) -> tuple[wire.Grant | None, int, str]:
+        grant = self.grants.get(h.principal)
+        if grant is None:
+            return None, 403, "no grant is installed for this principal"
+        if not grant.actions & action:
+            return None, 403, f"the grant does not include the {Action(action).name.lower()} action"
+        return grant, 0, ""
+
+    def _lookup(self, h: Header, action: int) -> tuple[Request | None, int, str]:
+        """The request named by ``h`` if the caller may act on it, else (None, status, message).
+
+        Order matters: an ended epoch is 410 for everyone; a missing action is
+        403 without looking at the handle; anything that would reveal a foreign
+        or revoked request is 404.
+        """
+        if h.epoch != self.epoch:
+            if 0 < h.epoch < self.epoch:
+                return None, 410, "the request belongs to an ended runtime epoch"
+            return None, 404, "no such request"
+        _grant, status, msg = self._grant_for(h, action)
+        if _grant is None:
+            return None, status, msg
+        req = self.requests.get(h.identity)
+        if (req is None or req.principal != h.principal or req.revision != _grant.revision
+                or not (_grant.model_mask >> req.role) & 1):
+            return None, 404, "no such request"
+        return req, 0, ""
+
+    def _window(self, req: Request, cursor: int) -> tuple[int, bytes]:
+        total = len(req.out)
+        if cursor > total:
+            return 409, f"cursor {cursor} is past the {total} bytes produced so far".encode()
+        return 200, bytes(req.out[cursor:cursor + self.limits.window_bytes])
+
+    # -- operations (control thread, lock held) -----------------------------------
+    def handle(self, mailbox: int, h: Header, payload: bytes) -> tuple[Header, bytes] | None:
+        op = Op(h.op)
+        if op is Op.INFO:
+            return h.reply(200, epoch=self.epoch), wire.encode_info(self.info())
+        if op is Op.GRANT_INSTALL:
+            return self._grant_install(h, payload)
+        if op is Op.GRANT_READ:
+            rows = sorted(self.grants.values(), key=lambda g: g.principal)
+            return h.reply(200, epoch=self.epoch, total=len(rows)), wire.encode_grants(rows)
+        if op is Op.SUBMIT:
+            return self._submit(h, payload)
+        if op in (Op.READ, Op.WAIT):
+            return self._read(mailbox, h)
+        if op is Op.CANCEL:
+            return self._cancel(h)
+        if op is Op.TELEMETRY:
+            grant, status, msg = self._grant_for(h, Action.TELEMETRY)
+            if grant is None:
+                return h.reply(status, epoch=self.epoch), msg.encode()
+            return h.reply(200, epoch=self.epoch), wire.encode_telemetry(self.telemetry())
+        return (h.reply(501, epoch=self.epoch),
+                f"operation {op.name} is not provided by this device".encode())
+
+    def telemetry(self) -> wire.Telemetry:
+        alloc = 0
+        for m in self.models.values():
+            alloc += m.engine.model_bytes + m.engine.kv_bytes()
+        alloc += sum(len(r.out) + 4 * len(r.prompt) for r in self.requests.values())
+        tick = sum(m.scheduler.tick for m in self.models.values())
+        return wire.Telemetry(alloc, tick, time.monotonic_ns() - self.clock0)
+
+    def _grant_install(self, h: Header, payload: bytes) -> tuple[Header, bytes]:
+        # Only same-uid processes reach the mailboxes (the broker checks SO_PEERCRED),
+        # so grant installation is trusted to the gateway.  Revisions only increase.
+        rows = wire.decode_grants(payload, h.total)
+        installed = []
+        for g in rows:
+            self.grant_revision += 1
+            ng = wire.Grant(g.principal, g.actions, g.model_mask, self.grant_revision, g.flags,
+                            g.max_active, g.max_output_tokens, g.max_input_bytes,
+                            g.max_media_sources, g.max_media_bytes, g.rate_per_minute)
+            self.grants[g.principal] = ng
+            installed.append(ng)
+        log.info("event=grant.install rows=%d revision=%d", len(rows), self.grant_revision)
+        return h.reply(200, epoch=self.epoch, total=len(installed)), wire.encode_grants(installed)
+
+    def _submit(self, h: Header, payload: bytes) -> tuple[Header, bytes]:
+        def refuse(status: int, msg: str) -> tuple[Header, bytes]:
+            self.counters.refused[status] += 1
+            return h.reply(status, epoch=self.epoch), msg.encode()
+
+        grant, status, msg = self._grant_for(h, Action.SUBMIT)
+        if grant is None:
+            return refuse(status, msg)
+        model = self.models.get(h.role)
+        if model is None or not (grant.model_mask >> h.role) & 1:
+            return refuse(404, "no such model")
+        if grant.max_input_bytes and len(payload) > grant.max_input_bytes:
+            return refuse(413, f"input of {len(payload)} bytes exceeds the grant's "
+                               f"{grant.max_input_bytes}")
+        sub = wire.decode_submission(payload)
+        messages = []
+        for msg_ in sub.messages:
+            text = []
+            for part in msg_.parts:
+                if part.kind is not wire.PartKind.TEXT:
+                    kind = "image" if part.kind is wire.PartKind.IMAGE_DIGEST else "audio"
+                    if not model.modalities & (wire.MOD_IMAGE if kind == "image" else wire.MOD_AUDIO):
+                        return refuse(400, f"model {model.spec.alias} does not accept {kind} input")
+                    return refuse(404, "no ready media source with that digest")
+                text.append(part.text)
+            messages.append({"role": _role_name(msg_.role), "content": "".join(text)})
+        try:
+            prompt_text = model.template.render(messages)
+        except TemplateError as exc:
+            return refuse(400, str(exc))
+        prompt = model.engine.tokenize(prompt_text, add_special=model.engine.add_bos)
+        ctx = model.engine.slot_context
+        if len(prompt) >= ctx:
+            return refuse(400, f"the prompt has {len(prompt)} tokens; model {model.spec.alias} "
+                               f"accepts at most {ctx - 1} so that one can be generated")
+        room = ctx - len(prompt)
+        limit = min(self.limits.max_output_tokens, grant.max_output_tokens or 1 << 31)
+        max_tokens = h.max_tokens or room
+        if h.max_tokens and h.max_tokens > limit:
+            return refuse(400, f"max_tokens {h.max_tokens} exceeds the limit of {limit}")
+        max_tokens = min(max_tokens, room, limit)
+        active = sum(m.scheduler.depth for m in self.models.values())
+        if active >= self.limits.max_active:
+            return refuse(429, "the device holds its maximum of active requests")
+        if grant.max_active:
+            mine = sum(1 for r in self.requests.values()
+                       if r.principal == h.principal and not r.phase.terminal)
+            if mine >= grant.max_active:
+                return refuse(429, f"the grant allows {grant.max_active} active requests")
+        identity = secrets.token_bytes(wire.IDENTITY_SIZE)
+        seed = h.seed if h.submit_flags & wire.SUBMIT_FLAG_SEED else secrets.randbits(32)
+        req = Request(identity=identity, principal=h.principal, revision=grant.revision,
+                      role=h.role, prompt=prompt, max_tokens=max_tokens,
+                      temperature=max(0.0, h.temperature),
+                      top_p=h.top_p if 0.0 < h.top_p <= 1.0 else 1.0, seed=seed,
+                      stops=tuple(s.encode() for s in sub.stop),
+                      memory_off=bool(h.submit_flags & wire.SUBMIT_FLAG_MEMORY_OFF))
+        self.requests[identity] = req
+        model.scheduler.submit(req)
+        self.counters.admitted += 1
+        log.info("event=request.admitted id=%s role=%d prompt_tokens=%d max_tokens=%d",
+                 wire.format_request_id(self.epoch, identity), h.role, len(prompt), max_tokens)
+        reply = h.reply(202, epoch=self.epoch, identity=identity, **self._state_fields(req))
+        return reply, b""
+
+    def _read(self, mailbox: int, h: Header) -> tuple[Header, bytes] | None:
+        req, status, msg = self._lookup(h, Action.READ)
+        if req is None:
+            return h.reply(status, epoch=self.epoch), msg.encode()
+        if h.op == Op.WAIT and not self._wait_ready(req, h):
+            timeout = min(h.max_tokens or WAIT_DEFAULT_MS, WAIT_MAX_MS) / 1000
+            self._park(mailbox, req.identity, h, timeout)
+            return None
+        return self._read_reply(req, h)
+
+    def _read_reply(self, req: Request, h: Header) -> tuple[Header, bytes]:
+        status, body = self._window(req, h.cursor)
+        return h.reply(status, epoch=self.epoch, **self._state_fields(req)), body
+
+    @staticmethod
+    def _wait_ready(req: Request, h: Header) -> bool:
+        return (len(req.out) != h.cursor or req.phase != h.phase
+                or req.cancel_requested != bool(h.cancel_requested) or req.phase.terminal)
+
+    def _cancel(self, h: Header) -> tuple[Header, bytes]:
+        req, status, msg = self._lookup(h, Action.CANCEL)
+        if req is None:
+            return h.reply(status, epoch=self.epoch), msg.encode()
+        if not req.phase.terminal:
+            self.models[req.role].scheduler.cancel(req)
+            log.info("event=request.cancel id=%s", wire.format_request_id(self.epoch, req.identity))
+            self._settle(req.identity, time.monotonic(), force=True)
+        return h.reply(202, epoch=self.epoch, **self._state_fields(req)), b""
+
+    # -- parked waits and retention (control thread, lock held) -------------------
+    def _park(self, mailbox: int, identity: bytes, h: Header, timeout: float) -> None:
+        self.parked[identity].append(Parked(mailbox, h, time.monotonic() + timeout))
+        self.parked_mailboxes.add(mailbox)
+        self.n_parked += 1
+
+    def _settle(self, identity: bytes, now: float, force: bool = False) -> None:
+        """Answer the parked waits on ``identity`` that are ready (or all, with ``force``)."""
+        req = self.requests.get(identity)
+        keep = []
+        for p in self.parked.pop(identity, []):
+            if req is None:
+                self._publish(p.mailbox, p.header.reply(404, epoch=self.epoch), b"no such request")
+            elif force or now >= p.deadline or self._wait_ready(req, p.header):
+                self._publish(p.mailbox, *self._read_reply(req, p.header))
+            else:
+                keep.append(p)
+                continue
+            self.parked_mailboxes.discard(p.mailbox)
+            self.n_parked -= 1
+        if keep:
+            self.parked[identity] = keep
+
+    def _reclaim(self, now_ns: int) -> None:
+        horizon = now_ns - self.limits.retention_seconds * 1_000_000_000
+        while self.terminal_order:
+            identity = self.terminal_order[0]
+            req = self.requests.get(identity)
+            if req is None:
+                self.terminal_order.popleft()
+                continue
+            if req.finished_ns > horizon and len(self.terminal_order) <= self.limits.retention_requests:
+                break
+            self.terminal_order.popleft()
+            del self.requests[identity]
+            log.info("event=request.reclaimed id=%s", wire.format_request_id(self.epoch, identity))
+
+    # -- mailbox loop --------------------------------------------------------------
+    def _publish(self, mailbox: int, header: Header, payload: bytes) -> None:
+        try:
+            packet = wire.encode_packet(header, payload)
+        except WireError as exc:
+            packet = wire.encode_packet(header.reply(500, epoch=self.epoch), exc.message.encode())
+        self.region.publish(mailbox, packet, 2)
+        self.bell.ring(mailbox)
+
+    def _take(self, i: int) -> None:
+        if self.region.state(i) != REQUEST:
+            return
+        if i in self.parked_mailboxes:
+            return  # a parked wait: answered when ready
+        data = self.region.read(i)
+        try:
+            h, payload = wire.decode_packet(data)
+        except WireError as exc:
+            bad = Header(op=Op.INFO, status=exc.status, epoch=self.epoch)
+            self._publish(i, bad, exc.message.encode())
+            return
+        try:
+            result = self.handle(i, h, payload)
+        except WireError as exc:
+            result = h.reply(exc.status, epoch=self.epoch), exc.message.encode()
+        except Exception:
+            log.exception("event=device.error op=%d", h.op)
+            result = h.reply(500, epoch=self.epoch), b"internal device error"
+        if result is not None:
+            self._publish(i, *result)
+
+    def serve(self) -> None:
+        for m in self.models.values():
+            t = threading.Thread(target=m.scheduler.run, name=f"engine-{m.spec.alias}", daemon=True)
+            m.thread = t
+            t.start()
+        log.info("event=device.ready epoch=%d models=%s mailboxes=%d", self.epoch,
+                 ",".join(m.spec.alias for m in self.models.values()), self.region.count)
+        pending = list(range(self.region.count))  # start-up: look at every mailbox once
+        last_sweep = 0.0
+        while not self._stopping:
+            with self.lock:
+                for i in pending:
+                    if 0 <= i < self.region.count:
+                        self._take(i)
+                now = time.monotonic()
+                for identity in list(self.parked):
+                    self._settle(identity, now)
+                if now - last_sweep >= 1.0:
+                    self._reclaim(time.monotonic_ns())
+                    last_sweep = now
+                timeout = 1.0
+                for waits in self.parked.values():
+                    for p in waits:
+                        timeout = min(timeout, max(0.0, p.deadline - now))
+            try:
+                ready, _, _ = select.select([self.bell.fd], [], [], timeout)
+            except InterruptedError:
+                continue
+            pending = []
+            if ready:
+                got = self.bell.drain()
+                if SCAN_ALL in got:
+                    pending = list(range(self.region.count))
+                else:
+                    pending = list(dict.fromkeys(got))
+        for m in self.models.values():
+            m.scheduler.stop()
+        for m in self.models.values():
+            if m.thread:
+                m.thread.join(timeout=30)
+            m.engine.close()
+        self.region.close()
+        log.info("event=device.stopped epoch=%d", self.epoch)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.bell.ring_self()
+
+
+def run(paths: RuntimePaths, mailboxes: int, models_file: str | None = None) -> None:
+    paths.ensure()
+    specs = load_specs(paths.state_dir, models_file)
+    device = Device(paths, specs, mailboxes)
+    signal.signal(signal.SIGTERM, lambda *_: device.stop())
+    signal.signal(signal.SIGINT, lambda *_: device.stop())
+    device.serve()

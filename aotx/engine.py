@@ -1,0 +1,203 @@
+"""The model engine: llama.cpp through llama-cpp-python's low-level batch API.
+
+One :class:`LlamaEngine` owns one model, one context and one batch.  It knows
+nothing about requests: the scheduler (``aotx.scheduler``) decides which
+tokens of which sequences go into each ``llama_decode`` call.  Every ctypes
+call into llama.cpp releases the GIL, so the device's control thread keeps
+answering the mailboxes while a decode step runs.
+
+The context is created with one KV stream per sequence (``kv_unified`` off):
+each sequence attends only to its own cells, so a batch of N streams costs N
+times one stream's attention, not N times everybody's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass
+
+import llama_cpp
+from llama_cpp import _logger as _llama_logger
+
+log = logging.getLogger("aotx.engine")
+
+_llama_logger.set_verbose(False)
+_backend_ready = False
+
+
+class EngineError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    path: str
+    slots: int = 16  # sequences decoded together (KV streams)
+    slot_context: int = 4096  # KV cells per sequence
+    batch: int = 512  # tokens per llama_decode call
+    threads: int = 0  # 0: all cores
+    gpu_layers: int = 0
+
+
+@dataclass(slots=True)
+class BatchEntry:
+    token: int
+    pos: int
+    seq: int
+    logits: bool
+
+
+class Sampler:
+    """A llama.cpp sampler chain for one sequence."""
+
+    def __init__(self, temperature: float, top_p: float, seed: int) -> None:
+        params = llama_cpp.llama_sampler_chain_default_params()
+        self.ptr = llama_cpp.llama_sampler_chain_init(params)
+        if temperature <= 0.0:
+            llama_cpp.llama_sampler_chain_add(self.ptr, llama_cpp.llama_sampler_init_greedy())
+        else:
+            if 0.0 < top_p < 1.0:
+                llama_cpp.llama_sampler_chain_add(self.ptr,
+                                                  llama_cpp.llama_sampler_init_top_p(top_p, 1))
+            llama_cpp.llama_sampler_chain_add(self.ptr,
+                                              llama_cpp.llama_sampler_init_temp(temperature))
+            llama_cpp.llama_sampler_chain_add(self.ptr,
+                                              llama_cpp.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+
+    def free(self) -> None:
+        if self.ptr is not None:
+            llama_cpp.llama_sampler_free(self.ptr)
+            self.ptr = None
+
+
+class LlamaEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        global _backend_ready
+        if not _backend_ready:
+            llama_cpp.llama_backend_init()
+            _backend_ready = True
+        self.config = config
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = config.gpu_layers
+        self.model = llama_cpp.llama_model_load_from_file(config.path.encode(), mparams)
+        if not self.model:
+            raise EngineError(f"llama.cpp could not load {config.path}")
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_ctx_train = int(llama_cpp.llama_n_ctx_train(self.model))
+        threads = config.threads or (os.cpu_count() or 1)
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = config.slots * config.slot_context
+        cparams.n_batch = config.batch
+        cparams.n_ubatch = config.batch
+        cparams.n_seq_max = config.slots
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.kv_unified = False
+        cparams.no_perf = False
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            llama_cpp.llama_model_free(self.model)
+            raise EngineError("llama.cpp could not create a context "
+                              f"({config.slots} x {config.slot_context} cells)")
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.slot_context = int(llama_cpp.llama_n_ctx_seq(self.ctx))
+        self.batch = llama_cpp.llama_batch_init(config.batch, 0, 1)
+        self._piece_cache: dict[int, bytes] = {}
+        self._piece_buf = ctypes.create_string_buffer(256)
+        self.model_bytes = int(llama_cpp.llama_model_size(self.model))
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
+        self.threads = threads
+
+    # -- metadata ------------------------------------------------------------
+    def metadata(self, key: str) -> str | None:
+        size = 1 << 16
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buf, size)
+            if n < 0:
+                return None
+            if n < size:
+                return buf.raw[:n].decode("utf-8", errors="replace")
+            size = n + 1
+
+    def token_text(self, token: int) -> str:
+        return self.piece(token, special=True).decode("utf-8", errors="replace")
+
+    # -- tokens --------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        arr = (llama_cpp.llama_token * cap)()
+        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), arr, cap, add_special, True)
+        if n < 0:
+            cap = -n
+            arr = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), arr, cap, add_special, True)
+        if n < 0:
+            raise EngineError("tokenization failed")
+        return list(arr[:n])
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """The exact bytes of one token (special tokens render as nothing)."""
+        if not special:
+            cached = self._piece_cache.get(token)
+            if cached is not None:
+                return cached
+        buf = self._piece_buf
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        out = buf.raw[:n]
+        if not special:
+            self._piece_cache[token] = out
+        return out
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+
+    # -- decoding ------------------------------------------------------------
+    def decode(self, entries: list[BatchEntry]) -> int:
+        """Decode one batch.  Returns llama_decode's status (0 = success)."""
+        b = self.batch
+        if len(entries) > self.config.batch:
+            raise EngineError("batch overflow")
+        for i, e in enumerate(entries):
+            b.token[i] = e.token
+            b.pos[i] = e.pos
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = e.seq
+            b.logits[i] = e.logits
+        b.n_tokens = len(entries)
+        return int(llama_cpp.llama_decode(self.ctx, b))
+
+    def sample(self, sampler: Sampler, index: int) -> int:
+        return int(llama_cpp.llama_sampler_sample(sampler.ptr, self.ctx, index))
+
+    def clear_sequence(self, seq: int) -> None:
+        llama_cpp.llama_memory_seq_rm(self.memory, seq, -1, -1)
+
+    def copy_sequence(self, src: int, dst: int, n_tokens: int) -> None:
+        llama_cpp.llama_memory_seq_cp(self.memory, src, dst, 0, n_tokens)
+
+    def perf(self) -> tuple[int, int]:
+        """(prompt tokens evaluated, tokens generated) since start."""
+        data = llama_cpp.llama_perf_context(self.ctx)
+        return int(data.n_p_eval), int(data.n_eval)
+
+    def kv_bytes(self) -> int:
+        n_layer = int(llama_cpp.llama_model_n_layer(self.model))
+        n_embd = int(llama_cpp.llama_model_n_embd(self.model))
+        n_head = int(llama_cpp.llama_model_n_head(self.model)) or 1
+        n_head_kv = int(llama_cpp.llama_model_n_head_kv(self.model)) or n_head
+        per_cell = 2 * n_layer * (n_embd // n_head) * n_head_kv * 2  # K and V in f16
+        return per_cell * self.config.slots * self.slot_context
+
+    def close(self) -> None:
+        if self.ctx:
+            llama_cpp.llama_batch_free(self.batch)
+            llama_cpp.llama_free(self.ctx)
+            llama_cpp.llama_model_free(self.model)
+            self.ctx = None

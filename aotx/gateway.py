@@ -1,0 +1,686 @@
+"""The HTTP gateway: authentication, JSON/SSE, UTF-8 decoding; no request state.
+
+Everything a client can read lives on the device; the gateway translates HTTP
+into broker packets and back.  It keeps only transport conveniences: the model
+list learned from the device's information payload, the grants it installs,
+and the current runtime epoch (when a reply shows a new epoch, the device has
+restarted: the gateway re-reads the information payload and reinstalls grants).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import hashlib
+import hmac
+import logging
+import os
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import wire
+from .brokerclient import BrokerClient, BrokerUnavailable
+from .errors import ApiError, error_body
+from .paths import RuntimePaths
+from .protocol import ChatRequest, MediaPart, b64
+
+log = logging.getLogger("aotx.gateway")
+
+MAX_BODY = 1 << 20  # bytes of JSON accepted on any route
+WAIT_MS = 10_000  # a parked WAIT answers at least this often (keep-alive cadence)
+ADMIN_PRINCIPAL = 1
+_CURSOR_RE = re.compile(r"^[0-9]{1,20}$")
+_PHASE_NAMES = {p: p.name.lower() for p in wire.Phase}
+_FINISH_NAMES = {wire.Finish.NONE: None, wire.Finish.STOP: "stop", wire.Finish.LENGTH: "length"}
+_ROLES = {"system": wire.Role.SYSTEM, "developer": wire.Role.SYSTEM, "user": wire.Role.USER,
+          "assistant": wire.Role.ASSISTANT}
+_FAILURES = {500: "the engine failed while decoding this request",
+             503: "the engine ran out of KV cache for this request"}
+
+
+def dumps(obj: Any) -> bytes:
+    return orjson.dumps(obj)
+
+
+def ensure_admin_token(path: str) -> str:
+    """Create ``DIR/admin.token`` (0600) on first start; return the token."""
+    try:
+        with open(path) as f:
+            token = f.read().strip()
+        if token:
+            return token
+    except FileNotFoundError:
+        pass
+    token = "aotx-" + secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def token_hash(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+@dataclass(frozen=True)
+class Principal:
+    id: int
+    name: str
+
+
+def parse_cursor(value: str | None, param: str = "cursor") -> int:
+    if value is None:
+        return 0
+    if not _CURSOR_RE.match(value) or int(value) >= 1 << 64:
+        raise ApiError(400, f"{param} must be a decimal byte offset below 2^64", param=param)
+    return int(value)
+
+
+class Gateway:
+    def __init__(self, paths: RuntimePaths) -> None:
+        self.paths = paths
+        self.broker = BrokerClient(paths.socket)
+        self.info: wire.Info | None = None
+        self.epoch = 0
+        self.models: dict[str, wire.ModelInfo] = {}
+        self.by_role: dict[int, wire.ModelInfo] = {}
+        self._refresh_lock = asyncio.Lock()
+        self._admin_hash = token_hash(ensure_admin_token(paths.admin_token))
+
+    # -- authentication --------------------------------------------------------
+    def authenticate(self, request: Request) -> Principal:
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ApiError(401, "missing bearer token", headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(token_hash(token.strip()), self._admin_hash):
+            raise ApiError(401, "invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
+        return Principal(ADMIN_PRINCIPAL, "admin")
+
+    def grants(self) -> list[wire.Grant]:
+        return [wire.Grant(principal=ADMIN_PRINCIPAL, actions=int(wire.Action.all()),
+                           model_mask=(1 << 64) - 1, flags=wire.GRANT_FLAG_MEMORY)]
+
+    # -- device calls ------------------------------------------------------------
+    async def refresh(self) -> None:
+        """Learn the device's models and epoch; install grants when the epoch is new.
+
+        Grants are installed once per epoch only: installing bumps revisions,
+        and a bumped revision hides results admitted under the previous one.
+        """
+        async with self._refresh_lock:
+            h, body = await self.broker.call(wire.Header(op=wire.Op.INFO))
+            if h.status != 200:
+                raise BrokerUnavailable(f"device information refused: {h.status}")
+            info = wire.decode_info(body)
+            if self.info is None or info.epoch != self.epoch:
+                rows = self.grants()
+                gh, _ = await self.broker.call(
+                    wire.Header(op=wire.Op.GRANT_INSTALL, total=len(rows)),
+                    wire.encode_grants(rows))
+                if gh.status != 200:
+                    raise BrokerUnavailable(f"grant installation refused: {gh.status}")
+                log.info("event=gateway.device_epoch epoch=%d models=%s grants=%d", info.epoch,
+                         ",".join(m.alias for m in info.models), len(rows))
+            self.info = info
+            self.epoch = info.epoch
+            self.models = {m.alias: m for m in info.models}
+            self.by_role = {m.role: m for m in info.models}
+
+    async def ensure_ready(self) -> None:
+        if self.info is None:
+            try:
+                await self.refresh()
+            except BrokerUnavailable as exc:
+                raise ApiError(503, f"the device is not reachable: {exc}") from None
+
+    async def call(self, h: wire.Header, payload: bytes = b"",
+                   timeout: float = 120.0) -> tuple[wire.Header, bytes]:
+        await self.ensure_ready()
+        try:
+            rh, body = await self.broker.call(h, payload, timeout)
+            if rh.epoch and rh.epoch != self.epoch:
+                # The device restarted: reinstall grants, then retry a refusal once.
+                await self.refresh()
+                if rh.status == 403:
+                    rh, body = await self.broker.call(h, payload, timeout)
+        except BrokerUnavailable as exc:
+            raise ApiError(503, f"the device is not reachable: {exc}") from None
+        return rh, body
+
+    async def poll_loop(self) -> None:
+        """Notice device restarts while idle, so grants are back before the next call."""
+        while True:
+            try:
+                if self.info is None:
+                    await self.refresh()
+                else:
+                    h, _ = await self.broker.call(wire.Header(op=wire.Op.INFO), timeout=5)
+                    if h.epoch != self.epoch:
+                        await self.refresh()
+            except (BrokerUnavailable, wire.WireError) as exc:
+                log.debug("event=gateway.device_unreachable error=%s", exc)
+            await asyncio.sleep(1.0 if self.info is not None else 0.2)
+
+    # -- helpers --------------------------------------------------------------------
+    def model_for(self, alias: str) -> wire.ModelInfo:
+        m = self.models.get(alias)
+        if m is None:
+            raise ApiError(404, f"the model {alias!r} does not exist", param="model",
+                           code="model_not_found")
+        return m
+
+    def request_id(self, h: wire.Header) -> str:
+        return wire.format_request_id(h.epoch, h.identity)
+
+    def parse_id(self, rid: str) -> tuple[int, bytes]:
+        parsed = wire.parse_request_id(rid)
+        if parsed is None:
+            raise ApiError(404, "no such request")
+        return parsed
+
+    def raise_for(self, h: wire.Header, body: bytes, ok: tuple[int, ...] = (200,)) -> None:
+        if h.status in ok:
+            return
+        message = body.decode("utf-8", errors="replace") or f"device status {h.status}"
+        headers = {"Retry-After": "1"} if h.status == 429 else None
+        raise ApiError(h.status if 400 <= h.status < 600 else 500, message, headers=headers)
+
+    def state_fields(self, h: wire.Header) -> dict[str, Any]:
+        m = self.by_role.get(h.role)
+        failure = None
+        if h.phase == wire.Phase.FAILED:
+            failure = error_body(h.failure or 500, _FAILURES.get(h.failure, "the request failed"))["error"]
+        return {
+            "id": self.request_id(h),
+            "runtime_epoch": str(h.epoch),
+            "model": m.alias if m else None,
+            "model_role": h.role,
+            "state": _PHASE_NAMES[wire.Phase(h.phase)],
+            "cancel_requested": bool(h.cancel_requested),
+            "finish_reason": _FINISH_NAMES[wire.Finish(h.finish)],
+            "failure": failure,
+            "usage": {"prompt_tokens": h.prompt_tokens, "completion_tokens": h.sampled_tokens,
+                      "total_tokens": h.prompt_tokens + h.sampled_tokens},
+        }
+
+    def submission(self, body: ChatRequest, principal: Principal,
+                   allow_media: bool) -> tuple[wire.Header, bytes, wire.ModelInfo, list[str]]:
+        m = self.model_for(body.model)
+        messages = []
+        media: list[str] = []
+        for msg in body.messages:
+            parts = []
+            for part in msg.parts():
+                if isinstance(part, MediaPart):
+                    if not allow_media:
+                        raise ApiError(400, "media parts are accepted only on /aotx/v1/requests",
+                                       param="messages")
+                    kind = (wire.PartKind.IMAGE_DIGEST if part.type == "input_image"
+                            else wire.PartKind.AUDIO_DIGEST)
+                    parts.append(wire.Part(kind, part.digest_bytes))
+                    media.append(part.digest)
+                else:
+                    parts.append(wire.Part(wire.PartKind.TEXT, part.text.encode("utf-8")))
+            messages.append(wire.Message(_ROLES[msg.role], tuple(parts)))
+        try:
+            payload = wire.encode_submission(wire.Submission(tuple(messages), tuple(body.stops)))
+        except wire.WireError as exc:
+            raise ApiError(exc.status, f"the request does not fit one packet: {exc.message}") from None
+        except UnicodeEncodeError:
+            raise ApiError(400, "text is not valid UTF-8 (lone surrogate)", param="messages") from None
+        limit = body.token_limit or 0
+        if limit >= 1 << 32:
+            raise ApiError(400, "max_tokens is too large", param="max_tokens")
+        flags = 0
+        seed = 0
+        if body.seed is not None:
+            flags |= wire.SUBMIT_FLAG_SEED
+            seed = body.seed & ((1 << 64) - 1)
+        if body.memory == "off":
+            flags |= wire.SUBMIT_FLAG_MEMORY_OFF
+        h = wire.Header(op=wire.Op.SUBMIT, principal=principal.id, role=m.role, max_tokens=limit,
+                        temperature=1.0 if body.temperature is None else body.temperature,
+                        top_p=1.0 if body.top_p is None else body.top_p, submit_flags=flags,
+                        seed=seed)
+        return h, payload, m, media
+
+    async def submit(self, body: ChatRequest, principal: Principal,
+                     allow_media: bool = False) -> tuple[wire.Header, wire.ModelInfo, list[str]]:
+        h, payload, m, media = self.submission(body, principal, allow_media)
+        rh, rbody = await self.call(h, payload)
+        self.raise_for(rh, rbody, ok=(202,))
+        return rh, m, media
+
+    async def read(self, principal: Principal, epoch: int, identity: bytes, cursor: int,
+                   op: wire.Op = wire.Op.READ, seen: wire.Header | None = None,
+                   timeout_ms: int = WAIT_MS) -> tuple[wire.Header, bytes]:
+        h = wire.Header(op=op, principal=principal.id, epoch=epoch, identity=identity,
+                        cursor=cursor)
+        if op is wire.Op.WAIT:
+            h.max_tokens = timeout_ms
+            if seen is not None:
+                h.phase = seen.phase
+                h.cancel_requested = seen.cancel_requested
+        rh, body = await self.call(h, timeout=timeout_ms / 1000 + 30)
+        self.raise_for(rh, body)
+        return rh, body
+
+    async def follow(self, principal: Principal, epoch: int, identity: bytes, cursor: int,
+                     first: tuple[wire.Header, bytes] | None = None,
+                     ) -> AsyncIterator[tuple[wire.Header, bytes, bool]]:
+        """Yield (state, new bytes, changed) until the request is terminal and fully read.
+
+        ``changed`` is True when the state fields differ from the previous
+        yield.  A yield with no bytes and no change is a keep-alive tick.
+        """
+        seen: wire.Header | None = None
+        if first is None:
+            first = await self.read(principal, epoch, identity, cursor)
+        rh, data = first
+        while True:
+            changed = seen is None or (rh.phase, rh.cancel_requested, rh.finish) != (
+                seen.phase, seen.cancel_requested, seen.finish)
+            yield rh, data, changed
+            cursor += len(data)
+            seen = rh
+            if wire.Phase(rh.phase).terminal and cursor >= rh.total:
+                return
+            op = wire.Op.READ if cursor < rh.total else wire.Op.WAIT
+            rh, data = await self.read(principal, epoch, identity, cursor, op=op, seen=seen)
+
+    async def cancel(self, principal: Principal, epoch: int, identity: bytes) -> wire.Header:
+        h = wire.Header(op=wire.Op.CANCEL, principal=principal.id, epoch=epoch, identity=identity)
+        rh, body = await self.call(h)
+        self.raise_for(rh, body, ok=(202,))
+        return rh
+
+
+def _sse(event: str | None, data: bytes, event_id: str | None = None) -> bytes:
+    out = b""
+    if event:
+        out += b"event: " + event.encode() + b"\n"
+    if event_id:
+        out += b"id: " + event_id.encode() + b"\n"
+    return out + b"data: " + data + b"\n\n"
+
+
+class BodyLimit:
+    """ASGI middleware: read at most ``limit`` body bytes, else answer 413 itself."""
+
+    def __init__(self, app: Any, limit: int = MAX_BODY) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
+                       send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        for k, v in scope["headers"]:
+            if k == b"content-length" and v.isdigit() and int(v) > self.limit:
+                await self._too_large(send)
+                return
+        chunks = []
+        size = 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                await self._too_large(send)
+                return
+            chunks.append(chunk)
+            if not msg.get("more_body"):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        body = dumps(error_body(413, f"request body exceeds {self.limit} bytes"))
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def create_app(paths: RuntimePaths) -> FastAPI:
+    gw_holder: dict[str, Gateway] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        gw = Gateway(paths)
+        gw_holder["gw"] = gw
+        app.state.gateway = gw
+        task = asyncio.get_running_loop().create_task(gw.poll_loop())
+        yield
+        task.cancel()
+        await gw.broker.close()
+
+    app = FastAPI(title="aotx", version="0.1.0", lifespan=lifespan,
+                  description="Local LLM inference: standard OpenAI routes and the native aotx API.")
+
+    def gw() -> Gateway:
+        return gw_holder["gw"]
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> Response:
+        return Response(dumps(exc.body()), status_code=exc.status, headers=exc.headers,
+                        media_type="application/json")
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        msg = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            msg = "the body is not valid JSON"
+        return Response(dumps(error_body(400, f"{'.'.join(loc) + ': ' if loc else ''}{msg}",
+                                         param=".".join(loc) or None)),
+                        status_code=400, media_type="application/json")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return Response(dumps(error_body(exc.status_code, str(exc.detail))),
+                        status_code=exc.status_code, media_type="application/json",
+                        headers=getattr(exc, "headers", None))
+
+    # -- health ------------------------------------------------------------------
+    @app.get("/healthz", tags=["operations"])
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["operations"])
+    async def readyz() -> Response:
+        g = gw()
+        try:
+            h, _ = await g.broker.call(wire.Header(op=wire.Op.INFO), timeout=5)
+            ok = h.status == 200 and g.info is not None
+        except BrokerUnavailable:
+            ok = False
+        body = {"status": "ready" if ok else "not ready", "runtime_epoch": str(g.epoch),
+                "models": list(g.models)}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    # -- native routes ---------------------------------------------------------
+    @app.post("/aotx/v1/requests", status_code=202, tags=["native"])
+    async def submit(request: Request, body: ChatRequest) -> Response:
+        g = gw()
+        principal = g.authenticate(request)
+        if body.stream:
+            raise ApiError(400, "stream must be absent or false on /aotx/v1/requests; "
+                                "follow GET /aotx/v1/requests/{id}/events instead", param="stream")
+        rh, m, media = await g.submit(body, principal, allow_media=True)
+        return Response(dumps({"schema": "aotx.admission.v1", "id": g.request_id(rh),
+                               "runtime_epoch": str(rh.epoch), "state": "accepted",
+                               "persistence": "ephemeral", "media": media}),
+                        status_code=202, media_type="application/json")
+
+    @app.get("/aotx/v1/requests/{rid}", tags=["native"])
+    async def get_request(rid: str, request: Request, cursor: str | None = None) -> Response:
+        g = gw()
+        principal = g.authenticate(request)
+        epoch, identity = g.parse_id(rid)
+        pos = parse_cursor(cursor)
+        rh, data = await g.read(principal, epoch, identity, pos)
+        body = {"schema": "aotx.request.v1", **g.state_fields(rh),
+                "output": {"encoding": "base64", "bytes": b64(data), "cursor": str(pos),
+                           "next_cursor": str(pos + len(data)), "total_bytes": str(rh.total)}}
+        return Response(dumps(body), media_type="application/json")
+
+    @app.post("/aotx/v1/requests/{rid}/cancel", status_code=202, tags=["native"])
+    async def cancel_request(rid: str, request: Request) -> Response:
+        g = gw()
+        principal = g.authenticate(request)
+        epoch, identity = g.parse_id(rid)
+        rh = await g.cancel(principal, epoch, identity)
+        return Response(dumps({"schema": "aotx.request.v1", **g.state_fields(rh)}),
+                        status_code=202, media_type="application/json")
+
+    @app.get("/aotx/v1/requests/{rid}/events", tags=["native"])
+    async def events(rid: str, request: Request, cursor: str | None = None) -> Response:
+        g = gw()
+        principal = g.authenticate(request)
+        last = request.headers.get("last-event-id")
+        if cursor is not None and last is not None:
+            raise ApiError(400, "give ?cursor or Last-Event-ID, not both", param="cursor")
+        epoch, identity = g.parse_id(rid)
+        pos = parse_cursor(cursor)
+        if last is not None:
+            lid, sep, lcur = last.strip().rpartition(":")
+            if not sep or lid != rid:
+                raise ApiError(400, "Last-Event-ID does not name this request",
+                               param="Last-Event-ID")
+            pos = parse_cursor(lcur, "Last-Event-ID")
+        first = await g.read(principal, epoch, identity, pos)  # errors become HTTP statuses
+
+        async def stream() -> AsyncIterator[bytes]:
+            offset = pos
+            try:
+                async for rh, data, changed in g.follow(principal, epoch, identity, pos, first):
+                    if data:
+                        nxt = offset + len(data)
+                        yield _sse("emission", dumps({
+                            "schema": "aotx.emission.v1", "request_id": rid,
+                            "runtime_epoch": str(rh.epoch), "source_kind": "model",
+                            "model_role": rh.role, "offset": str(offset),
+                            "next_cursor": str(nxt), "encoding": "base64", "bytes": b64(data),
+                        }), f"{rid}:{nxt}")
+                        offset = nxt
+                    terminal = wire.Phase(rh.phase).terminal
+                    if terminal and offset >= rh.total:
+                        yield _sse("status", dumps({"schema": "aotx.status.v1",
+                                                    **g.state_fields(rh)}))
+                        return
+                    if changed and not terminal:
+                        yield _sse("status", dumps({"schema": "aotx.status.v1",
+                                                    **g.state_fields(rh)}))
+                    elif not data and not changed:
+                        yield b": keep-alive\n\n"
+            except ApiError as exc:
+                yield _sse("error", dumps(exc.body()))
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+    @app.get("/aotx/v1/capabilities", tags=["native"])
+    async def capabilities(request: Request) -> Response:
+        g = gw()
+        g.authenticate(request)
+        await g.ensure_ready()
+        info = g.info
+        assert info is not None
+        return Response(dumps({
+            "schema": "aotx.capabilities.v1",
+            "runtime_epoch": str(info.epoch),
+            "limits": {
+                "max_packet_bytes": str(info.max_packet), "max_payload_bytes": str(info.max_payload),
+                "window_bytes": str(info.window_bytes), "context_tokens": str(info.context_tokens),
+                "output_tokens": str(info.output_tokens),
+                "active_requests": str(info.active_requests), "slots": str(info.slots),
+                "media_bytes": str(info.media_bytes), "body_bytes": str(MAX_BODY),
+                "retention_seconds": str(info.retention_seconds),
+                "retention_requests": str(info.retention_requests),
+            },
+            "models": [_model_entry(m) for m in info.models],
+            "features": {"requests": True, "windows": True, "events": True, "cancel": True,
+                         "media": False, "telemetry": True, "policy": False, "shared": False},
+            "lineage": None,
+        }), media_type="application/json")
+
+    @app.get("/aotx/v1/telemetry", tags=["native"])
+    async def telemetry(request: Request) -> Response:
+        g = gw()
+        principal = g.authenticate(request)
+        rh, body = await g.call(wire.Header(op=wire.Op.TELEMETRY, principal=principal.id))
+        g.raise_for(rh, body)
+        t = wire.decode_telemetry(body)
+        return Response(dumps({"schema": "aotx.telemetry.v1", "runtime_epoch": str(rh.epoch),
+                               "sample": {"service_allocation_bytes": str(t.allocation_bytes),
+                                          "device_tick": str(t.tick),
+                                          "device_clock_ns": str(t.clock_ns)},
+                               "affect": None, "expression": None}),
+                        media_type="application/json")
+
+    # -- standard routes -------------------------------------------------------
+    @app.get("/v1/models", tags=["standard"])
+    async def list_models(request: Request) -> Response:
+        g = gw()
+        g.authenticate(request)
+        await g.ensure_ready()
+        return Response(dumps({"object": "list",
+                               "data": [_openai_model(m) for m in g.models.values()]}),
+                        media_type="application/json")
+
+    @app.get("/v1/models/{model_id:path}", tags=["standard"])
+    async def get_model(model_id: str, request: Request) -> Response:
+        g = gw()
+        g.authenticate(request)
+        await g.ensure_ready()
+        return Response(dumps(_openai_model(g.model_for(model_id))), media_type="application/json")
+
+    @app.post("/v1/chat/completions", tags=["standard"])
+    async def chat_completions(request: Request, body: ChatRequest) -> Response:
+        g = gw()
+        principal = g.authenticate(request)
+        rh, m, _ = await g.submit(body, principal)
+        rid = g.request_id(rh)
+        created = int(time.time())
+        cid = "chatcmpl-" + rid[4:]
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_chat_stream(g, principal, rh, m, cid, created, include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-store", "X-Request-Id": rid})
+        done = False
+        try:
+            chunks = []
+            last = rh
+            async for last, data, _ in g.follow(principal, rh.epoch, rh.identity, 0):  # noqa: B007
+                chunks.append(data)
+            done = True
+        finally:
+            if not done:
+                await _cancel_quietly(g, principal, rh)
+        text = b"".join(chunks).decode("utf-8", errors="replace")
+        if last.phase == wire.Phase.FAILED:
+            raise ApiError(last.failure or 500, _FAILURES.get(last.failure, "the request failed"))
+        return Response(dumps({
+            "id": cid, "object": "chat.completion", "created": created, "model": m.alias,
+            "system_fingerprint": f"aotx-{rh.epoch}",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None,
+                         "finish_reason": _FINISH_NAMES[wire.Finish(last.finish)] or "stop"}],
+            "usage": {"prompt_tokens": last.prompt_tokens,
+                      "completion_tokens": last.sampled_tokens,
+                      "total_tokens": last.prompt_tokens + last.sampled_tokens},
+        }), media_type="application/json", headers={"X-Request-Id": rid})
+
+    return BodyLimit(app)  # type: ignore[return-value]
+
+
+async def _cancel_quietly(g: Gateway, principal: Principal, rh: wire.Header) -> None:
+    """Cancel on the device even while this task is being cancelled (client gone)."""
+    task = asyncio.ensure_future(g.cancel(principal, rh.epoch, rh.identity))
+    try:
+        await asyncio.shield(task)
+    except (ApiError, asyncio.CancelledError):
+        pass
+
+
+async def _chat_stream(g: Gateway, principal: Principal, rh: wire.Header, m: wire.ModelInfo,
+                       cid: str, created: int, include_usage: bool) -> AsyncIterator[bytes]:
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        obj: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created,
+                               "model": m.alias, "system_fingerprint": f"aotx-{rh.epoch}",
+                               "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                            "finish_reason": finish}]}
+        if include_usage:
+            obj["usage"] = None
+        return b"data: " + dumps(obj) + b"\n\n"
+
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    done = False
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        last = rh
+        async for last, data, _ in g.follow(principal, rh.epoch, rh.identity, 0):  # noqa: B007
+            text = decoder.decode(data)
+            if text:
+                yield chunk({"content": text})
+        tail = decoder.decode(b"", final=True)
+        if tail:
+            yield chunk({"content": tail})
+        done = True
+        if last.phase == wire.Phase.FAILED:
+            err = error_body(last.failure or 500, _FAILURES.get(last.failure, "the request failed"))
+            yield b"data: " + dumps(err) + b"\n\n"
+        else:
+            yield chunk({}, _FINISH_NAMES[wire.Finish(last.finish)] or "stop")
+            if include_usage:
+                yield b"data: " + dumps({
+                    "id": cid, "object": "chat.completion.chunk", "created": created,
+                    "model": m.alias, "system_fingerprint": f"aotx-{rh.epoch}", "choices": [],
+                    "usage": {"prompt_tokens": last.prompt_tokens,
+                              "completion_tokens": last.sampled_tokens,
+                              "total_tokens": last.prompt_tokens + last.sampled_tokens}}) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+    except ApiError as exc:
+        yield b"data: " + dumps(exc.body()) + b"\n\n"
+    finally:
+        if not done:
+            await _cancel_quietly(g, principal, rh)
+
+
+def _model_entry(m: wire.ModelInfo) -> dict[str, Any]:
+    mods = [name for bit, name in ((wire.MOD_TEXT, "text"), (wire.MOD_IMAGE, "image"),
+                                   (wire.MOD_AUDIO, "audio")) if m.modalities & bit]
+    return {"alias": m.alias, "role": m.role, "model_sha256": m.sha256.hex(),
+            "input_modalities": mods,
+            "published_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m.published_at)),
+            "context_tokens": str(m.context_tokens), "automatic_memory": m.automatic_memory}
+
+
+def _openai_model(m: wire.ModelInfo) -> dict[str, Any]:
+    return {"id": m.alias, "object": "model", "created": m.published_at, "owned_by": "aotx",
+            "automatic_memory": m.automatic_memory}
+
+
+def run(paths: RuntimePaths, host: str, port: int) -> None:
+    import uvicorn
+
+    paths.ensure()
+    ensure_admin_token(paths.admin_token)
+    app = create_app(paths)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("event=gateway.public_bind host=%s: the gateway is reachable from other "
+                    "machines; every route still needs a bearer token", host)
+    log.info("event=gateway.listening url=http://%s:%d", host, port)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            loop="uvloop", http="httptools", timeout_graceful_shutdown=3,
+                            h11_max_incomplete_event_size=16384)
+    uvicorn.Server(config).run()

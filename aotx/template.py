@@ -1,0 +1,68 @@
+"""Chat templates: the model's own Jinja template, rendered in a sandbox.
+
+A GGUF's ``tokenizer.chat_template`` is untrusted input (llama-cpp-python had
+a template-injection advisory), so it is compiled in jinja2's
+``ImmutableSandboxedEnvironment``: no attribute access to internals, no
+mutation of passed-in objects, and ``range`` is capped.  The template is
+rendered over the whole message array on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+MAX_RANGE = 100_000
+MAX_RENDERED = 4 * 1024 * 1024
+
+
+class TemplateError(Exception):
+    pass
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(f"chat template raised: {message}")
+
+
+def _safe_range(*args: int) -> range:
+    r = range(*args)
+    if len(r) > MAX_RANGE:
+        raise TemplateError(f"chat template asked for a range of {len(r)} items")
+    return r
+
+
+class ChatTemplate:
+    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "") -> None:
+        if not source:
+            raise TemplateError("the model has no chat template (tokenizer.chat_template)")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            undefined=jinja2.StrictUndefined)
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["range"] = _safe_range
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"chat template does not compile: {exc}") from None
+        self.source = source
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        # Probe once so a broken template is refused at load, not on the first request.
+        self.render([{"role": "system", "content": "probe"}, {"role": "user", "content": "hi"}])
+
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        try:
+            text = self._template.render(messages=list(messages),
+                                         add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token, eos_token=self.eos_token)
+        except TemplateError:
+            raise
+        except jinja2.exceptions.SecurityError as exc:
+            raise TemplateError(f"chat template broke the sandbox rules: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - any template failure is a template error
+            raise TemplateError(f"chat template failed to render: {type(exc).__name__}: {exc}") from None
+        if len(text) > MAX_RENDERED:
+            raise TemplateError("chat template output is too large")
+        return text
