@@ -128,7 +128,9 @@ class Broker:
             header = wire.decode_header(data)
             reply = header.reply(status)
         except wire.WireError:
-            reply = wire.Header(op=wire.Op.INFO, status=status)
+            # Undecodable: still echo the tag so the sender can match the refusal.
+            tag = struct.unpack_from("<Q", data, 16)[0] if len(data) >= 24 else 0
+            reply = wire.Header(op=wire.Op.INFO, status=status, tag=tag)
         body = message.encode()[: wire.MAX_PAYLOAD]
         self._send(conn, wire.encode_packet(reply, body))
 

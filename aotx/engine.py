@@ -85,7 +85,7 @@ class LlamaEngine:
         if not self.model:
             raise EngineError(f"llama.cpp could not load {config.path}")
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
-        self.n_ctx_train = int(llama_cpp.llama_n_ctx_train(self.model))
+        self.n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(self.model))
         threads = config.threads or (os.cpu_count() or 1)
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = config.slots * config.slot_context
