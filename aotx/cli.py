@@ -15,6 +15,15 @@ def _state_dir(p: argparse.ArgumentParser) -> None:
                    help="state folder (default: $AOTX_STATE_DIR or ./state)")
 
 
+def _device_limits(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--retention-seconds", type=int, default=900,
+                   help="keep terminal results this long (default 900)")
+    p.add_argument("--retention-requests", type=int, default=4096,
+                   help="keep at most this many terminal results, oldest reclaimed first")
+    p.add_argument("--max-active", type=int, default=1024,
+                   help="queued + running requests the device accepts (default 1024)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aotx", description="Local LLM inference service")
     parser.add_argument("--log-level", default=os.environ.get("AOTX_LOG_LEVEL", "INFO"))
@@ -26,11 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--models", help="models file (default: STATE_DIR/models.toml)")
     s.add_argument("--mailboxes", type=int, default=DEFAULT_MAILBOXES)
+    _device_limits(s)
 
     d = sub.add_parser("device", help="run the device runtime alone")
     _state_dir(d)
     d.add_argument("--models", help="models file (default: STATE_DIR/models.toml)")
     d.add_argument("--mailboxes", type=int, default=DEFAULT_MAILBOXES)
+    _device_limits(d)
 
     b = sub.add_parser("broker", help="run the broker alone")
     _state_dir(b)
@@ -57,11 +68,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from .supervise import serve
 
-        return serve(paths, args.host, args.port, args.models, args.mailboxes)
+        device_args = ["--retention-seconds", str(args.retention_seconds),
+                       "--retention-requests", str(args.retention_requests),
+                       "--max-active", str(args.max_active)]
+        return serve(paths, args.host, args.port, args.models, args.mailboxes, device_args)
     if args.command == "device":
         from . import device
 
-        device.run(paths, args.mailboxes, args.models)
+        limits = device.DeviceLimits(retention_seconds=args.retention_seconds,
+                                     retention_requests=args.retention_requests,
+                                     max_active=args.max_active)
+        device.run(paths, args.mailboxes, args.models, limits)
         return 0
     if args.command == "broker":
         from . import broker

@@ -501,10 +501,11 @@ class Device:
         self.bell.ring_self()
 
 
-def run(paths: RuntimePaths, mailboxes: int, models_file: str | None = None) -> None:
+def run(paths: RuntimePaths, mailboxes: int, models_file: str | None = None,
+        limits: DeviceLimits | None = None) -> None:
     paths.ensure()
     specs = load_specs(paths.state_dir, models_file)
-    device = Device(paths, specs, mailboxes)
+    device = Device(paths, specs, mailboxes, limits)
     signal.signal(signal.SIGTERM, lambda *_: device.stop())
     signal.signal(signal.SIGINT, lambda *_: device.stop())
     device.serve()

@@ -62,14 +62,14 @@ def _wait_ready(url: str, children: list[Child], timeout: float) -> bool:
 
 
 def serve(paths: RuntimePaths, host: str, port: int, models_file: str | None,
-          mailboxes: int) -> int:
+          mailboxes: int, device_args: list[str] | None = None) -> int:
     from .gateway import ensure_admin_token
 
     paths.ensure()
     ensure_admin_token(paths.admin_token)
     base = [sys.executable, "-m", "aotx"]
     common = ["--state-dir", paths.state_dir]
-    dev = base + ["device", *common, "--mailboxes", str(mailboxes)]
+    dev = base + ["device", *common, "--mailboxes", str(mailboxes), *(device_args or [])]
     if models_file:
         dev += ["--models", models_file]
     children = [
