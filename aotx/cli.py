@@ -51,7 +51,89 @@ def build_parser() -> argparse.ArgumentParser:
     _state_dir(g)
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
+    t = sub.add_parser("token", help="manage bearer tokens")
+    tsub = t.add_subparsers(dest="token_command", required=True)
+    tc = tsub.add_parser("create", help="create a token; prints it as the last line")
+    _state_dir(tc)
+    tc.add_argument("--principal", required=True)
+    tc.add_argument("--actions", default="submit,read,cancel,media",
+                    help="comma list of: submit, read, cancel, media, telemetry, "
+                         "policy-read, policy-control, admin")
+    tc.add_argument("--models", default="*", help="comma list of model aliases, * for all")
+    tc.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE",
+                    help="active, output_tokens, input_bytes, media_sources, media_bytes, rate")
+    tc.add_argument("--no-memory", action="store_true", help="disable automatic memory")
+    tl = tsub.add_parser("list", help="list tokens (never their values)")
+    _state_dir(tl)
+    tr = tsub.add_parser("revoke", help="revoke a token by id")
+    _state_dir(tr)
+    tr.add_argument("id", type=int)
+    gr = sub.add_parser("grant", help="grants")
+    gsub = gr.add_subparsers(dest="grant_command", required=True)
+    gs = gsub.add_parser("show", help="show grant definitions and what the device holds")
+    _state_dir(gs)
     return parser
+
+
+def _token_command(args: argparse.Namespace, state_dir: str) -> int:
+    from .credentials import CredentialError, CredentialStore, parse_actions, parse_limits
+
+    store = CredentialStore(state_dir)
+    try:
+        if args.token_command == "create":
+            models = tuple(m.strip() for m in args.models.split(",") if m.strip()) or ("*",)
+            tid, token = store.create_token(args.principal, parse_actions(args.actions), models,
+                                            parse_limits(args.limit), not args.no_memory)
+            print(f"token {tid} for principal {args.principal}; shown once, store it now:")
+            print(token)
+        elif args.token_command == "list":
+            for t in store.tokens():
+                state = "revoked" if t["revoked"] else "live"
+                print(f"{t['id']}\t{t['principal']}\t{state}")
+        elif args.token_command == "revoke":
+            if not store.revoke(args.id):
+                print(f"aotx: no live token {args.id}", file=sys.stderr)
+                return 1
+            print(f"token {args.id} revoked")
+    except CredentialError as exc:
+        print(f"aotx: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        store.close()
+    return 0
+
+
+def _grant_show(state_dir: str, socket_path: str) -> int:
+    from . import wire
+    from .credentials import CredentialStore, action_names
+
+    store = CredentialStore(state_dir)
+    live, _ = store.snapshot()
+    holders = set(live.values())
+    print("principal\tid\tactions\tmodels\tlimits\ttokens")
+    for p in store.principals():
+        limits = ",".join(f"{k}={v}" for k, v in sorted(p.limits.items())) or "-"
+        print(f"{p.name}\t{p.id}\t{','.join(action_names(p.actions)) or '-'}\t"
+              f"{','.join(p.models)}\t{limits}\t{'live' if p.id in holders else 'none'}")
+    store.close()
+    if os.path.exists(socket_path):
+        import socket as _socket
+
+        s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
+        s.settimeout(5)
+        try:
+            s.connect(socket_path)
+            s.send(wire.encode_packet(wire.Header(op=wire.Op.GRANT_READ, tag=1)))
+            h, body = wire.decode_packet(s.recv(wire.MAX_PACKET))
+            print(f"\ndevice (epoch {h.epoch}):\nprincipal id\trevision\tactions\tmodel mask")
+            for g in wire.decode_grants(body, h.total):
+                print(f"{g.principal}\t{g.revision}\t{','.join(action_names(g.actions)) or '-'}"
+                      f"\t{g.model_mask:#x}")
+        except OSError as exc:
+            print(f"\ndevice not reachable: {exc}")
+        finally:
+            s.close()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     except PathError as exc:
         print(f"aotx: {exc}", file=sys.stderr)
         return 2
+    if args.command == "token":
+        return _token_command(args, paths.state_dir)
+    if args.command == "grant":
+        return _grant_show(paths.state_dir, paths.socket)
     if args.command == "serve":
         from .supervise import serve
 

@@ -129,6 +129,8 @@ class Device:
         self.terminal_order: collections.deque[bytes] = collections.deque()
         self.grants: dict[int, wire.Grant] = {}
         self.grant_revision = 0
+        self.admissions: dict[int, collections.deque[float]] = collections.defaultdict(
+            collections.deque)
         self.parked: dict[bytes, list[Parked]] = collections.defaultdict(list)
         self.parked_mailboxes: set[int] = set()
         self.n_parked = 0
@@ -291,9 +293,10 @@ class Device:
         return h.reply(200, epoch=self.epoch, total=len(installed)), wire.encode_grants(installed)
 
     def _submit(self, h: Header, payload: bytes) -> tuple[Header, bytes]:
-        def refuse(status: int, msg: str) -> tuple[Header, bytes]:
+        def refuse(status: int, msg: str, retry_after: int = 0) -> tuple[Header, bytes]:
+            # A 429 carries its Retry-After seconds at offset 104.
             self.counters.refused[status] += 1
-            return h.reply(status, epoch=self.epoch), msg.encode()
+            return h.reply(status, epoch=self.epoch, max_tokens=retry_after), msg.encode()
 
         grant, status, msg = self._grant_for(h, Action.SUBMIT)
         if grant is None:
@@ -333,12 +336,21 @@ class Device:
         max_tokens = min(max_tokens, room, limit)
         active = sum(m.scheduler.depth for m in self.models.values())
         if active >= self.limits.max_active:
-            return refuse(429, "the device holds its maximum of active requests")
+            return refuse(429, "the device holds its maximum of active requests", 1)
         if grant.max_active:
             mine = sum(1 for r in self.requests.values()
                        if r.principal == h.principal and not r.phase.terminal)
             if mine >= grant.max_active:
-                return refuse(429, f"the grant allows {grant.max_active} active requests")
+                return refuse(429, f"the grant allows {grant.max_active} active requests", 1)
+        if grant.rate_per_minute:
+            recent = self.admissions[h.principal]
+            now = time.monotonic()
+            while recent and now - recent[0] >= 60:
+                recent.popleft()
+            if len(recent) >= grant.rate_per_minute:
+                return refuse(429, f"the grant allows {grant.rate_per_minute} admissions a minute",
+                              int(60 - (now - recent[0])) + 1)
+            recent.append(now)
         identity = secrets.token_bytes(wire.IDENTITY_SIZE)
         seed = h.seed if h.submit_flags & wire.SUBMIT_FLAG_SEED else secrets.randbits(32)
         req = Request(identity=identity, principal=h.principal, revision=grant.revision,

@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
-import hashlib
-import hmac
 import logging
 import os
 import re
@@ -31,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import wire
 from .brokerclient import BrokerClient, BrokerUnavailable
+from .credentials import CredentialStore, PrincipalGrant, token_hash
 from .errors import ApiError, error_body
 from .paths import RuntimePaths
 from .protocol import ChatRequest, MediaPart, b64
@@ -69,14 +68,11 @@ def ensure_admin_token(path: str) -> str:
     return token
 
 
-def token_hash(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()
-
-
 @dataclass(frozen=True)
 class Principal:
     id: int
     name: str
+    grant: PrincipalGrant
 
 
 def parse_cursor(value: str | None, param: str = "cursor") -> int:
@@ -96,21 +92,75 @@ class Gateway:
         self.models: dict[str, wire.ModelInfo] = {}
         self.by_role: dict[int, wire.ModelInfo] = {}
         self._refresh_lock = asyncio.Lock()
-        self._admin_hash = token_hash(ensure_admin_token(paths.admin_token))
+        self.store = CredentialStore(paths.state_dir)
+        self.store.ensure_token("admin", ensure_admin_token(paths.admin_token),
+                                int(wire.Action.all()))
+        self.generation = -1
+        self.tokens: dict[bytes, int] = {}
+        self.principals: dict[int, PrincipalGrant] = {}
+        self.installed: dict[int, wire.Grant] = {}  # what the device holds, less revisions
+        self._sync_lock = asyncio.Lock()
+        self._load_credentials()
 
     # -- authentication --------------------------------------------------------
-    def authenticate(self, request: Request) -> Principal:
+    def _load_credentials(self) -> bool:
+        gen = self.store.generation()
+        if gen == self.generation:
+            return False
+        self.tokens, self.principals = self.store.snapshot()
+        self.generation = gen
+        return True
+
+    async def authenticate(self, request: Request) -> Principal:
+        """Map the bearer token to a principal, with the credential store's latest state.
+
+        The store's generation is checked on every call (one indexed SQLite
+        read), so a revoked token is refused at once and a changed grant is
+        installed on the device before this request goes on.
+        """
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise ApiError(401, "missing bearer token", headers={"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(token_hash(token.strip()), self._admin_hash):
+        if self._load_credentials() and self.info is not None:
+            await self.sync_grants()
+        # The lookup is keyed by SHA-256 of the presented token, never by the token:
+        # timing can at most reveal something about a hash, which does not help
+        # anyone forge a 256-bit token (the timing-safe design of hashed lookup).
+        pid = self.tokens.get(token_hash(token.strip()))
+        if pid is None:
             raise ApiError(401, "invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
-        return Principal(ADMIN_PRINCIPAL, "admin")
+        grant = self.principals[pid]
+        return Principal(pid, grant.name, grant)
 
     def grants(self) -> list[wire.Grant]:
-        return [wire.Grant(principal=ADMIN_PRINCIPAL, actions=int(wire.Action.all()),
-                           model_mask=(1 << 64) - 1, flags=wire.GRANT_FLAG_MEMORY)]
+        """Rows for every principal: those without a live token get no actions at all."""
+        roles = {m.alias: m.role for m in self.models.values()}
+        rows = []
+        for p in self.store.principals():
+            row = p.row(roles)
+            if p.id not in self.principals:
+                row = wire.Grant(principal=p.id, actions=0, model_mask=0)
+            rows.append(row)
+        return rows
+
+    async def sync_grants(self, all_rows: bool = False) -> None:
+        """Install the grant rows that differ from what the device holds."""
+        async with self._sync_lock:
+            rows = [g for g in self.grants() if all_rows or self.installed.get(g.principal) != g]
+            if not rows:
+                return
+            for i in range(0, len(rows), 1000):
+                chunk = rows[i:i + 1000]
+                gh, body = await self.broker.call(
+                    wire.Header(op=wire.Op.GRANT_INSTALL, total=len(chunk)),
+                    wire.encode_grants(chunk))
+                if gh.status != 200:
+                    raise BrokerUnavailable(f"grant installation refused: {gh.status}")
+                for g in chunk:
+                    self.installed[g.principal] = g
+            log.info("event=gateway.grants_installed rows=%d generation=%d", len(rows),
+                     self.generation)
 
     # -- device calls ------------------------------------------------------------
     async def refresh(self) -> None:
@@ -124,19 +174,16 @@ class Gateway:
             if h.status != 200:
                 raise BrokerUnavailable(f"device information refused: {h.status}")
             info = wire.decode_info(body)
-            if self.info is None or info.epoch != self.epoch:
-                rows = self.grants()
-                gh, _ = await self.broker.call(
-                    wire.Header(op=wire.Op.GRANT_INSTALL, total=len(rows)),
-                    wire.encode_grants(rows))
-                if gh.status != 200:
-                    raise BrokerUnavailable(f"grant installation refused: {gh.status}")
-                log.info("event=gateway.device_epoch epoch=%d models=%s grants=%d", info.epoch,
-                         ",".join(m.alias for m in info.models), len(rows))
+            new_epoch = self.info is None or info.epoch != self.epoch
             self.info = info
             self.epoch = info.epoch
             self.models = {m.alias: m for m in info.models}
             self.by_role = {m.role: m for m in info.models}
+            if new_epoch:
+                self.installed.clear()
+                await self.sync_grants(all_rows=True)
+                log.info("event=gateway.device_epoch epoch=%d models=%s", info.epoch,
+                         ",".join(m.alias for m in info.models))
 
     async def ensure_ready(self) -> None:
         if self.info is None:
@@ -169,14 +216,19 @@ class Gateway:
                     h, _ = await self.broker.call(wire.Header(op=wire.Op.INFO), timeout=5)
                     if h.epoch != self.epoch:
                         await self.refresh()
+                    elif self._load_credentials():
+                        await self.sync_grants()
             except (BrokerUnavailable, wire.WireError) as exc:
                 log.debug("event=gateway.device_unreachable error=%s", exc)
-            await asyncio.sleep(1.0 if self.info is not None else 0.2)
+            await asyncio.sleep(0.5 if self.info is not None else 0.2)
 
     # -- helpers --------------------------------------------------------------------
-    def model_for(self, alias: str) -> wire.ModelInfo:
+    def visible_models(self, principal: Principal) -> list[wire.ModelInfo]:
+        return [m for m in self.models.values() if principal.grant.allows_model(m.alias)]
+
+    def model_for(self, alias: str, principal: Principal) -> wire.ModelInfo:
         m = self.models.get(alias)
-        if m is None:
+        if m is None or not principal.grant.allows_model(alias):
             raise ApiError(404, f"the model {alias!r} does not exist", param="model",
                            code="model_not_found")
         return m
@@ -194,7 +246,7 @@ class Gateway:
         if h.status in ok:
             return
         message = body.decode("utf-8", errors="replace") or f"device status {h.status}"
-        headers = {"Retry-After": "1"} if h.status == 429 else None
+        headers = {"Retry-After": str(max(1, h.max_tokens))} if h.status == 429 else None
         raise ApiError(h.status if 400 <= h.status < 600 else 500, message, headers=headers)
 
     def state_fields(self, h: wire.Header) -> dict[str, Any]:
@@ -217,7 +269,7 @@ class Gateway:
 
     def submission(self, body: ChatRequest, principal: Principal,
                    allow_media: bool) -> tuple[wire.Header, bytes, wire.ModelInfo, list[str]]:
-        m = self.model_for(body.model)
+        m = self.model_for(body.model, principal)
         messages = []
         media: list[str] = []
         for msg in body.messages:
@@ -430,7 +482,7 @@ def create_app(paths: RuntimePaths) -> FastAPI:
     @app.post("/aotx/v1/requests", status_code=202, tags=["native"])
     async def submit(request: Request, body: ChatRequest) -> Response:
         g = gw()
-        principal = g.authenticate(request)
+        principal = await g.authenticate(request)
         if body.stream:
             raise ApiError(400, "stream must be absent or false on /aotx/v1/requests; "
                                 "follow GET /aotx/v1/requests/{id}/events instead", param="stream")
@@ -443,7 +495,7 @@ def create_app(paths: RuntimePaths) -> FastAPI:
     @app.get("/aotx/v1/requests/{rid}", tags=["native"])
     async def get_request(rid: str, request: Request, cursor: str | None = None) -> Response:
         g = gw()
-        principal = g.authenticate(request)
+        principal = await g.authenticate(request)
         epoch, identity = g.parse_id(rid)
         pos = parse_cursor(cursor)
         rh, data = await g.read(principal, epoch, identity, pos)
@@ -455,7 +507,7 @@ def create_app(paths: RuntimePaths) -> FastAPI:
     @app.post("/aotx/v1/requests/{rid}/cancel", status_code=202, tags=["native"])
     async def cancel_request(rid: str, request: Request) -> Response:
         g = gw()
-        principal = g.authenticate(request)
+        principal = await g.authenticate(request)
         epoch, identity = g.parse_id(rid)
         rh = await g.cancel(principal, epoch, identity)
         return Response(dumps({"schema": "aotx.request.v1", **g.state_fields(rh)}),
@@ -464,7 +516,7 @@ def create_app(paths: RuntimePaths) -> FastAPI:
     @app.get("/aotx/v1/requests/{rid}/events", tags=["native"])
     async def events(rid: str, request: Request, cursor: str | None = None) -> Response:
         g = gw()
-        principal = g.authenticate(request)
+        principal = await g.authenticate(request)
         last = request.headers.get("last-event-id")
         if cursor is not None and last is not None:
             raise ApiError(400, "give ?cursor or Last-Event-ID, not both", param="cursor")
@@ -510,7 +562,7 @@ def create_app(paths: RuntimePaths) -> FastAPI:
     @app.get("/aotx/v1/capabilities", tags=["native"])
     async def capabilities(request: Request) -> Response:
         g = gw()
-        g.authenticate(request)
+        principal = await g.authenticate(request)
         await g.ensure_ready()
         info = g.info
         assert info is not None
@@ -526,7 +578,7 @@ def create_app(paths: RuntimePaths) -> FastAPI:
                 "retention_seconds": str(info.retention_seconds),
                 "retention_requests": str(info.retention_requests),
             },
-            "models": [_model_entry(m) for m in info.models],
+            "models": [_model_entry(m) for m in g.visible_models(principal)],
             "features": {"requests": True, "windows": True, "events": True, "cancel": True,
                          "media": False, "telemetry": True, "policy": False, "shared": False},
             "lineage": None,
@@ -535,7 +587,7 @@ def create_app(paths: RuntimePaths) -> FastAPI:
     @app.get("/aotx/v1/telemetry", tags=["native"])
     async def telemetry(request: Request) -> Response:
         g = gw()
-        principal = g.authenticate(request)
+        principal = await g.authenticate(request)
         rh, body = await g.call(wire.Header(op=wire.Op.TELEMETRY, principal=principal.id))
         g.raise_for(rh, body)
         t = wire.decode_telemetry(body)
@@ -550,23 +602,24 @@ def create_app(paths: RuntimePaths) -> FastAPI:
     @app.get("/v1/models", tags=["standard"])
     async def list_models(request: Request) -> Response:
         g = gw()
-        g.authenticate(request)
+        principal = await g.authenticate(request)
         await g.ensure_ready()
         return Response(dumps({"object": "list",
-                               "data": [_openai_model(m) for m in g.models.values()]}),
+                               "data": [_openai_model(m) for m in g.visible_models(principal)]}),
                         media_type="application/json")
 
     @app.get("/v1/models/{model_id:path}", tags=["standard"])
     async def get_model(model_id: str, request: Request) -> Response:
         g = gw()
-        g.authenticate(request)
+        principal = await g.authenticate(request)
         await g.ensure_ready()
-        return Response(dumps(_openai_model(g.model_for(model_id))), media_type="application/json")
+        return Response(dumps(_openai_model(g.model_for(model_id, principal))),
+                        media_type="application/json")
 
     @app.post("/v1/chat/completions", tags=["standard"])
     async def chat_completions(request: Request, body: ChatRequest) -> Response:
         g = gw()
-        principal = g.authenticate(request)
+        principal = await g.authenticate(request)
         rh, m, _ = await g.submit(body, principal)
         rid = g.request_id(rh)
         created = int(time.time())
