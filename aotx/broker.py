@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import os
 import signal
@@ -143,6 +144,12 @@ class Broker:
             wire.decode_packet(data)
         except wire.WireError as exc:
             self._refuse(conn, data, exc.status, exc.message)
+            return
+        header = wire.decode_header(data)
+        if header.op == wire.Op.BROKER_STATS:
+            stats = {**self.stats, **self.mailbox_counts(), "connections": len(self.connections),
+                     "mailboxes": self.region.count}
+            self._send(conn, wire.encode_packet(header.reply(200), json.dumps(stats).encode()))
             return
         if not self.free:
             self.stats["busy"] += 1

@@ -22,6 +22,8 @@ def _device_limits(p: argparse.ArgumentParser) -> None:
                    help="keep at most this many terminal results, oldest reclaimed first")
     p.add_argument("--max-active", type=int, default=1024,
                    help="queued + running requests the device accepts (default 1024)")
+    p.add_argument("--window-bytes", type=int, default=32768,
+                   help="largest output window one read returns (default 32768)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr = tsub.add_parser("revoke", help="revoke a token by id")
     _state_dir(tr)
     tr.add_argument("id", type=int)
+    st = sub.add_parser("status", help="print a summary of a running service")
+    _state_dir(st)
+    st.add_argument("--url", help="gateway URL (default: STATE_DIR/run/gateway.url)")
+    st.add_argument("--token", help="bearer token (default: STATE_DIR/admin.token)")
     gr = sub.add_parser("grant", help="grants")
     gsub = gr.add_subparsers(dest="grant_command", required=True)
     gs = gsub.add_parser("show", help="show grant definitions and what the device holds")
@@ -136,6 +142,57 @@ def _grant_show(state_dir: str, socket_path: str) -> int:
     return 0
 
 
+def _status(args: argparse.Namespace, state_dir: str, run_dir: str) -> int:
+    import httpx
+
+    try:
+        url = args.url or open(os.path.join(run_dir, "gateway.url")).read().strip()
+        token = args.token or open(os.path.join(state_dir, "admin.token")).read().strip()
+    except OSError as exc:
+        print(f"aotx: no running service found in {state_dir}: {exc}", file=sys.stderr)
+        return 1
+    headers = {"Authorization": f"Bearer {token}"}
+    try:
+        with httpx.Client(base_url=url, headers=headers, timeout=10) as c:
+            caps = c.get("/aotx/v1/capabilities")
+            tele = c.get("/aotx/v1/telemetry")
+            metrics = c.get("/metrics")
+            policy = c.get("/aotx/v1/policy")
+    except httpx.HTTPError as exc:
+        print(f"aotx: {url} is not answering: {exc}", file=sys.stderr)
+        return 1
+    if caps.status_code != 200:
+        print(f"aotx: capabilities answered {caps.status_code}: {caps.text}", file=sys.stderr)
+        return 1
+    cj = caps.json()
+    print(f"aotx at {url}  runtime epoch {cj['runtime_epoch']}")
+    for m in cj["models"]:
+        print(f"  model {m['alias']} (role {m['role']}) sha256 {m['model_sha256'][:16]}... "
+              f"inputs {','.join(m['input_modalities'])} automatic_memory {m['automatic_memory']}")
+    lim = cj["limits"]
+    print(f"  slots {lim['slots']}  context {lim['context_tokens']} tokens  "
+          f"active requests <= {lim['active_requests']}")
+    if metrics.status_code == 200:
+        states = {}
+        for line in metrics.text.splitlines():
+            if line.startswith("aotx_requests{state="):
+                name = line.split('"')[1]
+                states[name] = int(float(line.rsplit(" ", 1)[1]))
+        active = sum(v for k, v in states.items() if k in ("queued", "preparing", "running"))
+        print(f"  requests: {active} active; by state "
+              + (", ".join(f"{k} {v}" for k, v in sorted(states.items())) or "none"))
+    if tele.status_code == 200:
+        t = tele.json()["sample"]
+        print(f"  allocation {int(t['service_allocation_bytes']) / 2**20:.1f} MiB  "
+              f"device tick {t['device_tick']}  clock {int(t['device_clock_ns']) / 1e9:.1f} s")
+    if policy.status_code == 200:
+        pj = policy.json()
+        print(f"  policy: state {pj.get('state')} reason {pj.get('reason')}")
+    else:
+        print("  policy: not provided by this service")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .supervise import configure_logging
@@ -149,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "token":
         return _token_command(args, paths.state_dir)
+    if args.command == "status":
+        return _status(args, paths.state_dir, paths.run_dir)
     if args.command == "grant":
         return _grant_show(paths.state_dir, paths.socket)
     if args.command == "serve":
@@ -156,14 +215,16 @@ def main(argv: list[str] | None = None) -> int:
 
         device_args = ["--retention-seconds", str(args.retention_seconds),
                        "--retention-requests", str(args.retention_requests),
-                       "--max-active", str(args.max_active)]
+                       "--max-active", str(args.max_active),
+                       "--window-bytes", str(args.window_bytes)]
         return serve(paths, args.host, args.port, args.models, args.mailboxes, device_args)
     if args.command == "device":
         from . import device
 
         limits = device.DeviceLimits(retention_seconds=args.retention_seconds,
                                      retention_requests=args.retention_requests,
-                                     max_active=args.max_active)
+                                     max_active=args.max_active,
+                                     window_bytes=max(1, min(args.window_bytes, 65408)))
         device.run(paths, args.mailboxes, args.models, limits)
         return 0
     if args.command == "broker":

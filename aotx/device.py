@@ -28,6 +28,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import orjson
+
 from . import wire
 from .engine import EngineConfig, LlamaEngine, Sampler
 from .mailbox import REQUEST, SCAN_ALL, Bell, Region
@@ -261,6 +263,11 @@ class Device:
             return self._read(mailbox, h)
         if op is Op.CANCEL:
             return self._cancel(h)
+        if op is Op.METRICS:
+            grant, status, msg = self._grant_for(h, Action.TELEMETRY)
+            if grant is None:
+                return h.reply(status, epoch=self.epoch), msg.encode()
+            return h.reply(200, epoch=self.epoch), orjson.dumps(self.metrics())
         if op is Op.TELEMETRY:
             grant, status, msg = self._grant_for(h, Action.TELEMETRY)
             if grant is None:
@@ -268,6 +275,23 @@ class Device:
             return h.reply(200, epoch=self.epoch), wire.encode_telemetry(self.telemetry())
         return (h.reply(501, epoch=self.epoch),
                 f"operation {op.name} is not provided by this device".encode())
+
+    def metrics(self) -> dict[str, object]:
+        by_phase: collections.Counter[str] = collections.Counter(
+            r.phase.name.lower() for r in self.requests.values())
+        models = {}
+        for m in self.models.values():
+            sc = m.scheduler
+            models[m.spec.alias] = {
+                "queue_depth": len(sc.queue), "active_slots": len(sc.active),
+                "slots": m.spec.slots, "steps": sc.tick, "prompt_tokens": sc.prompt_tokens_in,
+                "completion_tokens": sc.tokens_out, "finished": dict(sc.finished),
+                "ttft_seconds": sc.ttft.snapshot(), "inter_token_seconds": sc.itl.snapshot()}
+        return {"epoch": self.epoch, "requests_by_state": dict(by_phase),
+                "admitted": self.counters.admitted,
+                "refused": {str(k): v for k, v in self.counters.refused.items()},
+                "models": models, "parked_waits": self.n_parked, "media_bytes": 0,
+                "allocation_bytes": self.telemetry().allocation_bytes}
 
     def telemetry(self) -> wire.Telemetry:
         alloc = 0

@@ -474,8 +474,7 @@ def create_app(paths: RuntimePaths) -> FastAPI:
             ok = h.status == 200 and g.info is not None
         except BrokerUnavailable:
             ok = False
-        body = {"status": "ready" if ok else "not ready", "runtime_epoch": str(g.epoch),
-                "models": list(g.models)}
+        body = {"status": "ready" if ok else "not ready", "runtime_epoch": str(g.epoch)}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     # -- native routes ---------------------------------------------------------
@@ -579,10 +578,24 @@ def create_app(paths: RuntimePaths) -> FastAPI:
                 "retention_requests": str(info.retention_requests),
             },
             "models": [_model_entry(m) for m in g.visible_models(principal)],
+            # Every native function; false exactly when no route provides it.
             "features": {"requests": True, "windows": True, "events": True, "cancel": True,
-                         "media": False, "telemetry": True, "policy": False, "shared": False},
+                         "media": False, "telemetry": True, "metrics": True, "policy": False,
+                         "automatic_memory": False, "shared_operations": False},
             "lineage": None,
         }), media_type="application/json")
+
+    @app.get("/metrics", tags=["operations"])
+    async def metrics(request: Request) -> Response:
+        g = gw()
+        principal = await g.authenticate(request)
+        rh, body = await g.call(wire.Header(op=wire.Op.METRICS, principal=principal.id))
+        g.raise_for(rh, body)
+        device = orjson.loads(body)
+        bh, bbody = await g.call(wire.Header(op=wire.Op.BROKER_STATS))
+        broker = orjson.loads(bbody) if bh.status == 200 else {}
+        return Response(render_metrics(device, broker, g.broker.packets_sent),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/aotx/v1/telemetry", tags=["native"])
     async def telemetry(request: Request) -> Response:
@@ -709,6 +722,88 @@ async def _chat_stream(g: Gateway, principal: Principal, rh: wire.Header, m: wir
             await _cancel_quietly(g, principal, rh)
 
 
+def render_metrics(device: dict[str, Any], broker: dict[str, Any], gateway_packets: int) -> bytes:
+    """Prometheus text exposition of the device's and the broker's counters."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    class Snapshot:
+        def collect(self) -> Any:
+            g = GaugeMetricFamily("aotx_requests", "Requests held by the device, by state",
+                                  labels=["state"])
+            for state, n in sorted(device["requests_by_state"].items()):
+                g.add_metric([state], n)
+            yield g
+            c = CounterMetricFamily("aotx_requests_admitted", "Requests admitted this epoch")
+            c.add_metric([], device["admitted"])
+            yield c
+            c = CounterMetricFamily("aotx_requests_refused", "Submissions refused, by status",
+                                    labels=["status"])
+            for status, n in sorted(device["refused"].items()):
+                c.add_metric([status], n)
+            yield c
+            fams = {
+                "prompt": CounterMetricFamily("aotx_prompt_tokens", "Prompt tokens evaluated",
+                                              labels=["model"]),
+                "completion": CounterMetricFamily("aotx_completion_tokens", "Tokens generated",
+                                                  labels=["model"]),
+                "steps": CounterMetricFamily("aotx_scheduler_steps", "Decode steps (device tick)",
+                                             labels=["model"]),
+                "queue": GaugeMetricFamily("aotx_queue_depth", "Requests waiting for a slot",
+                                           labels=["model"]),
+                "slots": GaugeMetricFamily("aotx_active_slots", "Sequences in the batch",
+                                           labels=["model"]),
+                "finished": CounterMetricFamily("aotx_requests_finished", "Requests that ended",
+                                                labels=["model", "state"]),
+            }
+            hists = []
+            for alias, m in sorted(device["models"].items()):
+                fams["prompt"].add_metric([alias], m["prompt_tokens"])
+                fams["completion"].add_metric([alias], m["completion_tokens"])
+                fams["steps"].add_metric([alias], m["steps"])
+                fams["queue"].add_metric([alias], m["queue_depth"])
+                fams["slots"].add_metric([alias], m["active_slots"])
+                for state, n in sorted(m["finished"].items()):
+                    fams["finished"].add_metric([alias, state], n)
+                for name, key, doc in (("aotx_time_to_first_token_seconds", "ttft_seconds",
+                                        "Admission to first token"),
+                                       ("aotx_inter_token_seconds", "inter_token_seconds",
+                                        "Time between tokens of one request")):
+                    h = m[key]
+                    acc = 0
+                    buckets = []
+                    for le, n in zip([*map(str, h["buckets"]), "+Inf"], h["counts"], strict=True):
+                        acc += n
+                        buckets.append((le, acc))
+                    fam = HistogramMetricFamily(name, doc, labels=["model"])
+                    fam.add_metric([alias], buckets, h["sum"])
+                    hists.append(fam)
+            yield from fams.values()
+            yield from hists
+            g = GaugeMetricFamily("aotx_mailboxes", "Broker mailboxes by use", labels=["use"])
+            for use in ("free", "in_flight", "orphaned"):
+                g.add_metric([use], broker.get(use, 0))
+            yield g
+            c = CounterMetricFamily("aotx_broker_packets", "Packets relayed by the broker",
+                                    labels=["kind"])
+            for kind in ("packets", "replies", "dropped", "busy"):
+                c.add_metric([kind], broker.get(kind, 0))
+            yield c
+            c = CounterMetricFamily("aotx_gateway_packets", "Packets sent by this gateway")
+            c.add_metric([], gateway_packets)
+            yield c
+            g = GaugeMetricFamily("aotx_media_bytes", "Bytes held by media sources")
+            g.add_metric([], device.get("media_bytes", 0))
+            yield g
+            g = GaugeMetricFamily("aotx_service_allocation_bytes", "Bytes the runtime allocated")
+            g.add_metric([], device.get("allocation_bytes", 0))
+            yield g
+
+    registry = CollectorRegistry()
+    registry.register(Snapshot())  # type: ignore[arg-type]
+    return bytes(generate_latest(registry))
+
+
 def _model_entry(m: wire.ModelInfo) -> dict[str, Any]:
     mods = [name for bit, name in ((wire.MOD_TEXT, "text"), (wire.MOD_IMAGE, "image"),
                                    (wire.MOD_AUDIO, "audio")) if m.modalities & bit]
@@ -733,6 +828,9 @@ def run(paths: RuntimePaths, host: str, port: int) -> None:
         log.warning("event=gateway.public_bind host=%s: the gateway is reachable from other "
                     "machines; every route still needs a bearer token", host)
     log.info("event=gateway.listening url=http://%s:%d", host, port)
+    url_host = f"[{host}]" if ":" in host else host
+    with open(os.path.join(paths.run_dir, "gateway.url"), "w") as f:
+        f.write(f"http://{url_host}:{port}\n")
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             loop="uvloop", http="httptools", timeout_graceful_shutdown=3,
                             h11_max_incomplete_event_size=16384)

@@ -93,6 +93,29 @@ class OutputBuffer:
         return out
 
 
+class Histogram:
+    """A fixed-bucket histogram (seconds), cheap enough to update per token."""
+
+    BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(self.BUCKETS) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, seconds: float) -> None:
+        i = 0
+        while i < len(self.BUCKETS) and seconds > self.BUCKETS[i]:
+            i += 1
+        self.counts[i] += 1
+        self.sum += seconds
+        self.count += 1
+
+    def snapshot(self) -> dict[str, object]:
+        return {"buckets": list(self.BUCKETS), "counts": list(self.counts), "sum": self.sum,
+                "count": self.count}
+
+
 @dataclass(eq=False)
 class Request:
     identity: bytes
@@ -113,6 +136,7 @@ class Request:
     sampled: int = 0
     created_ns: int = field(default_factory=time.monotonic_ns)
     first_token_ns: int = 0
+    last_token_ns: int = 0
     finished_ns: int = 0
     memory_off: bool = False
     # engine state, owned by the engine thread
@@ -149,6 +173,11 @@ class Scheduler:
         self.tick = 0
         self.steps_with_tokens = 0
         self.tokens_decoded = 0
+        self.prompt_tokens_in = 0
+        self.tokens_out = 0
+        self.finished: collections.Counter[str] = collections.Counter()
+        self.ttft = Histogram()
+        self.itl = Histogram()
         self._stopping = False
 
     # -- called with the lock held (control thread) -------------------------
@@ -175,6 +204,7 @@ class Scheduler:
         req.finish = finish
         req.failure = failure
         req.finished_ns = time.monotonic_ns()
+        self.finished[phase.name.lower()] += 1
         if req.seq >= 0:
             self.engine.clear_sequence(req.seq)
             self.free_seqs.append(req.seq)
@@ -248,6 +278,8 @@ class Scheduler:
         with self.lock:
             for req, n in advances:
                 req.n_past += n
+                if req.phase is Phase.PREPARING:
+                    self.prompt_tokens_in += n
             for req, tok, piece in pieces:
                 self._accept(req, tok, piece, now)
             self.tick += 1
@@ -260,8 +292,13 @@ class Scheduler:
         if req.phase.terminal:
             return
         req.sampled += 1
+        self.tokens_out += 1
         if not req.first_token_ns:
             req.first_token_ns = now
+            self.ttft.observe((now - req.created_ns) / 1e9)
+        else:
+            self.itl.observe((now - req.last_token_ns) / 1e9)
+        req.last_token_ns = now
         if self.engine.is_eog(token):
             self.active.remove(req)
             self._finish(req, Phase.COMPLETED, Finish.STOP)

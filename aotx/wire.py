@@ -79,6 +79,10 @@ class Op(enum.IntEnum):
     #: Media source read (metadata) and removal.
     MEDIA_READ = 14
     MEDIA_DELETE = 15
+    #: Device counters for /metrics (payload: UTF-8 JSON; not a hot path).
+    METRICS = 16
+    #: Broker counters, answered by the broker itself (payload: UTF-8 JSON).
+    BROKER_STATS = 17
 
 
 class Phase(enum.IntEnum):
