@@ -153,8 +153,9 @@ class Device:
         if spec.sha256 and digest.hex() != spec.sha256:
             raise SystemExit(f"model {spec.alias}: {spec.path} has SHA-256 {digest.hex()}, "
                              f"the models file pins {spec.sha256}")
+        batch = max(spec.batch, spec.slots)  # every running sequence fits one step
         engine = LlamaEngine(EngineConfig(path=spec.path, slots=spec.slots,
-                                          slot_context=spec.context, batch=spec.batch,
+                                          slot_context=spec.context, batch=batch,
                                           threads=spec.threads))
         try:
             template = ChatTemplate(engine.metadata("tokenizer.chat_template"),
@@ -166,7 +167,7 @@ class Device:
             engine.close()
             raise SystemExit(f"model {spec.alias} ({spec.path}) refused: {exc}") from None
         scheduler = Scheduler(
-            engine, spec.slots, spec.batch, self.lock,
+            engine, spec.slots, batch, self.lock,
             make_sampler=lambda r: Sampler(r.temperature, r.top_p, r.seed),
             free_sampler=lambda s: s.free(),  # type: ignore[attr-defined]
             on_step=self._after_step, on_terminal=self._on_terminal)

@@ -179,8 +179,9 @@ class LlamaEngine:
     def clear_sequence(self, seq: int) -> None:
         llama_cpp.llama_memory_seq_rm(self.memory, seq, -1, -1)
 
-    def copy_sequence(self, src: int, dst: int, n_tokens: int) -> None:
-        llama_cpp.llama_memory_seq_cp(self.memory, src, dst, 0, n_tokens)
+    def trim_sequence(self, seq: int, keep: int) -> None:
+        """Drop the sequence's cells at positions >= keep."""
+        llama_cpp.llama_memory_seq_rm(self.memory, seq, keep, -1)
 
     def perf(self) -> tuple[int, int]:
         """(prompt tokens evaluated, tokens generated) since start."""

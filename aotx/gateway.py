@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -144,10 +145,10 @@ class Gateway:
             rows.append(row)
         return rows
 
-    async def sync_grants(self, all_rows: bool = False) -> None:
+    async def sync_grants(self) -> None:
         """Install the grant rows that differ from what the device holds."""
         async with self._sync_lock:
-            rows = [g for g in self.grants() if all_rows or self.installed.get(g.principal) != g]
+            rows = [g for g in self.grants() if self.installed.get(g.principal) != g]
             if not rows:
                 return
             for i in range(0, len(rows), 1000):
@@ -180,8 +181,12 @@ class Gateway:
             self.models = {m.alias: m for m in info.models}
             self.by_role = {m.role: m for m in info.models}
             if new_epoch:
-                self.installed.clear()
-                await self.sync_grants(all_rows=True)
+                # Start from what the device already holds (a gateway restart must not
+                # bump revisions: that would hide every result admitted before it).
+                rh, rows = await self.broker.call(wire.Header(op=wire.Op.GRANT_READ))
+                held = wire.decode_grants(rows, rh.total) if rh.status == 200 else []
+                self.installed = {g.principal: dataclasses.replace(g, revision=0) for g in held}
+                await self.sync_grants()
                 log.info("event=gateway.device_epoch epoch=%d models=%s", info.epoch,
                          ",".join(m.alias for m in info.models))
 

@@ -33,6 +33,15 @@ class Engine(Protocol):
     def piece(self, token: int) -> bytes: ...
     def is_eog(self, token: int) -> bool: ...
     def clear_sequence(self, seq: int) -> None: ...
+    def trim_sequence(self, seq: int, keep: int) -> None: ...
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def utf8_complete_length(data: bytes | bytearray) -> int:
@@ -137,6 +146,8 @@ class Request:
     created_ns: int = field(default_factory=time.monotonic_ns)
     first_token_ns: int = 0
     last_token_ns: int = 0
+    generated: list[int] = field(default_factory=list)  # sampled tokens fed back to the model
+    reused_tokens: int = 0  # prompt tokens found in the sequence's KV cache
     finished_ns: int = 0
     memory_off: bool = False
     # engine state, owned by the engine thread
@@ -174,6 +185,8 @@ class Scheduler:
         self.steps_with_tokens = 0
         self.tokens_decoded = 0
         self.prompt_tokens_in = 0
+        self.reused_tokens = 0
+        self.cached: dict[int, list[int]] = {}  # seq -> tokens held in its KV cells
         self.tokens_out = 0
         self.finished: collections.Counter[str] = collections.Counter()
         self.ttft = Histogram()
@@ -206,7 +219,14 @@ class Scheduler:
         req.finished_ns = time.monotonic_ns()
         self.finished[phase.name.lower()] += 1
         if req.seq >= 0:
-            self.engine.clear_sequence(req.seq)
+            # Keep the sequence's KV cells: the next request assigned to this
+            # sequence reuses the longest common prefix (prompt caching).  A
+            # failed decode leaves the cells in an unknown state: clear them.
+            if phase is Phase.FAILED:
+                self.engine.clear_sequence(req.seq)
+                self.cached[req.seq] = []
+            else:
+                self.cached[req.seq] = (req.prompt + req.generated)[:req.n_past]
             self.free_seqs.append(req.seq)
             req.seq = -1
         if req.sampler is not None:
@@ -224,8 +244,19 @@ class Scheduler:
             self._finish(req, Phase.CANCELLED)
         while self.queue and self.free_seqs:
             req = self.queue.popleft()
-            req.seq = self.free_seqs.pop()
-            req.n_past = 0
+            # The free sequence whose cached tokens share the longest prefix with
+            # this prompt; at least the prompt's last token is evaluated again,
+            # since its logits are needed for the first sample.
+            seq = max(self.free_seqs,
+                      key=lambda q: common_prefix(self.cached.get(q, []), req.prompt))
+            self.free_seqs.remove(seq)
+            keep = min(common_prefix(self.cached.get(seq, []), req.prompt), len(req.prompt) - 1)
+            self.engine.trim_sequence(seq, keep)
+            self.cached[seq] = req.prompt[:keep]
+            req.seq = seq
+            req.n_past = keep
+            req.reused_tokens = keep
+            self.reused_tokens += keep
             req.phase = Phase.PREPARING
             req.sampler = self.make_sampler(req)
             req.buffer = OutputBuffer(req.stops)
@@ -318,6 +349,7 @@ class Scheduler:
         else:
             req.phase = Phase.RUNNING
             req.next_token = token
+            req.generated.append(token)
 
     def run(self) -> None:
         """The engine thread: step while there is work, sleep on the condition otherwise."""

@@ -218,3 +218,31 @@ def test_grant_changes_apply_within_a_second_without_requests(gsvc: Service) -> 
         raise AssertionError("grant change not installed on the device")
     assert time.monotonic() - t0 < 3
     del token
+
+
+def test_gateway_restart_keeps_results_readable(fresh_service: Service) -> None:
+    """A gateway restart must not reinstall grants with new revisions (that would hide results)."""
+    import signal
+
+    fresh_service.start()
+    token = mint(fresh_service, "nia")
+    with client(fresh_service, token) as c:
+        rid = submit(c).json()["id"]
+        poll_until_terminal(c, rid)
+        before = c.get(f"/aotx/v1/requests/{rid}").json()
+    os.kill(fresh_service.children()["gateway"], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            r = httpx.get(fresh_service.url + f"/aotx/v1/requests/{rid}",
+                          headers={"Authorization": f"Bearer {token}"}, timeout=5)
+            if r.status_code != 503:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert "event=serve.restart component=gateway" in fresh_service.read_log()
+    assert r.status_code == 200 and r.json()["output"] == before["output"]
+    with client(fresh_service, fresh_service.token) as c:  # the admin too
+        assert c.get("/v1/models").status_code == 200

@@ -29,6 +29,7 @@ class ScriptedEngine:
         self.steps: list[list[BatchEntry]] = []
         self.seq_script: dict[int, list[int]] = {}
         self.cleared: list[int] = []
+        self.trims: list[tuple[int, int]] = []
 
     def decode(self, entries: list[BatchEntry]) -> int:
         self.steps.append(list(entries))
@@ -49,6 +50,9 @@ class ScriptedEngine:
 
     def clear_sequence(self, seq: int) -> None:
         self.cleared.append(seq)
+
+    def trim_sequence(self, seq: int, keep: int) -> None:
+        self.trims.append((seq, keep))
 
 
 def make(slots: int = 4, batch: int = 64) -> tuple[Scheduler, ScriptedEngine]:
@@ -135,15 +139,39 @@ def test_cancellation_is_by_identity_and_never_touches_a_later_slot_user() -> No
     assert a.cancel_requested and a.phase is Phase.RUNNING  # requested, not yet confirmed
     sched.step()
     assert a.phase is Phase.CANCELLED and a.seq == -1
-    assert slot in engine.cleared
     b = req(2, [2] * 5)
     submit(sched, b)
     sched.step()
-    assert b.seq == slot  # b reuses a's sequence...
+    assert b.seq == slot  # b reuses a's sequence (and the 4 shared prompt tokens)...
+    assert engine.trims[-1] == (slot, 4) and b.reused_tokens == 4
     with sched.lock:
         sched.cancel(a)  # ...and a late cancel of a (by a's identity) does nothing to b
     run_until_idle(sched)
     assert b.phase is Phase.COMPLETED and not b.cancel_requested and bytes(b.out) == b"b" * 5
+
+
+def test_prompt_prefix_is_reused_from_a_finished_sequence() -> None:
+    sched, engine = make(slots=2)
+    a = req(1, [1, 1], prompt_len=40)
+    submit(sched, a)
+    run_until_idle(sched)
+    b = req(2, [2, 2], prompt_len=40)
+    b.prompt = a.prompt[:30] + [7] * 12  # shares 30 tokens with a's prompt
+    submit(sched, b)
+    sched.step()
+    assert b.seq == a_seq(engine, a) and b.reused_tokens == 30
+    assert [e.pos for e in engine.steps[-1]] == list(range(30, 42))  # only the new suffix
+    run_until_idle(sched)
+    c = req(3, [1])
+    c.prompt = list(b.prompt)  # identical prompt: all but the last token reused
+    submit(sched, c)
+    sched.step()
+    assert c.reused_tokens == 41 and len(engine.steps[-1]) == 1
+    assert sched.reused_tokens == 71
+
+
+def a_seq(engine: ScriptedEngine, r: Request) -> int:
+    return engine.steps[0][0].seq
 
 
 def test_completed_stays_completed_after_cancel() -> None:
@@ -287,3 +315,48 @@ def test_real_engine_batches_sequences_together() -> None:
         assert n_prompt + n_gen > 0
     finally:
         engine.close()
+
+
+@pytest.mark.skipif(os.environ.get("AOTX_SKIP_MODEL") == "1", reason="model tests disabled")
+def test_real_engine_prefix_reuse_evaluates_fewer_tokens_with_the_same_output() -> None:
+    from aotx.engine import EngineConfig, LlamaEngine, Sampler
+    from aotx.models import default_model_path
+    from aotx.template import ChatTemplate
+
+    def engine_and_scheduler(slots: int) -> tuple[LlamaEngine, Scheduler]:
+        eng = LlamaEngine(EngineConfig(path=default_model_path(), slots=slots, slot_context=512,
+                                       batch=256))
+        sch = Scheduler(eng, slots, 256, threading.Lock(),
+                        make_sampler=lambda r: Sampler(0.0, 1.0, 0), free_sampler=lambda s: s.free())
+        return eng, sch
+
+    def request(eng: LlamaEngine, n: int, question: str) -> Request:
+        tmpl = ChatTemplate(eng.metadata("tokenizer.chat_template"))
+        prompt = eng.tokenize(tmpl.render([{"role": "user", "content": question}]), False)
+        return Request(identity=bytes([n]) * 16, principal=1, revision=1, role=1, prompt=prompt,
+                       max_tokens=24)
+
+    eng, sched = engine_and_scheduler(slots=1)
+    try:
+        first = request(eng, 1, "Name a fruit.")
+        submit(sched, first)
+        run_until_idle(sched)
+        p_first = eng.perf()[0]
+        second = request(eng, 2, "Name a color.")  # the same default system prompt
+        submit(sched, second)
+        run_until_idle(sched)
+        p_second = eng.perf()[0] - p_first
+        assert second.reused_tokens > 10  # the shared system prompt
+        assert p_second < p_first
+        assert p_second <= len(second.prompt) - second.reused_tokens + second.sampled
+    finally:
+        eng.close()
+    fresh, fresh_sched = engine_and_scheduler(slots=1)
+    try:
+        alone = request(fresh, 3, "Name a color.")
+        submit(fresh_sched, alone)
+        run_until_idle(fresh_sched)
+        assert alone.reused_tokens == 0
+        assert bytes(alone.out) == bytes(second.out) and alone.out
+    finally:
+        fresh.close()
