@@ -33,6 +33,7 @@ import orjson
 from . import wire
 from .engine import EngineConfig, LlamaEngine, Sampler
 from .mailbox import REQUEST, SCAN_ALL, Bell, Region
+from .media import MediaError, MediaTable
 from .models import ModelSpec, file_sha256, load_specs
 from .paths import RuntimePaths
 from .scheduler import Request, Scheduler
@@ -52,7 +53,8 @@ class DeviceLimits:
     retention_seconds: int = 900
     retention_requests: int = 4096
     max_output_tokens: int = 8192
-    media_bytes: int = 64 << 20
+    media_bytes: int = 64 << 20  # largest single source
+    media_total_bytes: int = 1 << 30  # all sources of the activation together
 
 
 @dataclass
@@ -65,6 +67,7 @@ class LoadedModel:
     published_at: int
     thread: threading.Thread | None = None
     modalities: int = wire.MOD_TEXT
+    media_marker: str = "<__media__>"  # where a media part sits in the rendered prompt
 
 
 @dataclass
@@ -138,6 +141,8 @@ class Device:
         self.n_parked = 0
         self.counters = Counters()
         self.models: dict[int, LoadedModel] = {}
+        self.media = MediaTable(self.limits.media_bytes, self.limits.media_total_bytes)
+        self.leases: dict[bytes, list[bytes]] = {}  # request identity -> leased source ids
         self.region = Region(paths.region, mailboxes)
         self.bell = Bell(paths.device_bell, paths.broker_bell)
         self._stopping = False
@@ -183,6 +188,10 @@ class Device:
     # -- engine callbacks (engine thread, lock held for on_terminal) ------------
     def _on_terminal(self, req: Request) -> None:
         self.terminal_order.append(req.identity)
+        for sid in self.leases.pop(req.identity, []):
+            src = self.media.sources.get(sid)
+            if src is not None:
+                src.leases -= 1
 
     def _after_step(self) -> None:
         if self.n_parked:
@@ -264,6 +273,14 @@ class Device:
             return self._read(mailbox, h)
         if op is Op.CANCEL:
             return self._cancel(h)
+        if op in (Op.MEDIA_PUT, Op.MEDIA_LIST, Op.MEDIA_READ, Op.MEDIA_DELETE):
+            grant, status, msg = self._grant_for(h, Action.MEDIA)
+            if grant is None:
+                return h.reply(status, epoch=self.epoch), msg.encode()
+            try:
+                return self._media(op, h, payload, grant)
+            except MediaError as exc:
+                return h.reply(exc.status, epoch=self.epoch), exc.message.encode()
         if op is Op.METRICS:
             grant, status, msg = self._grant_for(h, Action.TELEMETRY)
             if grant is None:
@@ -276,6 +293,32 @@ class Device:
             return h.reply(200, epoch=self.epoch), wire.encode_telemetry(self.telemetry())
         return (h.reply(501, epoch=self.epoch),
                 f"operation {op.name} is not provided by this device".encode())
+
+    def _media(self, op: Op, h: Header, payload: bytes,
+               grant: wire.Grant) -> tuple[Header, bytes]:
+        if op is Op.MEDIA_PUT:
+            status, src = self.media.put(h.principal, h.identity, h.cursor, h.role, payload,
+                                         bool(h.submit_flags & wire.MEDIA_FLAG_FINAL),
+                                         bool(h.submit_flags & wire.MEDIA_FLAG_ABORT), grant)
+            if src is None:
+                return h.reply(status, epoch=self.epoch), b""
+            if status == 201:
+                log.info("event=media.%s source=src-%s bytes=%d", src.state.name.lower(),
+                         src.id.hex(), src.size)
+            return (h.reply(status, epoch=self.epoch, identity=src.id),
+                    wire.encode_media_meta(src.meta()) + src.reason.encode())
+        if op is Op.MEDIA_LIST:
+            limit = min(h.max_tokens or 100, wire.MEDIA_LIST_MAX_ROWS)
+            page, nxt = self.media.page(h.principal, h.cursor, limit)
+            reply = h.reply(200, epoch=self.epoch, total=len(page))
+            reply.cursor = nxt
+            return reply, wire.encode_media_rows([(s.id, s.meta()) for s in page])
+        if op is Op.MEDIA_READ:
+            src = self.media.get(h.principal, h.identity)
+            return h.reply(200, epoch=self.epoch), wire.encode_media_meta(src.meta()) + src.reason.encode()
+        self.media.remove(h.principal, h.identity)
+        log.info("event=media.removed source=src-%s", h.identity.hex())
+        return h.reply(200, epoch=self.epoch), b""
 
     def metrics(self) -> dict[str, object]:
         by_phase: collections.Counter[str] = collections.Counter(
@@ -291,7 +334,8 @@ class Device:
         return {"epoch": self.epoch, "requests_by_state": dict(by_phase),
                 "admitted": self.counters.admitted,
                 "refused": {str(k): v for k, v in self.counters.refused.items()},
-                "models": models, "parked_waits": self.n_parked, "media_bytes": 0,
+                "models": models, "parked_waits": self.n_parked,
+                "media_bytes": self.media.total_bytes,
                 "allocation_bytes": self.telemetry().allocation_bytes}
 
     def telemetry(self) -> wire.Telemetry:
@@ -299,6 +343,7 @@ class Device:
         for m in self.models.values():
             alloc += m.engine.model_bytes + m.engine.kv_bytes()
         alloc += sum(len(r.out) + 4 * len(r.prompt) for r in self.requests.values())
+        alloc += self.media.total_bytes
         tick = sum(m.scheduler.tick for m in self.models.values())
         return wire.Telemetry(alloc, tick, time.monotonic_ns() - self.clock0)
 
@@ -334,6 +379,7 @@ class Device:
                                f"{grant.max_input_bytes}")
         sub = wire.decode_submission(payload)
         messages = []
+        leased = []
         for msg_ in sub.messages:
             text = []
             for part in msg_.parts:
@@ -341,7 +387,13 @@ class Device:
                     kind = "image" if part.kind is wire.PartKind.IMAGE_DIGEST else "audio"
                     if not model.modalities & (wire.MOD_IMAGE if kind == "image" else wire.MOD_AUDIO):
                         return refuse(400, f"model {model.spec.alias} does not accept {kind} input")
-                    return refuse(404, "no ready media source with that digest")
+                    src = self.media.ready_by_digest(h.principal, part.data)
+                    if src is None or src.kind is not part.kind:
+                        return refuse(404, f"no ready {kind} source with digest "
+                                           f"sha256:{part.data.hex()}")
+                    leased.append(src)
+                    text.append(model.media_marker)
+                    continue
                 text.append(part.text)
             messages.append({"role": _role_name(msg_.role), "content": "".join(text)})
         try:
@@ -385,6 +437,11 @@ class Device:
                       stops=tuple(s.encode() for s in sub.stop),
                       memory_off=bool(h.submit_flags & wire.SUBMIT_FLAG_MEMORY_OFF))
         self.requests[identity] = req
+        if leased:
+            for src in leased:
+                src.leases += 1
+            self.leases[identity] = [src.id for src in leased]
+            req.media = [src.data for src in leased]
         model.scheduler.submit(req)
         self.counters.admitted += 1
         log.info("event=request.admitted id=%s role=%d prompt_tokens=%d max_tokens=%d",
@@ -508,6 +565,7 @@ class Device:
                     self._settle(identity, now)
                 if now - last_sweep >= 1.0:
                     self._reclaim(time.monotonic_ns())
+                    self.media.sweep(now)
                     last_sweep = now
                 timeout = 1.0
                 for waits in self.parked.values():

@@ -32,6 +32,7 @@ from . import wire
 from .brokerclient import BrokerClient, BrokerUnavailable
 from .credentials import CredentialStore, PrincipalGrant, token_hash
 from .errors import ApiError, error_body
+from .media import CONTENT_TYPES
 from .paths import RuntimePaths
 from .protocol import ChatRequest, MediaPart, b64
 
@@ -382,7 +383,8 @@ class BodyLimit:
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
                        send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
+        if (scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS")
+                or scope["path"] == "/aotx/v1/media"):  # media streams to the device itself
             await self.app(scope, receive, send)
             return
         for k, v in scope["headers"]:
@@ -563,6 +565,84 @@ def create_app(paths: RuntimePaths) -> FastAPI:
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
+    @app.post("/aotx/v1/media", status_code=201, tags=["media"])
+    async def upload_media(request: Request) -> Response:
+        g = gw()
+        principal = await g.authenticate(request)
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype not in CONTENT_TYPES:
+            raise ApiError(415, f"unsupported media type {ctype or '(none)'}; use one of "
+                                f"{', '.join(sorted(CONTENT_TYPES))}", param="Content-Type")
+        code = CONTENT_TYPES[ctype][0]
+        upload_id = secrets.token_bytes(16)
+        sent = 0
+        buf = bytearray()
+        finished = False
+
+        async def put(chunk: bytes, flags: int) -> tuple[wire.Header, bytes]:
+            h = wire.Header(op=wire.Op.MEDIA_PUT, principal=principal.id, identity=upload_id,
+                            cursor=sent, role=code, submit_flags=flags)
+            rh, body = await g.call(h, chunk)
+            if rh.status not in (200, 201, 202):
+                g.raise_for(rh, body)
+            return rh, body
+
+        try:
+            async for piece in request.stream():
+                buf += piece
+                while len(buf) >= wire.MAX_PAYLOAD:
+                    chunk = bytes(buf[:wire.MAX_PAYLOAD])
+                    del buf[:wire.MAX_PAYLOAD]
+                    await put(chunk, 0)
+                    sent += len(chunk)
+            rh, body = await put(bytes(buf), wire.MEDIA_FLAG_FINAL)
+            finished = True
+        finally:
+            if not finished:  # the client went away or a chunk was refused: leave nothing behind
+                with contextlib.suppress(ApiError, asyncio.CancelledError):
+                    await asyncio.shield(put(b"", wire.MEDIA_FLAG_ABORT))
+        obj = _media_json(rh.identity, wire.decode_media_meta(body[:64]), body[64:].decode())
+        if obj["state"] == "refused":
+            raise ApiError(400, f"media source {obj['id']} refused: {obj['reason']}",
+                           code="media_refused")
+        return Response(dumps(obj), status_code=rh.status, media_type="application/json")
+
+    @app.get("/aotx/v1/media", tags=["media"])
+    async def list_media(request: Request, cursor: str | None = None,
+                         limit: int = 20) -> Response:
+        g = gw()
+        principal = await g.authenticate(request)
+        pos = parse_cursor(cursor)
+        if not 1 <= limit <= 500:
+            raise ApiError(400, "limit must be between 1 and 500", param="limit")
+        rh, body = await g.call(wire.Header(op=wire.Op.MEDIA_LIST, principal=principal.id,
+                                            cursor=pos, max_tokens=limit))
+        g.raise_for(rh, body)
+        rows = wire.decode_media_rows(body)
+        return Response(dumps({"schema": "aotx.media_list.v1",
+                               "data": [_media_json(sid, meta) for sid, meta in rows],
+                               "next_cursor": str(rh.cursor) if rh.cursor else None}),
+                        media_type="application/json")
+
+    @app.get("/aotx/v1/media/{sid}", tags=["media"])
+    async def get_media(sid: str, request: Request) -> Response:
+        g = gw()
+        principal = await g.authenticate(request)
+        rh, body = await g.call(wire.Header(op=wire.Op.MEDIA_READ, principal=principal.id,
+                                            identity=_parse_source_id(sid)))
+        g.raise_for(rh, body)
+        return Response(dumps(_media_json(rh.identity, wire.decode_media_meta(body[:64]),
+                                          body[64:].decode())), media_type="application/json")
+
+    @app.delete("/aotx/v1/media/{sid}", status_code=204, tags=["media"])
+    async def delete_media(sid: str, request: Request) -> Response:
+        g = gw()
+        principal = await g.authenticate(request)
+        rh, body = await g.call(wire.Header(op=wire.Op.MEDIA_DELETE, principal=principal.id,
+                                            identity=_parse_source_id(sid)))
+        g.raise_for(rh, body)
+        return Response(status_code=204)
+
     @app.get("/aotx/v1/capabilities", tags=["native"])
     async def capabilities(request: Request) -> Response:
         g = gw()
@@ -585,7 +665,7 @@ def create_app(paths: RuntimePaths) -> FastAPI:
             "models": [_model_entry(m) for m in g.visible_models(principal)],
             # Every native function; false exactly when no route provides it.
             "features": {"requests": True, "windows": True, "events": True, "cancel": True,
-                         "media": False, "telemetry": True, "metrics": True, "policy": False,
+                         "media": True, "telemetry": True, "metrics": True, "policy": False,
                          "automatic_memory": False, "shared_operations": False},
             "lineage": None,
         }), media_type="application/json")
@@ -807,6 +887,21 @@ def render_metrics(device: dict[str, Any], broker: dict[str, Any], gateway_packe
     registry = CollectorRegistry()
     registry.register(Snapshot())  # type: ignore[arg-type]
     return bytes(generate_latest(registry))
+
+
+def _parse_source_id(sid: str) -> bytes:
+    if len(sid) != 36 or not sid.startswith("src-") or not set(sid[4:]) <= set("0123456789abcdef"):
+        raise ApiError(404, "no such media source")
+    return bytes.fromhex(sid[4:])
+
+
+def _media_json(source_id: bytes, meta: wire.MediaMeta, reason: str = "") -> dict[str, Any]:
+    return {"schema": "aotx.media.v1", "id": f"src-{source_id.hex()}",
+            "digest": f"sha256:{meta.digest.hex()}",
+            "kind": "image" if meta.kind is wire.PartKind.IMAGE_DIGEST else "audio",
+            "content_type": wire.MEDIA_TYPES[meta.content_type], "bytes": str(meta.size),
+            "state": meta.state.name.lower(), "reason": reason or None, "leases": meta.leases,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(meta.created_ms / 1000))}
 
 
 def _model_entry(m: wire.ModelInfo) -> dict[str, Any]:

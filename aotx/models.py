@@ -122,6 +122,11 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
         mods = entry.get("modalities", ["text"])
         if not isinstance(mods, list) or not set(mods) <= {"text", "image", "audio"}:
             raise ModelConfigError(f"model {n}: modalities must be text, image or audio")
+        if set(mods) - {"text"}:
+            # Image and audio input need llama.cpp's multimodal projector (mtmd);
+            # this build does not drive it yet, so refuse rather than pretend.
+            raise ModelConfigError(f"model {n}: {'/'.join(sorted(set(mods) - {'text'}))} input "
+                                   "needs a multimodal projector, which aotx does not support yet")
         sha = entry.get("sha256")
         if sha is not None and (not isinstance(sha, str) or len(sha) != 64):
             raise ModelConfigError(f"model {n}: sha256 must be 64 hex digits")

@@ -148,6 +148,7 @@ class Request:
     last_token_ns: int = 0
     generated: list[int] = field(default_factory=list)  # sampled tokens fed back to the model
     reused_tokens: int = 0  # prompt tokens found in the sequence's KV cache
+    media: list[bytes] = field(default_factory=list)  # leased media sources, in prompt order
     finished_ns: int = 0
     memory_off: bool = False
     # engine state, owned by the engine thread

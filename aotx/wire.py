@@ -138,6 +138,11 @@ class Action(enum.IntFlag):
         return cls(255)
 
 
+#: Header flags for MEDIA_PUT (offset 116).
+MEDIA_FLAG_FINAL = 1  # the last chunk: assemble, hash and check the source
+MEDIA_FLAG_ABORT = 2  # drop the upload in progress
+MEDIA_LIST_MAX_ROWS = MAX_PACKET // 80 - 2  # 817 rows fit one reply
+
 #: Header flags for SUBMIT (offset 116).
 SUBMIT_FLAG_SEED = 1  # the seed field at 120 is meaningful
 SUBMIT_FLAG_MEMORY_OFF = 2  # the request opts out of automatic memory

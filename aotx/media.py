@@ -1,0 +1,202 @@
+"""Media sources on the device: content types, magic checks, the source table.
+
+A source is uploaded in one or more MEDIA_PUT packets, assembled on the
+device, hashed (SHA-256) and checked against the magic bytes of its declared
+content type.  It is then ``ready`` (usable by digest in submissions of its
+owner) or ``refused`` (kept as a row with a reason, without its bytes, and
+excluded from lists).  Requests lease the sources they name from admission to
+their terminal state; a leased source cannot be removed (409).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from . import wire
+
+#: content type -> (code in media metadata, kind)
+CONTENT_TYPES: dict[str, tuple[int, wire.PartKind]] = {
+    ct: (code, wire.PartKind.IMAGE_DIGEST if ct.startswith("image/") else wire.PartKind.AUDIO_DIGEST)
+    for code, ct in wire.MEDIA_TYPES.items()
+}
+#: aliases some clients send
+CONTENT_TYPES["audio/x-wav"] = CONTENT_TYPES["audio/wav"]
+CONTENT_TYPES["audio/wave"] = CONTENT_TYPES["audio/wav"]
+CONTENT_TYPES["audio/mp3"] = CONTENT_TYPES["audio/mpeg"]
+CONTENT_TYPES["audio/x-flac"] = CONTENT_TYPES["audio/flac"]
+
+UPLOAD_IDLE_SECONDS = 60.0
+
+
+def magic_matches(code: int, data: bytes) -> bool:
+    """Do the first bytes of ``data`` look like content type ``code``?"""
+    ct = wire.MEDIA_TYPES.get(code, "")
+    if ct == "image/png":
+        return data.startswith(b"\x89PNG\r\n\x1a\n")
+    if ct == "image/jpeg":
+        return data.startswith(b"\xff\xd8\xff")
+    if ct == "image/webp":
+        return data[:4] == b"RIFF" and data[8:12] == b"WEBP"
+    if ct == "image/gif":
+        return data[:6] in (b"GIF87a", b"GIF89a")
+    if ct == "audio/wav":
+        return data[:4] == b"RIFF" and data[8:12] == b"WAVE"
+    if ct == "audio/mpeg":
+        return data.startswith(b"ID3") or (len(data) > 1 and data[0] == 0xFF
+                                           and data[1] & 0xE0 == 0xE0)
+    if ct == "audio/flac":
+        return data.startswith(b"fLaC")
+    if ct == "audio/ogg":
+        return data.startswith(b"OggS")
+    return False
+
+
+@dataclass(eq=False)
+class Source:
+    id: bytes
+    principal: int
+    digest: bytes
+    content_type: int
+    size: int
+    state: wire.MediaState
+    position: int  # source-table position (for pagination), increasing
+    created_ms: int
+    reason: str = ""
+    leases: int = 0
+    data: bytes = b""
+
+    @property
+    def kind(self) -> wire.PartKind:
+        return CONTENT_TYPES[wire.MEDIA_TYPES[self.content_type]][1]
+
+    def meta(self) -> wire.MediaMeta:
+        return wire.MediaMeta(self.digest, self.size, self.kind, self.state, self.leases,
+                              self.content_type, self.created_ms)
+
+
+@dataclass(eq=False)
+class Upload:
+    principal: int
+    content_type: int
+    buf: bytearray = field(default_factory=bytearray)
+    touched: float = field(default_factory=time.monotonic)
+
+
+class MediaError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class MediaTable:
+    """All sources of this device activation.  Guarded by the device lock."""
+
+    def __init__(self, max_source_bytes: int, max_total_bytes: int) -> None:
+        self.max_source_bytes = max_source_bytes
+        self.max_total_bytes = max_total_bytes
+        self.sources: dict[bytes, Source] = {}
+        self.by_digest: dict[tuple[int, bytes], bytes] = {}  # (principal, digest) -> ready id
+        self.uploads: dict[tuple[int, bytes], Upload] = {}
+        self.position = 0
+        self.total_bytes = 0  # bytes of ready sources and uploads in progress
+
+    def _usage(self, principal: int) -> tuple[int, int]:
+        mine = [s for s in self.sources.values()
+                if s.principal == principal and s.state is wire.MediaState.READY]
+        return len(mine), sum(s.size for s in mine)
+
+    def put(self, principal: int, upload_id: bytes, offset: int, content_type: int,
+            chunk: bytes, final: bool, abort: bool, grant: wire.Grant) -> tuple[int, Source | None]:
+        """Take one chunk.  Returns (status, source): 202 while receiving, 201 new, 200 existing."""
+        key = (principal, upload_id)
+        if abort:
+            up = self.uploads.pop(key, None)
+            if up is not None:
+                self.total_bytes -= len(up.buf)
+            return 200, None
+        up = self.uploads.get(key)
+        if up is None:
+            if offset != 0:
+                raise MediaError(409, "no upload in progress at that offset")
+            if content_type not in wire.MEDIA_TYPES:
+                raise MediaError(415, f"unsupported content type code {content_type}")
+            count, _ = self._usage(principal)
+            if grant.max_media_sources and count >= grant.max_media_sources:
+                raise MediaError(413, f"the grant allows {grant.max_media_sources} media sources")
+            up = Upload(principal, content_type)
+            self.uploads[key] = up
+        elif offset != len(up.buf) or content_type != up.content_type:
+            raise MediaError(409, f"chunk at {offset} but {len(up.buf)} bytes were received")
+        _, used = self._usage(principal)
+        size = len(up.buf) + len(chunk)
+        limit = min(self.max_source_bytes, (grant.max_media_bytes - used)
+                    if grant.max_media_bytes else self.max_source_bytes)
+        if size > limit or self.total_bytes + len(chunk) > self.max_total_bytes:
+            self.total_bytes -= len(up.buf)
+            del self.uploads[key]
+            raise MediaError(413, f"the source exceeds the {max(limit, 0)} bytes allowed")
+        up.buf += chunk
+        up.touched = time.monotonic()
+        self.total_bytes += len(chunk)
+        if not final:
+            return 202, None
+        del self.uploads[key]
+        data = bytes(up.buf)
+        self.total_bytes -= len(data)
+        digest = hashlib.sha256(data).digest()
+        existing = self.by_digest.get((principal, digest))
+        if existing is not None:
+            return 200, self.sources[existing]
+        self.position += 1
+        src = Source(secrets.token_bytes(16), principal, digest, up.content_type, len(data),
+                     wire.MediaState.READY, self.position, int(time.time() * 1000))
+        if not data:
+            src.state, src.reason = wire.MediaState.REFUSED, "the source is empty"
+        elif not magic_matches(up.content_type, data):
+            src.state = wire.MediaState.REFUSED
+            src.reason = (f"the bytes are not {wire.MEDIA_TYPES[up.content_type]} "
+                          "(their magic number does not match)")
+        if src.state is wire.MediaState.READY:
+            src.data = data
+            self.total_bytes += len(data)
+            self.by_digest[(principal, digest)] = src.id
+        self.sources[src.id] = src
+        return 201, src
+
+    def get(self, principal: int, source_id: bytes) -> Source:
+        src = self.sources.get(source_id)
+        if src is None or src.principal != principal:
+            raise MediaError(404, "no such media source")
+        return src
+
+    def remove(self, principal: int, source_id: bytes) -> None:
+        src = self.get(principal, source_id)
+        if src.leases:
+            raise MediaError(409, f"the source is leased by {src.leases} request(s)")
+        del self.sources[source_id]
+        if src.state is wire.MediaState.READY:
+            self.total_bytes -= src.size
+            self.by_digest.pop((principal, src.digest), None)
+
+    def page(self, principal: int, cursor: int, limit: int) -> tuple[list[Source], int]:
+        """The caller's non-refused sources from table position ``cursor``; next cursor or 0."""
+        mine = sorted((s for s in self.sources.values()
+                       if s.principal == principal and s.state is not wire.MediaState.REFUSED
+                       and s.position >= cursor), key=lambda s: s.position)
+        page = mine[:limit]
+        nxt = mine[limit].position if len(mine) > limit else 0
+        return page, nxt
+
+    def ready_by_digest(self, principal: int, digest: bytes) -> Source | None:
+        sid = self.by_digest.get((principal, digest))
+        return self.sources.get(sid) if sid is not None else None
+
+    def sweep(self, now: float) -> None:
+        for key, up in list(self.uploads.items()):
+            if now - up.touched > UPLOAD_IDLE_SECONDS:
+                self.total_bytes -= len(up.buf)
+                del self.uploads[key]

@@ -1,0 +1,314 @@
+"""Serving benchmark: aotx against the raw engine limit (and a peer server, if given).
+
+    .venv/bin/python bench/bench_serve.py [--clients 1,4,8,16] [--max-tokens 128]
+        [--requests 2] [--seconds 5]
+    LLAMA_SERVER=/path/to/llama-server .venv/bin/python bench/bench_serve.py   # A B A B vs a peer
+    LLAMA_SERVER=http://127.0.0.1:8080 ...                                      # a running peer
+
+For each N it prints aggregate completion tok/s of N concurrent streaming
+``/v1/chat/completions`` clients (temperature 0, distinct prompts, a fresh
+connection per request), TTFT p50/p95, inter-token p50/p95, the raw-engine
+limit (N sequences in one llama_decode batch, measured in the same run in a
+separate process, before the server starts) and the ratio aotx/limit.  Then
+the native path (admission -> SSE until terminal), admission latency while 8
+streams decode, and window-read throughput on 2 keep-alive connections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+TOPICS = ["the sea", "a mountain", "a city at night", "an old library", "a desert", "rain",
+          "a train journey", "a forest", "the moon", "a market", "winter", "a lighthouse",
+          "a river", "a garden", "a storm", "a bridge", "a clock", "a violin", "bees", "snow"]
+
+
+def prompt(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Write a short story about {TOPICS[i % len(TOPICS)]} "
+                                        f"(number {i})."}]
+
+
+def pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+RAW = r"""
+import json, sys, time
+from aotx.engine import BatchEntry, EngineConfig, LlamaEngine, Sampler
+from aotx.models import default_model_path
+from aotx.template import ChatTemplate
+ns = json.loads(sys.argv[1]); steps = int(sys.argv[2])
+e = LlamaEngine(EngineConfig(path=default_model_path(), slots=max(ns), slot_context=1024, batch=512))
+t = ChatTemplate(e.metadata("tokenizer.chat_template"))
+out = {}
+for n in ns:
+    for q in range(max(ns)):
+        e.clear_sequence(q)
+    prompts = [e.tokenize(t.render([{"role": "user", "content": f"Write a short story about topic {q}."}]), False) for q in range(n)]
+    ss = [Sampler(0.0, 1.0, 0) for _ in range(n)]
+    cur = []
+    for q, p in enumerate(prompts):
+        assert e.decode([BatchEntry(tok, i, q, i == len(p) - 1) for i, tok in enumerate(p)]) == 0
+        cur.append(e.sample(ss[q], len(p) - 1))
+    pos = [len(p) for p in prompts]
+    t0 = time.perf_counter()
+    for s in range(steps):
+        assert e.decode([BatchEntry(cur[q], pos[q] + s, q, True) for q in range(n)]) == 0
+        cur = [e.sample(ss[q], q) for q in range(n)]
+    out[n] = n * steps / (time.perf_counter() - t0)
+print(json.dumps(out))
+"""
+
+
+def raw_engine_limit(ns: list[int], steps: int) -> dict[int, float]:
+    r = subprocess.run([sys.executable, "-c", RAW, json.dumps(ns), str(steps)],
+                       capture_output=True, text=True, check=True)
+    return {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
+
+
+async def stream_chat(base: str, headers: dict[str, str], model: str, i: int,
+                      max_tokens: int) -> dict[str, float]:
+    body = {"model": model, "messages": prompt(i), "temperature": 0, "max_tokens": max_tokens,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    tokens = 0
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=300) as c:  # fresh conn
+        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                obj = json.loads(line[6:])
+                if obj.get("usage"):
+                    tokens = obj["usage"]["completion_tokens"]
+                for ch in obj.get("choices") or []:
+                    if ch["delta"].get("content"):
+                        stamps.append(time.perf_counter())
+    return {"t0": t0, "end": time.perf_counter(), "stamps": stamps, "tokens": tokens}  # type: ignore[dict-item]
+
+
+async def run_load(base: str, headers: dict[str, str], model: str, n: int, per_client: int,
+                   max_tokens: int, offset: int) -> dict[str, float]:
+    results: list[dict] = []
+
+    async def client(k: int) -> None:
+        for j in range(per_client):
+            results.append(await stream_chat(base, headers, model, offset + k * per_client + j,
+                                             max_tokens))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(k) for k in range(n)))
+    wall = time.perf_counter() - t0
+    ttft = [r["stamps"][0] - r["t0"] for r in results if r["stamps"]]
+    itl = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:], strict=False)]
+    tokens = sum(r["tokens"] or len(r["stamps"]) for r in results)
+    return {"tok_s": tokens / wall, "ttft_p50": pct(ttft, 50), "ttft_p95": pct(ttft, 95),
+            "itl_p50": pct(itl, 50), "itl_p95": pct(itl, 95), "tokens": tokens}
+
+
+async def native_load(base: str, headers: dict[str, str], n: int, max_tokens: int) -> float:
+    async def one(i: int) -> int:
+        async with httpx.AsyncClient(base_url=base, headers=headers, timeout=300) as c:
+            r = await c.post("/aotx/v1/requests", json={
+                "model": "smollm2", "messages": prompt(1000 + i), "temperature": 0,
+                "max_tokens": max_tokens})
+            rid = r.json()["id"]
+            async with c.stream("GET", f"/aotx/v1/requests/{rid}/events") as s:
+                async for _ in s.aiter_lines():
+                    pass
+            return int((await c.get(f"/aotx/v1/requests/{rid}")).json()["usage"]
+                       ["completion_tokens"])
+
+    t0 = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(one(i) for i in range(n))))
+    return tokens / (time.perf_counter() - t0)
+
+
+async def admission_latency(base: str, headers: dict[str, str], samples: int = 60) -> list[float]:
+    bg = [asyncio.create_task(stream_chat(base, headers, "smollm2", 2000 + i, 256))
+          for i in range(8)]
+    await asyncio.sleep(2.0)  # the 8 streams are decoding
+    lat = []
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=60) as c:
+        for i in range(samples):
+            t0 = time.perf_counter()
+            r = await c.post("/aotx/v1/requests", json={
+                "model": "smollm2", "messages": prompt(3000 + i), "max_tokens": 1})
+            lat.append(time.perf_counter() - t0)
+            assert r.status_code == 202, r.text
+    await asyncio.gather(*bg)
+    return lat
+
+
+async def window_reads(base: str, headers: dict[str, str], seconds: float) -> float:
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=60) as c:
+        rid = (await c.post("/aotx/v1/requests", json={
+            "model": "smollm2", "messages": prompt(5), "max_tokens": 64})).json()["id"]
+        while (await c.get(f"/aotx/v1/requests/{rid}")).json()["state"] != "completed":
+            await asyncio.sleep(0.05)
+    count = 0
+    stop = time.perf_counter() + seconds
+
+    async def conn() -> None:
+        nonlocal count
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        async with httpx.AsyncClient(base_url=base, headers=headers, limits=limits) as c:
+            while time.perf_counter() < stop:
+                r = await c.get(f"/aotx/v1/requests/{rid}")
+                assert r.status_code == 200
+                count += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(conn(), conn())
+    return count / (time.perf_counter() - t0)
+
+
+STATES: list[str] = []
+
+
+def start_aotx(slots: int) -> tuple[subprocess.Popen[bytes], str, dict[str, str], str]:
+    state = tempfile.mkdtemp(prefix="aotx-bench-", dir="/tmp")
+    with open(os.path.join(state, "models.toml"), "w") as f:
+        f.write(f"[default]\nslots = {slots}\ncontext = 2048\n" + os.environ.get("AOTX_BENCH_MODEL_EXTRA", ""))
+    port = free_port()
+    STATES.append(state)
+    proc = subprocess.Popen([sys.executable, "-m", "aotx", "--log-level", "WARNING", "serve",
+                             "--state-dir", state, "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=open(os.environ.get("AOTX_BENCH_LOG", os.devnull), "ab"),
+                            start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    wait_ready(base + "/readyz", proc)
+    token = open(os.path.join(state, "admin.token")).read().strip()
+    return proc, base, {"Authorization": f"Bearer {token}"}, state
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise SystemExit(f"server exited while starting ({url})")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"{url} not ready")
+
+
+def start_peer(spec: str, slots: int) -> tuple[subprocess.Popen[bytes] | None, str, str]:
+    if spec.startswith("http"):
+        return None, spec.rstrip("/"), "default"
+    from aotx.models import default_model_path
+
+    port = free_port()
+    proc = subprocess.Popen([spec, "-m", default_model_path(), "--parallel", str(slots),
+                             "-c", str(2048 * slots), "--port", str(port), "--host", "127.0.0.1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    wait_ready(base + "/health", proc)
+    return proc, base, "default"
+
+
+def stop(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is not None and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--clients", default="1,4,8,16")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=2, help="requests per client per round")
+    ap.add_argument("--seconds", type=float, default=5.0, help="window-read duration")
+    args = ap.parse_args()
+    ns = [int(x) for x in args.clients.split(",")]
+    slots = max(16, max(ns))
+
+    print(f"raw engine limit ({args.max_tokens} decode steps per N) ...", flush=True)
+    limit = raw_engine_limit(ns, args.max_tokens)
+    peer_spec = os.environ.get("LLAMA_SERVER")
+    proc, base, headers, _ = start_aotx(slots)
+    peer = None
+    rows = []
+    try:
+        for n in ns:
+            res = asyncio.run(run_load(base, headers, "smollm2", n, args.requests,
+                                       args.max_tokens, 0))
+            row = {"n": n, "aotx": res, "limit": limit[n]}
+            if peer_spec:
+                stop(proc)
+                peer, pbase, pmodel = start_peer(peer_spec, 8)
+                b1 = asyncio.run(run_load(pbase, {}, pmodel, n, args.requests, args.max_tokens, 0))
+                stop(peer)
+                proc, base, headers, _ = start_aotx(slots)
+                a2 = asyncio.run(run_load(base, headers, "smollm2", n, args.requests,
+                                          args.max_tokens, 0))
+                stop(proc)
+                peer, pbase, pmodel = start_peer(peer_spec, 8)
+                b2 = asyncio.run(run_load(pbase, {}, pmodel, n, args.requests, args.max_tokens, 0))
+                stop(peer)
+                peer = None
+                proc, base, headers, _ = start_aotx(slots)
+                row["peer"] = {"tok_s": (b1["tok_s"] + b2["tok_s"]) / 2,
+                               "ttft_p50": (b1["ttft_p50"] + b2["ttft_p50"]) / 2}
+                row["aotx"]["tok_s"] = (res["tok_s"] + a2["tok_s"]) / 2
+            rows.append(row)
+            a = row["aotx"]
+            line = (f"N={n:2d}  aotx {a['tok_s']:6.1f} tok/s  limit {row['limit']:6.1f}  "
+                    f"ratio {a['tok_s'] / row['limit']:.2f}  TTFT p50 {a['ttft_p50'] * 1e3:6.1f} ms "
+                    f"p95 {a['ttft_p95'] * 1e3:6.1f} ms  ITL p50 {a['itl_p50'] * 1e3:5.1f} ms "
+                    f"p95 {a['itl_p95'] * 1e3:5.1f} ms")
+            if "peer" in row:
+                line += (f"  peer {row['peer']['tok_s']:6.1f} tok/s "
+                         f"(aotx/peer {a['tok_s'] / row['peer']['tok_s']:.2f}) "
+                         f"peer TTFT p50 {row['peer']['ttft_p50'] * 1e3:6.1f} ms")
+            print(line, flush=True)
+        for n in (8,):
+            print(f"native N={n}: admission -> SSE until terminal: "
+                  f"{asyncio.run(native_load(base, headers, n, args.max_tokens)):.1f} tok/s",
+                  flush=True)
+        lat = asyncio.run(admission_latency(base, headers))
+        print(f"admission latency while 8 streams decode: p50 {pct(lat, 50) * 1e3:.2f} ms "
+              f"p99 {pct(lat, 99) * 1e3:.2f} ms (n={len(lat)})", flush=True)
+        rps = asyncio.run(window_reads(base, headers, args.seconds))
+        print(f"window reads (GET /aotx/v1/requests/{{id}}, 2 keep-alive connections): "
+              f"{rps:.0f} req/s", flush=True)
+        print(f"median ITL across N: {statistics.median(r['aotx']['itl_p50'] for r in rows) * 1e3:.1f} ms")
+    finally:
+        stop(proc)
+        stop(peer)
+        for state in STATES:
+            shutil.rmtree(state, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

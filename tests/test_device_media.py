@@ -1,0 +1,107 @@
+"""Device layer: media leases from admission to the terminal state (fake engine, real tables).
+
+The default model has no image input, so the end-to-end tests cannot hold a
+lease; this test gives the device a scripted image-capable model to check the
+lease rules themselves.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from aotx import wire
+from aotx.device import Device, LoadedModel
+from aotx.models import ModelSpec
+from aotx.paths import RuntimePaths
+from aotx.scheduler import Scheduler
+from aotx.template import ChatTemplate
+
+from .conftest import short_tmpdir
+from .test_e2e_media import png
+from .test_scheduler import ScriptedEngine
+
+
+class TokenizingEngine(ScriptedEngine):
+    add_bos = False
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return [100 + (b % 50) for b in text.encode()][:64]
+
+
+@pytest.fixture
+def device():
+    state = short_tmpdir()
+    dev = Device(RuntimePaths(state), [], mailboxes=4)
+    engine = TokenizingEngine()
+    sched = Scheduler(engine, 2, 64, dev.lock, make_sampler=lambda r: r,
+                      free_sampler=lambda s: None, on_terminal=dev._on_terminal)
+    tmpl = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    spec = ModelSpec(alias="vision", path="/dev/null", role=1, modalities=("text", "image"))
+    dev.models[1] = LoadedModel(spec, engine, tmpl, sched, bytes(32), 0,  # type: ignore[arg-type]
+                                modalities=wire.MOD_TEXT | wire.MOD_IMAGE)
+    dev.grants[7] = wire.Grant(principal=7, actions=int(wire.Action.all()), model_mask=2,
+                               revision=1)
+    dev.grant_revision = 1
+    try:
+        yield dev, sched
+    finally:
+        dev.region.close()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def call(dev: Device, h: wire.Header, payload: bytes = b"") -> tuple[wire.Header, bytes]:
+    h.principal = 7
+    h.epoch = h.epoch or dev.epoch
+    with dev.lock:
+        out = dev.handle(0, h, payload)
+    assert out is not None
+    return out
+
+
+def test_a_request_leases_its_sources_until_terminal(device) -> None:
+    dev, sched = device
+    img = png(3)
+    rh, body = call(dev, wire.Header(op=wire.Op.MEDIA_PUT, identity=b"u" * 16, role=1,
+                                     submit_flags=wire.MEDIA_FLAG_FINAL), img)
+    assert rh.status == 201
+    source_id, digest = rh.identity, wire.decode_media_meta(body[:64]).digest
+    sub = wire.encode_submission(wire.Submission((wire.Message(wire.Role.USER, (
+        wire.Part(wire.PartKind.TEXT, b"look: "), wire.Part(wire.PartKind.IMAGE_DIGEST, digest))),)))
+    ah, _ = call(dev, wire.Header(op=wire.Op.SUBMIT, role=1, max_tokens=5), sub)
+    assert ah.status == 202
+    req = dev.requests[ah.identity]
+    assert req.media == [img]
+    meta = wire.decode_media_meta(call(dev, wire.Header(op=wire.Op.MEDIA_READ,
+                                                        identity=source_id))[1][:64])
+    assert meta.leases == 1
+    dh, msg = call(dev, wire.Header(op=wire.Op.MEDIA_DELETE, identity=source_id))
+    assert dh.status == 409 and b"leased" in msg
+    req.script = [1, 1, 1]  # type: ignore[attr-defined]
+    while sched.step():
+        pass
+    assert req.phase is wire.Phase.COMPLETED
+    meta = wire.decode_media_meta(call(dev, wire.Header(op=wire.Op.MEDIA_READ,
+                                                        identity=source_id))[1][:64])
+    assert meta.leases == 0
+    assert call(dev, wire.Header(op=wire.Op.MEDIA_DELETE, identity=source_id))[0].status == 200
+    # a digest that is not a ready source of the caller is 404
+    gone, _ = call(dev, wire.Header(op=wire.Op.SUBMIT, role=1, max_tokens=5), sub)
+    assert gone.status == 404
+
+
+def test_cancelled_request_releases_its_lease(device) -> None:
+    dev, sched = device
+    rh, body = call(dev, wire.Header(op=wire.Op.MEDIA_PUT, identity=b"v" * 16, role=1,
+                                     submit_flags=wire.MEDIA_FLAG_FINAL), png(4))
+    digest = wire.decode_media_meta(body[:64]).digest
+    sub = wire.encode_submission(wire.Submission((wire.Message(wire.Role.USER, (
+        wire.Part(wire.PartKind.IMAGE_DIGEST, digest),)),)))
+    ah, _ = call(dev, wire.Header(op=wire.Op.SUBMIT, role=1, max_tokens=50), sub)
+    dev.requests[ah.identity].script = [1] * 50  # type: ignore[attr-defined]
+    sched.step()
+    call(dev, wire.Header(op=wire.Op.CANCEL, identity=ah.identity))
+    sched.step()
+    assert dev.requests[ah.identity].phase is wire.Phase.CANCELLED
+    assert dev.media.sources[rh.identity].leases == 0
