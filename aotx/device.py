@@ -21,6 +21,7 @@ import collections
 import fcntl
 import logging
 import os
+import re
 import secrets
 import select
 import signal
@@ -36,9 +37,20 @@ from .mailbox import REQUEST, SCAN_ALL, Bell, Region
 from .media import MediaError, MediaTable
 from .models import ModelSpec, file_sha256, load_specs
 from .paths import RuntimePaths
+from .policy import (
+    EXTRACTION_MAX_TOKENS,
+    EXTRACTION_PROMPT,
+    MAX_SOURCE_CHARS,
+    PolicyCore,
+    decide,
+    inject,
+    qualified,
+)
+from .policy import Pending as PolicyPending
+from .policy import Source as PolicySource
 from .scheduler import Request, Scheduler
 from .template import ChatTemplate, TemplateError
-from .wire import Action, Header, Op, WireError
+from .wire import Action, Header, Op, Phase, PolicyReason, PolicyState, WireError
 
 log = logging.getLogger("aotx.device")
 
@@ -68,6 +80,7 @@ class LoadedModel:
     thread: threading.Thread | None = None
     modalities: int = wire.MOD_TEXT
     media_marker: str = "<__media__>"  # where a media part sits in the rendered prompt
+    automatic_memory: bool = False  # the exact file, template and processors are qualified
 
 
 @dataclass
@@ -148,6 +161,10 @@ class Device:
         self._stopping = False
         for spec in specs:
             self._load(spec)
+        self.policy = PolicyCore(os.path.join(paths.state_dir, "memory"),
+                                 enabled=any(m.automatic_memory for m in self.models.values()))
+        self.memory_cache: dict[int, tuple[int, list[str]]] = {}
+        self.log_prompts = os.environ.get("AOTX_LOG_PROMPTS") == "1"
 
     # -- models ----------------------------------------------------------------
     def _load(self, spec: ModelSpec) -> None:
@@ -180,14 +197,23 @@ class Device:
         for m in spec.modalities:
             mods |= {"text": wire.MOD_TEXT, "image": wire.MOD_IMAGE, "audio": wire.MOD_AUDIO}[m]
         self.models[spec.role] = LoadedModel(spec, engine, template, scheduler, digest,
-                                             int(os.stat(spec.path).st_mtime), modalities=mods)
+                                             int(os.stat(spec.path).st_mtime), modalities=mods,
+                                             automatic_memory=qualified(digest, template.source))
         log.info("event=model.ready alias=%s role=%d sha256=%s params_bytes=%d kv_bytes=%d "
                  "threads=%d seconds=%.1f", spec.alias, spec.role, digest.hex(),
                  engine.model_bytes, engine.kv_bytes(), engine.threads, time.monotonic() - t0)
 
     # -- engine callbacks (engine thread, lock held for on_terminal) ------------
     def _on_terminal(self, req: Request) -> None:
+        if req.background:
+            self.bell.ring_self()  # the control thread collects the policy's result
+            return
         self.terminal_order.append(req.identity)
+        if req.source_text and req.phase is Phase.COMPLETED:
+            # The user's own words are the source: facts about the user come from what
+            # the user said (the answer is not fed back, so the model cannot quote itself).
+            self.policy.log.append(PolicySource(req.principal, req.role, req.source_text))
+            self.bell.ring_self()
         for sid in self.leases.pop(req.identity, []):
             src = self.media.sources.get(sid)
             if src is not None:
@@ -203,7 +229,8 @@ class Device:
         return wire.Info(
             epoch=self.epoch,
             models=tuple(wire.ModelInfo(m.spec.role, m.spec.alias, m.sha256, m.modalities,
-                                        m.published_at, m.engine.slot_context)
+                                        m.published_at, m.engine.slot_context,
+                                        m.automatic_memory)
                          for m in self.models.values()),
             window_bytes=self.limits.window_bytes,
             context_tokens=first.engine.slot_context,
@@ -281,6 +308,10 @@ class Device:
                 return self._media(op, h, payload, grant)
             except MediaError as exc:
                 return h.reply(exc.status, epoch=self.epoch), exc.message.encode()
+        if op is Op.POLICY:
+            return self._policy_op(h, payload)
+        if op is Op.MEMORY:
+            return self._memory_op(h)
         if op is Op.METRICS:
             grant, status, msg = self._grant_for(h, Action.TELEMETRY)
             if grant is None:
@@ -319,6 +350,145 @@ class Device:
         self.media.remove(h.principal, h.identity)
         log.info("event=media.removed source=src-%s", h.identity.hex())
         return h.reply(200, epoch=self.epoch), b""
+
+    # -- resident policy (control thread, lock held) -----------------------------
+    def _policy_op(self, h: Header, payload: bytes) -> tuple[Header, bytes]:
+        grant = self.grants.get(h.principal)
+        actions = grant.actions if grant else 0
+        if not payload:
+            if not actions & (Action.POLICY_READ | Action.POLICY_CONTROL):
+                return h.reply(403, epoch=self.epoch), b"policy read needs action bit 8 or 128"
+            return h.reply(200, epoch=self.epoch), wire.encode_policy_status(self.policy.status())
+        control = wire.decode_policy_control(payload)
+        if not actions & Action.POLICY_CONTROL:
+            return h.reply(403, epoch=self.epoch), b"policy control needs action bit 128"
+        if h.epoch != self.epoch:
+            status = 410 if 0 < h.epoch < self.epoch else 400
+            return h.reply(status, epoch=self.epoch), b"the frame epoch does not match"
+        if h.identity != bytes(16) or h.cursor:
+            return h.reply(400, epoch=self.epoch), b"request id and cursor must be zero"
+        status = self.policy.control(control.action, control.expected_revision)
+        log.info("event=policy.control action=%s status=%d revision=%d", control.action.name,
+                 status, self.policy.control_revision)
+        self.bell.ring_self()
+        return (h.reply(status, epoch=self.epoch),
+                wire.encode_policy_status(self.policy.status()))
+
+    def _memory_op(self, h: Header) -> tuple[Header, bytes]:
+        grant, status, msg = self._grant_for(h, Action.READ)
+        if grant is None:
+            return h.reply(status, epoch=self.epoch), msg.encode()
+        sub = wire.MemoryOp(h.role) if h.role in wire.MemoryOp._value2member_map_ else None
+        core = self.policy
+        if sub is wire.MemoryOp.READ:
+            gen, facts = core.lineage(h.principal).latest()
+            return h.reply(200, epoch=self.epoch), orjson.dumps(
+                {"generation": gen, "facts": facts})
+        if sub is wire.MemoryOp.ERASE:
+            removed = core.lineage(h.principal).erase()
+            core.pending = [p for p in core.pending if p.principal != h.principal]
+            self.memory_cache.pop(h.principal, None)
+            log.info("event=memory.erased principal=%d generations=%d", h.principal, removed)
+            return h.reply(200, epoch=self.epoch), b""
+        if sub is wire.MemoryOp.PENDING:
+            mine = [{"id": str(p.id), "fact": p.fact} for p in core.pending
+                    if p.principal == h.principal]
+            return h.reply(200, epoch=self.epoch), orjson.dumps(mine)
+        if sub in (wire.MemoryOp.APPROVE, wire.MemoryOp.REJECT):
+            p = next((p for p in core.pending if p.id == h.cursor and p.principal == h.principal),
+                     None)
+            if p is None:
+                return h.reply(404, epoch=self.epoch), b"no such pending decision"
+            core.pending.remove(p)
+            core.decisions += 1
+            if sub is wire.MemoryOp.APPROVE:
+                core.save(p.principal, [p.fact])
+                self.memory_cache.pop(p.principal, None)
+            if not core.pending and core.state is PolicyState.RECORDING:
+                core.state = PolicyState.QUIET
+            return h.reply(200, epoch=self.epoch), b""
+        return h.reply(400, epoch=self.epoch), b"unknown memory operation"
+
+    def _memory_for(self, principal: int) -> list[str]:
+        cached = self.memory_cache.get(principal)
+        if cached is None:
+            cached = self.policy.lineage(principal).latest()
+            self.memory_cache[principal] = cached
+        return cached[1]
+
+    def _policy_tick(self) -> None:
+        core = self.policy
+        if not core.enabled:
+            return
+        req = core.active
+        if isinstance(req, Request) and req.phase.terminal:
+            self._policy_collect(req)
+        if core.active is not None or core.state in (PolicyState.PAUSED, PolicyState.STOPPED):
+            return
+        if core.frontier >= len(core.log):
+            core.state = PolicyState.RECORDING if core.pending else PolicyState.QUIET
+            if core.reason is not PolicyReason.CAPACITY:
+                core.reason = PolicyReason.QUIET
+            return
+        if any(not r.background for m in self.models.values()
+               for r in (*m.scheduler.queue, *m.scheduler.active)):
+            core.state, core.reason = PolicyState.QUIET, PolicyReason.FOREGROUND
+            return
+        source = core.log[core.frontier]
+        model = self.models[source.role]
+        messages = [{"role": "system", "content": EXTRACTION_PROMPT},
+                    {"role": "user", "content": source.text[-MAX_SOURCE_CHARS:]}]
+        prompt = model.engine.tokenize(model.template.render(messages),
+                                       add_special=model.engine.add_bos)
+        prompt = prompt[-(model.engine.slot_context - EXTRACTION_MAX_TOKENS - 1):]
+        work = Request(identity=secrets.token_bytes(16), principal=0, revision=0,
+                       role=source.role, prompt=prompt, max_tokens=EXTRACTION_MAX_TOKENS,
+                       background=True)
+        core.active = work
+        core.active_started = time.monotonic_ns()
+        core.state, core.reason = PolicyState.ACTIVE, PolicyReason.ACTIVE
+        model.scheduler.submit(work)
+
+    def _policy_collect(self, req: Request) -> None:
+        core = self.policy
+        core.active = None
+        elapsed = time.monotonic_ns() - core.active_started
+        core.last_ns = elapsed
+        core.max_ns = max(core.max_ns, elapsed)
+        held = core.state in (PolicyState.PAUSED, PolicyState.STOPPED)  # a control came first
+        if req.preempted or req.phase is not Phase.COMPLETED:
+            core.interrupted += 1
+            if not held:
+                core.state, core.reason = PolicyState.QUIET, PolicyReason.FOREGROUND
+            log.info("event=policy.interrupted frontier=%d", core.frontier)
+            return  # the same source is retried when the device is quiet again
+        source = core.log[core.frontier]
+        answer = bytes(req.out).decode("utf-8", errors="replace")
+        core.result_bytes += len(req.out)
+        existing = self._memory_for(source.principal)
+        kept = []
+        for line in re.split(r"\n|(?<=[.!?])\s+(?=[A-Z-])", answer):
+            if not line.strip():
+                continue
+            fact = decide(line, existing + kept, source.text)
+            core.decisions += 1
+            if fact is not None:
+                kept.append(fact)
+        if kept and core.review:
+            for fact in kept:
+                core.pending.append(PolicyPending(core.next_pending, source.principal, fact))
+                core.next_pending += 1
+        elif kept:
+            core.save(source.principal, kept)
+            self.memory_cache.pop(source.principal, None)
+        core.frontier += 1
+        core.completed += 1
+        if not held:
+            core.state = PolicyState.RECORDING if core.pending else PolicyState.QUIET
+            if core.reason is not PolicyReason.CAPACITY:
+                core.reason = PolicyReason.QUIET
+        log.info("event=policy.source_done frontier=%d kept=%d pending=%d", core.frontier,
+                 len(kept), len(core.pending))
 
     def metrics(self) -> dict[str, object]:
         by_phase: collections.Counter[str] = collections.Counter(
@@ -396,6 +566,10 @@ class Device:
                     continue
                 text.append(part.text)
             messages.append({"role": _role_name(msg_.role), "content": "".join(text)})
+        memory_on = (model.automatic_memory and grant.flags & wire.GRANT_FLAG_MEMORY
+                     and not h.submit_flags & wire.SUBMIT_FLAG_MEMORY_OFF and not leased)
+        if memory_on:
+            messages = inject(messages, self._memory_for(h.principal))
         try:
             prompt_text = model.template.render(messages)
         except TemplateError as exc:
@@ -436,6 +610,12 @@ class Device:
                       top_p=h.top_p if 0.0 < h.top_p <= 1.0 else 1.0, seed=seed,
                       stops=tuple(s.encode() for s in sub.stop),
                       memory_off=bool(h.submit_flags & wire.SUBMIT_FLAG_MEMORY_OFF))
+        if memory_on and self.policy.enabled:
+            req.source_text = "\n".join(f"{m['role'].capitalize()}: {m['content']}"
+                                        for m in messages if m["role"] == "user")
+        if self.log_prompts:
+            log.info("event=request.prompt id=%s text=%r",
+                     wire.format_request_id(self.epoch, identity), prompt_text)
         self.requests[identity] = req
         if leased:
             for src in leased:
@@ -563,6 +743,7 @@ class Device:
                 now = time.monotonic()
                 for identity in list(self.parked):
                     self._settle(identity, now)
+                self._policy_tick()
                 if now - last_sweep >= 1.0:
                     self._reclaim(time.monotonic_ns())
                     self.media.sweep(now)

@@ -34,7 +34,7 @@ from .credentials import CredentialStore, PrincipalGrant, token_hash
 from .errors import ApiError, error_body
 from .media import CONTENT_TYPES
 from .paths import RuntimePaths
-from .protocol import ChatRequest, MediaPart, b64
+from .protocol import ChatRequest, MediaPart, PolicyControlBody, b64
 
 log = logging.getLogger("aotx.gateway")
 
@@ -643,6 +643,70 @@ def create_app(paths: RuntimePaths) -> FastAPI:
         g.raise_for(rh, body)
         return Response(status_code=204)
 
+    @app.get("/aotx/v1/policy", tags=["policy"])
+    async def get_policy(request: Request) -> Response:
+        g = gw()
+        principal = await g.authenticate(request)
+        rh, body = await g.call(wire.Header(op=wire.Op.POLICY, principal=principal.id))
+        g.raise_for(rh, body)
+        return Response(dumps(_policy_json(rh, body)), media_type="application/json")
+
+    @app.post("/aotx/v1/policy", tags=["policy"])
+    async def control_policy(request: Request, body: PolicyControlBody) -> Response:
+        g = gw()
+        principal = await g.authenticate(request)
+        action = wire.PolicyAction[body.action.replace("-", "_").upper()]
+        expected = int(body.expected_revision)
+        if expected >= 1 << 64:
+            raise ApiError(400, "expected_revision is out of range", param="expected_revision")
+        payload = wire.encode_policy_control(wire.PolicyControl(action, expected))
+        await g.ensure_ready()
+        rh, rbody = await g.call(wire.Header(op=wire.Op.POLICY, principal=principal.id,
+                                             epoch=g.epoch), payload)
+        if rh.status == 409:
+            current = wire.decode_policy_status(rbody).control_revision
+            raise ApiError(409, f"stale control revision {expected}; the current one is "
+                                f"{current}", param="expected_revision")
+        g.raise_for(rh, rbody)
+        return Response(dumps(_policy_json(rh, rbody)), media_type="application/json")
+
+    async def memory_call(request: Request, sub: wire.MemoryOp,
+                          pending_id: int = 0) -> tuple[wire.Header, bytes]:
+        g = gw()
+        principal = await g.authenticate(request)
+        rh, body = await g.call(wire.Header(op=wire.Op.MEMORY, principal=principal.id,
+                                            role=int(sub), cursor=pending_id))
+        g.raise_for(rh, body)
+        return rh, body
+
+    @app.get("/aotx/v1/memory", tags=["policy"])
+    async def read_memory(request: Request) -> Response:
+        _, body = await memory_call(request, wire.MemoryOp.READ)
+        doc = orjson.loads(body)
+        return Response(dumps({"schema": "aotx.memory.v1", "generation": str(doc["generation"]),
+                               "facts": doc["facts"]}), media_type="application/json")
+
+    @app.delete("/aotx/v1/memory", status_code=204, tags=["policy"])
+    async def erase_memory(request: Request) -> Response:
+        await memory_call(request, wire.MemoryOp.ERASE)
+        return Response(status_code=204)
+
+    @app.get("/aotx/v1/memory/pending", tags=["policy"])
+    async def pending_memory(request: Request) -> Response:
+        _, body = await memory_call(request, wire.MemoryOp.PENDING)
+        return Response(dumps({"schema": "aotx.memory_pending.v1", "data": orjson.loads(body)}),
+                        media_type="application/json")
+
+    @app.post("/aotx/v1/memory/pending/{pid}/{verdict}", tags=["policy"])
+    async def decide_pending(pid: str, verdict: str, request: Request) -> Response:
+        if verdict not in ("approve", "reject"):
+            raise ApiError(404, "use .../approve or .../reject")
+        if not pid.isdigit() or int(pid) >= 1 << 63:
+            raise ApiError(404, "no such pending decision")
+        sub = wire.MemoryOp.APPROVE if verdict == "approve" else wire.MemoryOp.REJECT
+        await memory_call(request, sub, int(pid))
+        return Response(dumps({"id": pid, "decision": verdict}), media_type="application/json")
+
     @app.get("/aotx/v1/capabilities", tags=["native"])
     async def capabilities(request: Request) -> Response:
         g = gw()
@@ -665,9 +729,11 @@ def create_app(paths: RuntimePaths) -> FastAPI:
             "models": [_model_entry(m) for m in g.visible_models(principal)],
             # Every native function; false exactly when no route provides it.
             "features": {"requests": True, "windows": True, "events": True, "cancel": True,
-                         "media": True, "telemetry": True, "metrics": True, "policy": False,
-                         "automatic_memory": False, "shared_operations": False},
-            "lineage": None,
+                         "media": True, "telemetry": True, "metrics": True, "policy": True,
+                         "automatic_memory": any(m.automatic_memory for m in info.models),
+                         "shared_operations": False},
+            "lineage": ({"kind": "automatic_memory", "path": "memory/"}
+                        if any(m.automatic_memory for m in info.models) else None),
         }), media_type="application/json")
 
     @app.get("/metrics", tags=["operations"])
@@ -887,6 +953,21 @@ def render_metrics(device: dict[str, Any], broker: dict[str, Any], gateway_packe
     registry = CollectorRegistry()
     registry.register(Snapshot())  # type: ignore[arg-type]
     return bytes(generate_latest(registry))
+
+
+def _policy_json(h: wire.Header, body: bytes) -> dict[str, Any]:
+    st = wire.decode_policy_status(body)
+    return {"schema": "aotx.policy.v1", "runtime_epoch": str(h.epoch),
+            "mode": "automatic_memory" if st.mode == 1 else str(st.mode), "abi": st.abi,
+            "state": st.state.name.lower(), "review_enabled": bool(st.review_enabled),
+            "pending": st.pending, "active_rows": st.active_rows,
+            "result_status": st.result_status, "control_revision": str(st.control_revision),
+            "source_frontier": str(st.source_frontier), "completed": str(st.completed),
+            "interrupted": str(st.interrupted), "refused": str(st.refused),
+            "decision": str(st.decision), "saved_generation": str(st.saved_generation),
+            "max_ns": str(st.max_ns), "last_ns": str(st.last_ns),
+            "written_bytes": str(st.written_bytes), "result_bytes": str(st.result_bytes),
+            "reason": st.reason.name.lower()}
 
 
 def _parse_source_id(sid: str) -> bytes:

@@ -110,10 +110,6 @@ class ChatRequest(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-class CancelResponse(BaseModel):
-    pass
-
-
 class PolicyControlBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     action: Literal["pause", "resume", "stop", "review-on", "review-off"]

@@ -151,6 +151,9 @@ class Request:
     media: list[bytes] = field(default_factory=list)  # leased media sources, in prompt order
     finished_ns: int = 0
     memory_off: bool = False
+    background: bool = False  # resident-policy work: yields to any foreground request
+    preempted: bool = False  # a background request cancelled because foreground work came
+    source_text: str = ""  # the conversation, kept only when it may become a memory source
     # engine state, owned by the engine thread
     seq: int = -1
     n_past: int = 0
@@ -243,6 +246,15 @@ class Scheduler:
         for req in [r for r in self.active if r.cancel_requested]:
             self.active.remove(req)
             self._finish(req, Phase.CANCELLED)
+        if any(not r.background for r in self.queue):
+            # Foreground work is waiting: background (policy) work yields at this step.
+            for req in [r for r in [*self.queue, *self.active] if r.background]:
+                if req in self.queue:
+                    self.queue.remove(req)
+                else:
+                    self.active.remove(req)
+                req.preempted = True
+                self._finish(req, Phase.CANCELLED)
         while self.queue and self.free_seqs:
             req = self.queue.popleft()
             # The free sequence whose cached tokens share the longest prefix with

@@ -83,6 +83,18 @@ class Op(enum.IntEnum):
     METRICS = 16
     #: Broker counters, answered by the broker itself (payload: UTF-8 JSON).
     BROKER_STATS = 17
+    #: The caller's automatic memory (sub-operation at offset 72, payload UTF-8 JSON).
+    MEMORY = 18
+
+
+class MemoryOp(enum.IntEnum):
+    """Sub-operations of Op.MEMORY (header offset 72)."""
+
+    READ = 1
+    ERASE = 2
+    PENDING = 3
+    APPROVE = 4  # pending decision id at offset 64
+    REJECT = 5  # pending decision id at offset 64
 
 
 class Phase(enum.IntEnum):

@@ -42,6 +42,7 @@ class Service:
     proc: subprocess.Popen[bytes] | None = None
     log_path: str = ""
     extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -66,7 +67,7 @@ class Service:
             [sys.executable, "-m", "aotx", "serve", "--state-dir", self.state_dir,
              "--port", str(self.port), *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True)
+            start_new_session=True, env={**os.environ, **self.env})
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -108,11 +109,13 @@ class Service:
             raise
 
 
-def make_service(models: str = SMALL_MODELS, extra_args: list[str] | None = None) -> Service:
+def make_service(models: str = SMALL_MODELS, extra_args: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> Service:
     state = short_tmpdir()
     with open(os.path.join(state, "models.toml"), "w") as f:
         f.write(models)
-    return Service(state_dir=state, port=free_port(), extra_args=extra_args or [])
+    return Service(state_dir=state, port=free_port(), extra_args=extra_args or [],
+                   env=env or {})
 
 
 @pytest.fixture(scope="session")
