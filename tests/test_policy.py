@@ -1,0 +1,76 @@
+"""Policy pieces without a model: decisions, injection, the on-disk lineage, controls."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from aotx import wire
+from aotx.policy import KEEP_GENERATIONS, Lineage, PolicyCore, decide, inject
+
+SRC = "User: My name is Alice and I live in Paris. I work as a nurse."
+
+
+def test_decide_keeps_only_grounded_new_facts() -> None:
+    assert decide("- Alice is a nurse who lives in Paris.", [], SRC) == \
+        "Alice is a nurse who lives in Paris."
+    assert decide("2) The user works as a nurse in Paris", [], SRC) == \
+        "The user works as a nurse in Paris"
+    assert decide("I'm Emily, a nurse who works in Paris.", [], SRC) is None  # invented name
+    assert decide("Paris is the capital of France.", [], SRC) is None  # not about the user
+    assert decide("NONE", [], SRC) is None
+    assert decide("- ok", [], SRC) is None
+    assert decide("Alice is a nurse who lives in Paris.", ["alice is a nurse who lives in paris."],
+                  SRC) is None  # duplicate
+    assert decide("Paris is the capital of France.", [],
+                  "User: What is the capital of France?") is None  # no first-person statement
+
+
+def test_inject_places_memory_before_the_template() -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    out = inject(msgs, ["Alice lives in Paris."])
+    assert out[0]["role"] == "system" and "- Alice lives in Paris." in out[0]["content"]
+    assert out[1:] == msgs
+    sys_msgs = [{"role": "system", "content": "Be brief."}, *msgs]
+    out = inject(sys_msgs, ["X is y."])
+    assert out[0]["content"].startswith("Be brief.\n\nKnown facts about the user:")
+    assert len(out) == 2 and sys_msgs[0]["content"] == "Be brief."  # input not mutated
+    assert inject(msgs, []) is msgs
+
+
+def test_lineage_generations_are_atomic_checksummed_and_bounded(tmp_path) -> None:
+    lin = Lineage(str(tmp_path), 7)
+    assert lin.latest() == (0, [])
+    for i in range(KEEP_GENERATIONS + 3):
+        gen, written = lin.save([f"fact {i}"])
+        assert gen == i + 1 and written > 0
+    assert lin.latest() == (KEEP_GENERATIONS + 3, [f"fact {KEEP_GENERATIONS + 2}"])
+    files = sorted(os.listdir(lin.dir))
+    assert len(files) == KEEP_GENERATIONS
+    assert all(oct(os.stat(os.path.join(lin.dir, f)).st_mode)[-3:] == "600" for f in files)
+    # a torn newest file (bad checksum) and a partial temporary file are skipped
+    newest = os.path.join(lin.dir, f"gen-{KEEP_GENERATIONS + 4:08d}.json")
+    with open(newest, "w") as f:
+        json.dump({"generation": KEEP_GENERATIONS + 4, "facts": ["torn"], "sha256": "00"}, f)
+    with open(newest + ".tmp", "w") as f:
+        f.write("{")
+    assert lin.latest() == (KEEP_GENERATIONS + 3, [f"fact {KEEP_GENERATIONS + 2}"])
+    assert lin.erase() >= KEEP_GENERATIONS
+    assert os.listdir(lin.dir) == [] and lin.latest() == (0, [])
+
+
+def test_controls_follow_the_revision() -> None:
+    core = PolicyCore(root="/nonexistent", enabled=True)
+    A, S = wire.PolicyAction, wire.PolicyState
+    assert core.control(A.PAUSE, 0) == 409  # stale
+    assert core.control(A.PAUSE, 1) == 200 and core.state is S.PAUSED
+    assert core.status().reason is wire.PolicyReason.PAUSED
+    assert core.control(A.RESUME, 2) == 200 and core.state is S.QUIET
+    assert core.control(A.REVIEW_ON, 3) == 200 and core.review
+    assert core.control(A.STOP, 4) == 200 and core.state is S.STOPPED
+    assert core.status().control_revision == 5 and core.status().review_enabled == 1
+    off = PolicyCore(root="/nonexistent", enabled=False)
+    assert off.state is S.OFF and off.status().reason is wire.PolicyReason.DISABLED
+    assert off.control(A.RESUME, 1) == 409
+    data = wire.encode_policy_status(core.status())
+    assert len(data) == 160 and wire.decode_policy_status(data) == core.status()
