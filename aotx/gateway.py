@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -32,6 +32,7 @@ from . import wire
 from .brokerclient import BrokerClient, BrokerUnavailable
 from .credentials import CredentialStore, PrincipalGrant, token_hash
 from .errors import ApiError, error_body
+from .httpguard import BODY_IDLE_TIMEOUT, GuardedHttpToolsProtocol
 from .media import CONTENT_TYPES
 from .paths import RuntimePaths
 from .protocol import ChatRequest, MediaPart, PolicyControlBody, b64
@@ -290,7 +291,12 @@ class Gateway:
                     parts.append(wire.Part(kind, part.digest_bytes))
                     media.append(part.digest)
                 else:
-                    parts.append(wire.Part(wire.PartKind.TEXT, part.text.encode("utf-8")))
+                    try:
+                        text = part.text.encode("utf-8")
+                    except UnicodeEncodeError:  # a lone surrogate from a JSON \ud800 escape
+                        raise ApiError(400, "text is not valid Unicode (lone surrogate)",
+                                       param="messages") from None
+                    parts.append(wire.Part(wire.PartKind.TEXT, text))
             messages.append(wire.Message(_ROLES[msg.role], tuple(parts)))
         try:
             payload = wire.encode_submission(wire.Submission(tuple(messages), tuple(body.stops)))
@@ -374,33 +380,70 @@ def _sse(event: str | None, data: bytes, event_id: str | None = None) -> bytes:
     return out + b"data: " + data + b"\n\n"
 
 
-class BodyLimit:
-    """ASGI middleware: read at most ``limit`` body bytes, else answer 413 itself."""
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]", "::1"})
 
-    def __init__(self, app: Any, limit: int = MAX_BODY) -> None:
+
+class Guard:
+    """ASGI middleware in front of every route.
+
+    * While bound to loopback, a Host header naming anything but a loopback
+      name is refused with 421 (DNS rebinding: a page from another origin that
+      resolves its own name to 127.0.0.1 must not reach the API).
+    * Request bodies: at most ``limit`` bytes (413), and each chunk must arrive
+      within ``BODY_IDLE_TIMEOUT`` seconds (408), so slow clients cannot hold a
+      request open for ever.  Bodies are read in full before the route runs,
+      except media uploads, which stream to the device chunk by chunk under the
+      same pacing.
+    """
+
+    def __init__(self, app: Any, loopback_only: bool, limit: int = MAX_BODY) -> None:
         self.app = app
+        self.loopback_only = loopback_only
         self.limit = limit
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
                        send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-        if (scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS")
-                or scope["path"] == "/aotx/v1/media"):  # media streams to the device itself
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if self.loopback_only:
+            host = next((v for k, v in scope["headers"] if k == b"host"), b"").decode("latin-1")
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            if name.lower() not in LOOPBACK_HOSTS:
+                await self._refuse(send, 421, f"the Host header {host!r} is not a loopback "
+                                              "name; this service only answers 127.0.0.1")
+                return
+
+        async def paced() -> dict[str, Any]:
+            try:
+                return await asyncio.wait_for(receive(), BODY_IDLE_TIMEOUT)
+            except TimeoutError:
+                raise _BodyTimeout() from None
+
+        if scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS") or scope["path"] == "/aotx/v1/media":
+            try:
+                await self.app(scope, paced if scope["method"] == "POST" else receive, send)
+            except _BodyTimeout:
+                await self._refuse(send, 408, "the request body stalled")
             return
         for k, v in scope["headers"]:
             if k == b"content-length" and v.isdigit() and int(v) > self.limit:
-                await self._too_large(send)
+                await self._refuse(send, 413, f"request body exceeds {self.limit} bytes")
                 return
         chunks = []
         size = 0
         while True:
-            msg = await receive()
+            try:
+                msg = await paced()
+            except _BodyTimeout:
+                await self._refuse(send, 408, f"no body bytes for {BODY_IDLE_TIMEOUT:.0f} s")
+                return
             if msg["type"] == "http.disconnect":
                 return
             chunk = msg.get("body", b"")
             size += len(chunk)
             if size > self.limit:
-                await self._too_large(send)
+                await self._refuse(send, 413, f"request body exceeds {self.limit} bytes")
                 return
             chunks.append(chunk)
             if not msg.get("more_body"):
@@ -417,16 +460,22 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _too_large(self, send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-        body = dumps(error_body(413, f"request body exceeds {self.limit} bytes"))
-        await send({"type": "http.response.start", "status": 413,
+    @staticmethod
+    async def _refuse(send: Callable[[dict[str, Any]], Awaitable[None]], status: int,
+                      message: str) -> None:
+        body = dumps(error_body(status, message))
+        await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
 
 
-def create_app(paths: RuntimePaths) -> FastAPI:
+class _BodyTimeout(Exception):
+    pass
+
+
+def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
     gw_holder: dict[str, Gateway] = {}
 
     @contextlib.asynccontextmanager
@@ -444,6 +493,10 @@ def create_app(paths: RuntimePaths) -> FastAPI:
 
     def gw() -> Gateway:
         return gw_holder["gw"]
+
+    async def authenticated(request: Request) -> Principal:
+        """Runs before FastAPI validates the body: no token, no validation details."""
+        return await gw().authenticate(request)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
@@ -486,9 +539,9 @@ def create_app(paths: RuntimePaths) -> FastAPI:
 
     # -- native routes ---------------------------------------------------------
     @app.post("/aotx/v1/requests", status_code=202, tags=["native"])
-    async def submit(request: Request, body: ChatRequest) -> Response:
+    async def submit(body: ChatRequest,
+                     principal: Principal = Depends(authenticated)) -> Response:  # noqa: B008
         g = gw()
-        principal = await g.authenticate(request)
         if body.stream:
             raise ApiError(400, "stream must be absent or false on /aotx/v1/requests; "
                                 "follow GET /aotx/v1/requests/{id}/events instead", param="stream")
@@ -652,9 +705,9 @@ def create_app(paths: RuntimePaths) -> FastAPI:
         return Response(dumps(_policy_json(rh, body)), media_type="application/json")
 
     @app.post("/aotx/v1/policy", tags=["policy"])
-    async def control_policy(request: Request, body: PolicyControlBody) -> Response:
+    async def control_policy(body: PolicyControlBody,
+                     principal: Principal = Depends(authenticated)) -> Response:  # noqa: B008
         g = gw()
-        principal = await g.authenticate(request)
         action = wire.PolicyAction[body.action.replace("-", "_").upper()]
         expected = int(body.expected_revision)
         if expected >= 1 << 64:
@@ -781,9 +834,9 @@ def create_app(paths: RuntimePaths) -> FastAPI:
                         media_type="application/json")
 
     @app.post("/v1/chat/completions", tags=["standard"])
-    async def chat_completions(request: Request, body: ChatRequest) -> Response:
+    async def chat_completions(body: ChatRequest,
+                     principal: Principal = Depends(authenticated)) -> Response:  # noqa: B008
         g = gw()
-        principal = await g.authenticate(request)
         rh, m, _ = await g.submit(body, principal)
         rid = g.request_id(rh)
         created = int(time.time())
@@ -817,7 +870,7 @@ def create_app(paths: RuntimePaths) -> FastAPI:
                       "total_tokens": last.prompt_tokens + last.sampled_tokens},
         }), media_type="application/json", headers={"X-Request-Id": rid})
 
-    return BodyLimit(app)  # type: ignore[return-value]
+    return Guard(app, loopback_only)  # type: ignore[return-value]
 
 
 async def _cancel_quietly(g: Gateway, principal: Principal, rh: wire.Header) -> None:
@@ -1004,8 +1057,9 @@ def run(paths: RuntimePaths, host: str, port: int) -> None:
 
     paths.ensure()
     ensure_admin_token(paths.admin_token)
-    app = create_app(paths)
-    if host not in ("127.0.0.1", "localhost", "::1"):
+    loopback = host in ("127.0.0.1", "localhost", "::1")
+    app = create_app(paths, loopback_only=loopback)
+    if not loopback:
         log.warning("event=gateway.public_bind host=%s: the gateway is reachable from other "
                     "machines; every route still needs a bearer token", host)
     log.info("event=gateway.listening url=http://%s:%d", host, port)
@@ -1013,6 +1067,6 @@ def run(paths: RuntimePaths, host: str, port: int) -> None:
     with open(os.path.join(paths.run_dir, "gateway.url"), "w") as f:
         f.write(f"http://{url_host}:{port}\n")
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            loop="uvloop", http="httptools", timeout_graceful_shutdown=3,
-                            h11_max_incomplete_event_size=16384)
+                            loop="uvloop", http=GuardedHttpToolsProtocol,
+                            timeout_graceful_shutdown=3, server_header=False)
     uvicorn.Server(config).run()

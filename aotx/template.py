@@ -9,6 +9,8 @@ rendered over the whole message array on the device.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 MAX_RANGE = 100_000
 MAX_RENDERED = 4 * 1024 * 1024
+RENDER_SECONDS = 1.0  # a render that takes longer is stopped (template denial of service)
 
 
 class TemplateError(Exception):
@@ -25,6 +28,29 @@ class TemplateError(Exception):
 
 def _raise_exception(message: str) -> None:
     raise TemplateError(f"chat template raised: {message}")
+
+
+class _TimedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, plus a render deadline checked on every call and attribute."""
+
+    _local = threading.local()
+
+    def _check(self) -> None:
+        deadline = getattr(self._local, "deadline", None)
+        if deadline is not None and time.monotonic() > deadline:
+            raise TemplateError(f"chat template took longer than {RENDER_SECONDS:.0f} s")
+
+    def call(self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        self._check()
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        self._check()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        self._check()
+        return super().getitem(obj, argument)
 
 
 def _safe_range(*args: int) -> range:
@@ -38,8 +64,9 @@ class ChatTemplate:
     def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "") -> None:
         if not source:
             raise TemplateError("the model has no chat template (tokenizer.chat_template)")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            undefined=jinja2.StrictUndefined)
+        env = _TimedSandbox(trim_blocks=True, lstrip_blocks=True,
+                            undefined=jinja2.StrictUndefined)
+        self._env = env
         env.globals["raise_exception"] = _raise_exception
         env.globals["range"] = _safe_range
         try:
@@ -53,6 +80,8 @@ class ChatTemplate:
         self.render([{"role": "system", "content": "probe"}, {"role": "user", "content": "hi"}])
 
     def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        local = _TimedSandbox._local
+        local.deadline = time.monotonic() + RENDER_SECONDS
         try:
             text = self._template.render(messages=list(messages),
                                          add_generation_prompt=add_generation_prompt,
@@ -63,6 +92,8 @@ class ChatTemplate:
             raise TemplateError(f"chat template broke the sandbox rules: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - any template failure is a template error
             raise TemplateError(f"chat template failed to render: {type(exc).__name__}: {exc}") from None
+        finally:
+            local.deadline = None
         if len(text) > MAX_RENDERED:
             raise TemplateError("chat template output is too large")
         return text
