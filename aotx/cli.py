@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     tc.add_argument("--models", default="*", help="comma list of model aliases, * for all")
     tc.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE",
                     help="active, output_tokens, input_bytes, media_sources, media_bytes, rate")
-    tc.add_argument("--no-memory", action="store_true", help="disable automatic memory")
+    tc.add_argument("--memory", action="store_true",
+                    help="enable automatic memory for this principal (off unless given)")
     tl = tsub.add_parser("list", help="list tokens (never their values)")
     _state_dir(tl)
     tr = tsub.add_parser("revoke", help="revoke a token by id")
@@ -89,7 +90,7 @@ def _token_command(args: argparse.Namespace, state_dir: str) -> int:
         if args.token_command == "create":
             models = tuple(m.strip() for m in args.models.split(",") if m.strip()) or ("*",)
             tid, token = store.create_token(args.principal, parse_actions(args.actions), models,
-                                            parse_limits(args.limit), not args.no_memory)
+                                            parse_limits(args.limit), args.memory)
             print(f"token {tid} for principal {args.principal}; shown once, store it now:")
             print(token)
         elif args.token_command == "list":

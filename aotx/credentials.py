@@ -38,7 +38,7 @@ CREATE TABLE IF NOT EXISTS principals (
     actions INTEGER NOT NULL,
     models TEXT NOT NULL,
     limits TEXT NOT NULL,
-    memory INTEGER NOT NULL DEFAULT 1,
+    memory INTEGER NOT NULL DEFAULT 0,
     updated_at REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS tokens (
@@ -93,7 +93,7 @@ class PrincipalGrant:
     actions: int
     models: tuple[str, ...]  # ("*",) for all
     limits: dict[str, int] = field(default_factory=dict)
-    memory: bool = True
+    memory: bool = False
 
     def row(self, roles: dict[str, int]) -> wire.Grant:
         if "*" in self.models:
@@ -141,7 +141,7 @@ class CredentialStore:
         self.db.execute("UPDATE meta SET value = value + 1 WHERE key='generation'")
 
     def set_principal(self, name: str, actions: int, models: tuple[str, ...],
-                      limits: dict[str, int], memory: bool = True) -> int:
+                      limits: dict[str, int], memory: bool = False) -> int:
         if not name or len(name) > 128:
             raise CredentialError("principal names are 1 to 128 characters")
         self.db.execute("BEGIN IMMEDIATE")
@@ -169,7 +169,7 @@ class CredentialStore:
 
     def create_token(self, principal: str, actions: int | None = None,
                      models: tuple[str, ...] = ("*",), limits: dict[str, int] | None = None,
-                     memory: bool = True, token: str | None = None) -> tuple[int, str]:
+                     memory: bool = False, token: str | None = None) -> tuple[int, str]:
         """Create a token for ``principal`` (creating or replacing its grant); return (id, token)."""
         pid = self.set_principal(principal, parse_actions(",".join(DEFAULT_ACTIONS))
                                  if actions is None else actions, models, limits or {}, memory)
@@ -182,9 +182,9 @@ class CredentialStore:
     def ensure_token(self, principal: str, token: str, actions: int) -> None:
         """Register an existing token (the admin token file) if it is not known yet."""
         row = self.db.execute("SELECT id FROM tokens WHERE hash=?", (token_hash(token),)).fetchone()
-        self.set_principal(principal, actions, ("*",), {}, True)
+        self.set_principal(principal, actions, ("*",), {}, False)
         if row is None:
-            self.create_token(principal, actions, ("*",), {}, True, token=token)
+            self.create_token(principal, actions, ("*",), {}, False, token=token)
 
     def revoke(self, token_id: int) -> bool:
         cur = self.db.execute("UPDATE tokens SET revoked_at=? WHERE id=? AND revoked_at IS NULL",

@@ -24,6 +24,10 @@ QUESTION = [{"role": "user", "content": "What do you know about me?"}]
 POLICY_ADMIN = "submit,read,cancel,policy-read,policy-control"
 
 
+def mint_memory(svc: Service, name: str, *args: str) -> str:
+    return mint(svc, name, "--memory", *args)
+
+
 @pytest.fixture(scope="module")
 def psvc() -> Iterator[Service]:
     svc = make_service(env={"AOTX_LOG_PROMPTS": "1"})
@@ -84,7 +88,7 @@ def test_capabilities_report_the_qualified_role(psvc: Service) -> None:
 
 
 def test_memory_is_saved_used_and_private(psvc: Service) -> None:
-    alice, bob = mint(psvc, "alice"), mint(psvc, "bob")
+    alice, bob = mint_memory(psvc, "alice"), mint_memory(psvc, "bob")
     with client(psvc, alice) as a, client(psvc, bob) as b:
         ask(a, FACT)
         mem = wait_memory(a)
@@ -129,6 +133,32 @@ def policy_admin(svc: Service) -> dict:
         return policy(c)
 
 
+def settle(svc: Service, timeout: float = 60) -> dict:
+    """Wait until the policy has worked through every source it has."""
+    deadline = time.monotonic() + timeout
+    last = None
+    since = time.monotonic()
+    while time.monotonic() < deadline:
+        st = policy_admin(svc)
+        key = (st["source_frontier"], st["state"], st["active_rows"])
+        if key != last:
+            last, since = key, time.monotonic()
+        elif st["active_rows"] == 0 and time.monotonic() - since > 1.5:
+            return st
+        time.sleep(0.2)
+    raise AssertionError("the policy did not settle")
+
+
+def test_memory_is_opt_in(psvc: Service) -> None:
+    before = int(settle(psvc)["source_frontier"])
+    with client(psvc, mint(psvc, "nomem")) as c:  # memory not enabled for this principal
+        ask(c, FACT)
+        time.sleep(1.5)
+        assert c.get("/aotx/v1/memory").json()["facts"] == []
+    st = policy_admin(psvc)
+    assert int(st["source_frontier"]) == before and st["state"] in ("quiet", "recording")
+
+
 def test_controls_and_permissions(psvc: Service) -> None:
     with client(psvc, mint(psvc, "carl")) as plain:
         assert plain.get("/aotx/v1/policy").status_code == 403
@@ -136,7 +166,7 @@ def test_controls_and_permissions(psvc: Service) -> None:
     with client(psvc, mint(psvc, "dora", "--actions", "read,policy-read")) as reader:
         assert reader.get("/aotx/v1/policy").status_code == 200
         assert control(reader, "pause", policy(reader)["control_revision"]).status_code == 403
-    with client(psvc, mint(psvc, "ops", "--actions", POLICY_ADMIN)) as c:
+    with client(psvc, mint_memory(psvc, "ops", "--actions", POLICY_ADMIN)) as c:
         rev = policy(c)["control_revision"]
         r = control(c, "pause", rev)
         assert r.status_code == 200 and r.json()["state"] == "paused"
@@ -163,11 +193,10 @@ def test_controls_and_permissions(psvc: Service) -> None:
 
 
 def test_review_keeps_decisions_pending_until_approved(psvc: Service) -> None:
-    with client(psvc, mint(psvc, "rev", "--actions", POLICY_ADMIN)) as c:
+    with client(psvc, mint_memory(psvc, "rev", "--actions", POLICY_ADMIN)) as c:
         assert control(c, "review-on", policy(c)["control_revision"]).json()["review_enabled"]
         try:
-            ask(c, [{"role": "user", "content": "My name is Greta and I live in Oslo. "
-                                                "I work as a baker."}])
+            ask(c, FACT)
             deadline = time.monotonic() + 60
             while not (pending := c.get("/aotx/v1/memory/pending").json()["data"]):
                 assert time.monotonic() < deadline
@@ -188,7 +217,7 @@ def test_review_keeps_decisions_pending_until_approved(psvc: Service) -> None:
 
 
 def test_foreground_request_interrupts_policy_work(psvc: Service) -> None:
-    with client(psvc, mint(psvc, "fg", "--actions", POLICY_ADMIN)) as c:
+    with client(psvc, mint_memory(psvc, "fg", "--actions", POLICY_ADMIN)) as c:
         before = policy(c)
         ask(c, [{"role": "user", "content": "My name is Hugo and I live in Lyon. "
                                             "I work as a pilot."}])
@@ -216,7 +245,7 @@ def test_foreground_request_interrupts_policy_work(psvc: Service) -> None:
 def test_lineage_survives_a_device_crash_mid_save(fresh_service: Service) -> None:
     fresh_service.env = {"AOTX_LOG_PROMPTS": "1"}
     fresh_service.start()
-    token = mint(fresh_service, "ivan")
+    token = mint_memory(fresh_service, "ivan")
     with client(fresh_service, token) as c:
         ask(c, FACT)
         saved = wait_memory(c)
