@@ -263,7 +263,12 @@ def run(paths: RuntimePaths, mailboxes: int) -> None:
             loop.add_signal_handler(sig, broker.stop)
         await broker.serve()
 
-    asyncio.run(main())
+    try:
+        import uvloop  # the fast event loop uvicorn uses too
+
+        uvloop.run(main())
+    except ImportError:
+        asyncio.run(main())
     broker.region.close()
     log.info("event=broker.stopped")
 

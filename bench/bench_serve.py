@@ -88,6 +88,22 @@ def raw_engine_limit(ns: list[int], steps: int) -> dict[int, float]:
     return {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
 
 
+_CLIENTS: dict[str, httpx.AsyncClient] = {}
+
+
+def fresh_conn_client(base: str) -> httpx.AsyncClient:
+    """One client object per server, but a fresh TCP connection for every request
+    (no keep-alive), so the figures include connection set-up but not the client
+    library's own start-up cost."""
+    c = _CLIENTS.get(base)
+    if c is None or c.is_closed:
+        c = httpx.AsyncClient(base_url=base, timeout=300,
+                              limits=httpx.Limits(max_keepalive_connections=0,
+                                                  max_connections=256))
+        _CLIENTS[base] = c
+    return c
+
+
 async def stream_chat(base: str, headers: dict[str, str], model: str, i: int,
                       max_tokens: int) -> dict[str, float]:
     body = {"model": model, "messages": prompt(i), "temperature": 0, "max_tokens": max_tokens,
@@ -95,8 +111,9 @@ async def stream_chat(base: str, headers: dict[str, str], model: str, i: int,
     t0 = time.perf_counter()
     stamps: list[float] = []
     tokens = 0
-    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=300) as c:  # fresh conn
-        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+    c = fresh_conn_client(base)
+    if True:
+        async with c.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -122,6 +139,7 @@ async def run_load(base: str, headers: dict[str, str], model: str, n: int, per_c
     t0 = time.perf_counter()
     await asyncio.gather(*(client(k) for k in range(n)))
     wall = time.perf_counter() - t0
+    await fresh_conn_client(base).aclose()
     ttft = [r["stamps"][0] - r["t0"] for r in results if r["stamps"]]
     itl = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:], strict=False)]
     tokens = sum(r["tokens"] or len(r["stamps"]) for r in results)
@@ -171,15 +189,23 @@ async def window_reads(base: str, headers: dict[str, str], seconds: float) -> fl
             await asyncio.sleep(0.05)
     count = 0
     stop = time.perf_counter() + seconds
+    host, port = base.split("//")[1].split(":")
+    request = (f"GET /aotx/v1/requests/{rid} HTTP/1.1\r\nHost: {host}\r\n"
+               f"Authorization: {headers['Authorization']}\r\n\r\n").encode()
 
     async def conn() -> None:
+        # A minimal keep-alive HTTP/1.1 client: httpx itself costs more per request
+        # than the server does, and would measure the client instead.
         nonlocal count
-        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-        async with httpx.AsyncClient(base_url=base, headers=headers, limits=limits) as c:
-            while time.perf_counter() < stop:
-                r = await c.get(f"/aotx/v1/requests/{rid}")
-                assert r.status_code == 200
-                count += 1
+        reader, writer = await asyncio.open_connection(host, int(port))
+        while time.perf_counter() < stop:
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200"), head[:100]
+            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            count += 1
+        writer.close()
 
     t0 = time.perf_counter()
     await asyncio.gather(conn(), conn())

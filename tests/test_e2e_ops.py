@@ -65,7 +65,8 @@ def test_model_sha256_is_the_hash_of_the_loaded_file(osvc: Service) -> None:
     assert model["alias"] == "smollm2" and model["input_modalities"] == ["text"]
     assert isinstance(model["automatic_memory"], bool) and model["published_at"].endswith("Z")
     assert caps["schema"] == "aotx.capabilities.v1" and "lineage" in caps
-    assert caps["features"]["media"] is False and caps["features"]["events"] is True
+    assert caps["features"]["media"] is True and caps["features"]["events"] is True
+    assert caps["features"]["shared_operations"] is False  # no route provides ops 10 and 11
     cache = os.path.join(osvc.state_dir, "model-hashes.json")
     assert h.hexdigest() in open(cache).read()  # cached by file identity
 
