@@ -1,0 +1,281 @@
+"""A bounded soak of mixed clients against a real ``aotx serve`` on 127.0.0.1.
+
+    .venv/bin/python bench/soak.py --seconds 600 --workers 8
+
+Each worker loops over four kinds of client until the time is up, and checks
+every byte it received against the request's final windows:
+
+* native: submit, poll windows until terminal, reassemble;
+* events: submit, follow SSE, drop the connection at a random point, resume with
+  Last-Event-ID (or ?cursor), reassemble;
+* standard: a streaming chat completion, sometimes aborted by the client (the
+  device must then report the request cancelled), else compared to the windows;
+* cancel: submit a long request and cancel it (terminal state must be cancelled
+  or completed).
+
+It prints requests served, errors by status, latency p50/p99 per kind and the
+device's service allocation and the processes' RSS at start and at the end,
+after results were reclaimed (``--retention-seconds`` is short).  It exits 1 on
+any byte mismatch, unexpected status or allocation growth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import collections
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+TOPICS = ["a cat", "the sea", "a robot", "Paris", "a storm", "music", "a garden", "trains"]
+
+
+@dataclass
+class Report:
+    served: collections.Counter[str] = field(default_factory=collections.Counter)
+    errors: collections.Counter[str] = field(default_factory=collections.Counter)
+    latency: dict[str, list[float]] = field(default_factory=lambda: collections.defaultdict(list))
+    mismatches: list[str] = field(default_factory=list)
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+
+async def windows(c: httpx.AsyncClient, rid: str) -> tuple[bytes, dict]:
+    out, cursor = b"", 0
+    while True:
+        r = await c.get(f"/aotx/v1/requests/{rid}", params={"cursor": str(cursor)})
+        r.raise_for_status()
+        doc = r.json()
+        out += base64.b64decode(doc["output"]["bytes"])
+        cursor = int(doc["output"]["next_cursor"])
+        if cursor == int(doc["output"]["total_bytes"]):
+            return out, doc
+
+
+async def until_terminal(c: httpx.AsyncClient, rid: str) -> dict:
+    while True:
+        doc = (await c.get(f"/aotx/v1/requests/{rid}")).json()
+        if doc["state"] in ("completed", "failed", "cancelled"):
+            return doc
+        await asyncio.sleep(0.05)
+
+
+async def submit(c: httpx.AsyncClient, rng: random.Random, max_tokens: int) -> str:
+    r = await c.post("/aotx/v1/requests", json={
+        "model": "smollm2", "max_tokens": max_tokens, "temperature": rng.choice([0, 0.7]),
+        "messages": [{"role": "user", "content": f"Tell me about {rng.choice(TOPICS)}."}]})
+    if r.status_code != 202:
+        raise httpx.HTTPStatusError(str(r.status_code), request=r.request, response=r)
+    return str(r.json()["id"])
+
+
+async def follow(c: httpx.AsyncClient, rid: str, rng: random.Random) -> bytes:
+    got, last, cursor = b"", None, None
+    drops = rng.randint(0, 2)
+    while True:
+        headers = {"Last-Event-ID": last} if last and rng.random() < 0.5 else {}
+        params = {"cursor": str(cursor)} if cursor is not None and not headers else {}
+        async with c.stream("GET", f"/aotx/v1/requests/{rid}/events", headers=headers,
+                            params=params) as r:
+            r.raise_for_status()
+            event, done = {}, False
+            async for line in r.aiter_lines():
+                if line.startswith(":"):
+                    continue
+                if line:
+                    k, _, v = line.partition(": ")
+                    event[k] = v
+                    continue
+                if event.get("event") == "emission":
+                    em = json.loads(event["data"])
+                    if int(em["offset"]) != len(got):
+                        raise AssertionError(f"emission at {em['offset']}, expected {len(got)}")
+                    got += base64.b64decode(em["bytes"])
+                    last, cursor = event["id"], int(em["next_cursor"])
+                    if drops and rng.random() < 0.2:
+                        drops -= 1
+                        break  # drop the connection mid-stream, then resume
+                elif event.get("event") == "status" and json.loads(event["data"])["state"] in (
+                        "completed", "failed", "cancelled"):
+                    done = True
+                event = {}
+            if done:
+                return got
+
+
+async def worker(base: str, headers: dict[str, str], stop: float, seed: int,
+                 report: Report) -> None:
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=120) as c:
+        while time.monotonic() < stop:
+            kind = rng.choice(["native", "events", "standard", "cancel"])
+            t0 = time.monotonic()
+            try:
+                if kind == "native":
+                    rid = await submit(c, rng, rng.randint(4, 48))
+                    await until_terminal(c, rid)
+                    await windows(c, rid)
+                elif kind == "events":
+                    rid = await submit(c, rng, rng.randint(8, 64))
+                    got = await follow(c, rid, rng)
+                    full, _ = await windows(c, rid)
+                    if got != full:
+                        report.mismatches.append(f"events {rid}: {len(got)} != {len(full)}")
+                elif kind == "standard":
+                    abort = rng.random() < 0.4
+                    body = {"model": "smollm2", "stream": True, "max_tokens": 64,
+                            "temperature": 0,
+                            "messages": [{"role": "user", "content": "Write a poem."}]}
+                    text, n = "", 0
+                    async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                        r.raise_for_status()
+                        rid = r.headers["x-request-id"]
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: {"):
+                                obj = json.loads(line[6:])
+                                for ch in obj.get("choices") or []:
+                                    text += ch["delta"].get("content") or ""
+                                n += 1
+                                if abort and n >= 3:
+                                    break
+                    final = await until_terminal(c, rid)
+                    full, _ = await windows(c, rid)
+                    if abort and final["state"] == "running":
+                        report.mismatches.append(f"standard {rid}: still running after abort")
+                    if not abort and text != full.decode("utf-8"):
+                        report.mismatches.append(f"standard {rid}: text differs from windows")
+                else:
+                    rid = await submit(c, rng, 400)
+                    await asyncio.sleep(rng.random() * 0.5)
+                    r = await c.post(f"/aotx/v1/requests/{rid}/cancel")
+                    if r.status_code != 202:
+                        report.errors[f"cancel {r.status_code}"] += 1
+                    final = await until_terminal(c, rid)
+                    if final["state"] not in ("cancelled", "completed"):
+                        report.mismatches.append(f"cancel {rid}: {final['state']}")
+                report.served[kind] += 1
+                report.latency[kind].append(time.monotonic() - t0)
+            except httpx.HTTPStatusError as exc:
+                report.errors[f"{kind} {exc.response.status_code}"] += 1
+            except (httpx.HTTPError, AssertionError, KeyError, ValueError) as exc:
+                report.errors[f"{kind} {type(exc).__name__}"] += 1
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def components(state: str) -> dict[str, int]:
+    out = {}
+    for comp in ("device", "broker", "gateway"):
+        r = subprocess.run(["pgrep", "-f", f"aotx {comp} --state-dir {state}"],
+                           capture_output=True, text=True)
+        if r.stdout.split():
+            out[comp] = int(r.stdout.split()[0])
+    return out
+
+
+async def allocation(base: str, headers: dict[str, str]) -> int:
+    async with httpx.AsyncClient(base_url=base, headers=headers) as c:
+        r = await c.get("/aotx/v1/telemetry")
+        return int(r.json()["sample"]["service_allocation_bytes"])
+
+
+async def soak(base: str, headers: dict[str, str], seconds: float, workers: int,
+               seed: int) -> Report:
+    report = Report()
+    stop = time.monotonic() + seconds
+    await asyncio.gather(*(worker(base, headers, stop, seed + k, report) for k in range(workers)))
+    return report
+
+
+def start(retention: int) -> tuple[subprocess.Popen[bytes], str, dict[str, str], str]:
+    state = tempfile.mkdtemp(prefix="aotx-soak-", dir="/tmp")
+    with open(os.path.join(state, "models.toml"), "w") as f:
+        f.write("[default]\nslots = 8\ncontext = 2048\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "aotx", "--log-level", "WARNING", "serve",
+                             "--state-dir", state, "--port", str(port),
+                             "--retention-seconds", str(retention)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if httpx.get(base + "/readyz", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit("aotx serve did not start")
+        time.sleep(0.2)
+    token = open(os.path.join(state, "admin.token")).read().strip()
+    return proc, base, {"Authorization": f"Bearer {token}"}, state
+
+
+def run(seconds: float, workers: int, seed: int = 1, retention: int = 3) -> tuple[Report, dict]:
+    proc, base, headers, state = start(retention)
+    try:
+        pids = components(state)
+        alloc0 = asyncio.run(allocation(base, headers))
+        rss0 = {k: rss_kib(p) for k, p in pids.items()}
+        t0 = time.monotonic()
+        report = asyncio.run(soak(base, headers, seconds, workers, seed))
+        wall = time.monotonic() - t0
+        time.sleep(retention + 2.5)  # every result reclaimed
+        alloc1 = asyncio.run(allocation(base, headers))
+        rss1 = {k: rss_kib(p) for k, p in pids.items()}
+        return report, {"alloc0": alloc0, "alloc1": alloc1, "rss0": rss0, "rss1": rss1,
+                        "wall": wall}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=600)
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    report, m = run(args.seconds, args.workers, args.seed)
+    total = sum(report.served.values())
+    print(f"served {total} requests in {m['wall']:.0f} s: {dict(report.served)}")
+    print(f"errors: {dict(report.errors) or 'none'}")
+    for kind, xs in sorted(report.latency.items()):
+        print(f"  {kind:8s} p50 {pct(xs, 50) * 1e3:7.1f} ms  p99 {pct(xs, 99) * 1e3:7.1f} ms")
+    print(f"service allocation: {m['alloc0']} bytes at start, {m['alloc1']} after reclaim")
+    print(f"RSS KiB at start {m['rss0']}, at end {m['rss1']}")
+    print(f"byte mismatches: {len(report.mismatches)}")
+    for line in report.mismatches[:10]:
+        print("  ", line)
+    bad = report.mismatches or m["alloc1"] != m["alloc0"] or any(
+        not k.endswith(("429",)) for k in report.errors)
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
