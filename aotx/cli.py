@@ -71,6 +71,21 @@ def build_parser() -> argparse.ArgumentParser:
     tr = tsub.add_parser("revoke", help="revoke a token by id")
     _state_dir(tr)
     tr.add_argument("id", type=int)
+    sb = sub.add_parser("submit", help="submit a prompt; print its id (and follow it)")
+    _state_dir(sb)
+    sb.add_argument("prompt")
+    sb.add_argument("--model", default="smollm2")
+    sb.add_argument("--max-tokens", type=int)
+    sb.add_argument("--temperature", type=float)
+    sb.add_argument("--follow", action="store_true", help="stream the output as it comes")
+    sb.add_argument("--url")
+    sb.add_argument("--token")
+    fo = sub.add_parser("follow", help="stream a request's output (re-attach by id)")
+    _state_dir(fo)
+    fo.add_argument("id")
+    fo.add_argument("--cursor", type=int, default=0)
+    fo.add_argument("--url")
+    fo.add_argument("--token")
     st = sub.add_parser("status", help="print a summary of a running service")
     _state_dir(st)
     st.add_argument("--url", help="gateway URL (default: STATE_DIR/run/gateway.url)")
@@ -143,6 +158,51 @@ def _grant_show(state_dir: str, socket_path: str) -> int:
     return 0
 
 
+def _endpoint(args: argparse.Namespace, state_dir: str, run_dir: str) -> tuple[str, str]:
+    try:
+        url = args.url or open(os.path.join(run_dir, "gateway.url")).read().strip()
+        token = args.token or open(os.path.join(state_dir, "admin.token")).read().strip()
+    except OSError as exc:
+        raise SystemExit(f"aotx: no running service found in {state_dir}: {exc}") from None
+    return url, token
+
+
+def _follow(c: object, request_id: str, cursor: int = 0) -> int:
+    from .client import Client
+
+    assert isinstance(c, Client)
+    try:
+        for text in c.text(request_id, cursor):
+            sys.stdout.write(text)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        state = c.cancel(request_id)
+        print(f"\n[cancel requested; state {state.state}]", file=sys.stderr)
+        return 130
+    state = c.wait(request_id)
+    print(f"\n[{state.state}, finish {state.finish_reason}, "
+          f"{state.usage['completion_tokens']} tokens]", file=sys.stderr)
+    return 0 if state.state == "completed" else 1
+
+
+def _submit_or_follow(args: argparse.Namespace, state_dir: str, run_dir: str) -> int:
+    from .client import AotxError, Client
+
+    url, token = _endpoint(args, state_dir, run_dir)
+    with Client(url, token) as c:
+        try:
+            if args.command == "follow":
+                return _follow(c, args.id, args.cursor)
+            params = {k: v for k, v in (("max_tokens", args.max_tokens),
+                                        ("temperature", args.temperature)) if v is not None}
+            adm = c.submit([{"role": "user", "content": args.prompt}], args.model, **params)
+            print(adm.id, flush=True)
+            return _follow(c, adm.id) if args.follow else 0
+        except AotxError as exc:
+            print(f"aotx: {exc.status} {exc.message}", file=sys.stderr)
+            return 1
+
+
 def _status(args: argparse.Namespace, state_dir: str, run_dir: str) -> int:
     import httpx
 
@@ -207,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "token":
         return _token_command(args, paths.state_dir)
+    if args.command in ("submit", "follow"):
+        return _submit_or_follow(args, paths.state_dir, paths.run_dir)
     if args.command == "status":
         return _status(args, paths.state_dir, paths.run_dir)
     if args.command == "grant":

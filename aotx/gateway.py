@@ -548,7 +548,7 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
-            msg = "the body is not valid JSON"
+            msg, loc = "the body is not valid JSON", []
         return Response(dumps(error_body(400, f"{'.'.join(loc) + ': ' if loc else ''}{msg}",
                                          param=".".join(loc) or None)),
                         status_code=400, media_type="application/json")
@@ -751,6 +751,9 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
         await g.ensure_ready()
         rh, rbody = await g.call(wire.Header(op=wire.Op.POLICY, principal=principal.id,
                                              epoch=g.epoch), payload)
+        if rh.status == 409 and wire.decode_policy_status(rbody).state is wire.PolicyState.OFF:
+            raise ApiError(409, "the resident policy is off: no loaded model is qualified for "
+                                "automatic memory")
         if rh.status == 409:
             current = wire.decode_policy_status(rbody).control_revision
             raise ApiError(409, f"stale control revision {expected}; the current one is "

@@ -4,7 +4,12 @@
       models.toml             optional: more GGUF models with aliases
       epoch                   the last runtime epoch handed out (never reused)
       admin.token             the admin bearer token (0600), created on first start
+      aotx.db                 credentials and grant definitions (SQLite, 0600)
+      model-hashes.json       SHA-256 of model files, cached by file identity
+      memory/<principal>/     automatic-memory lineage: gen-<N>.json (0600)
       run/                    runtime folder, 0700
+        device.lock           held by the running device (one device per folder)
+        gateway.url           where the gateway listens (read by `aotx status`)
         service.sock          the broker's SOCK_SEQPACKET socket
         mailboxes             the mapped mailbox region (0600)
         device.bell           doorbell FIFO read by the device

@@ -226,7 +226,8 @@ class Scheduler:
         req.finish = finish
         req.failure = failure
         req.finished_ns = time.monotonic_ns()
-        self.finished[phase.name.lower()] += 1
+        if not req.background:  # policy work is not a request anybody admitted
+            self.finished[phase.name.lower()] += 1
         if req.seq >= 0:
             # Keep the sequence's KV cells: the next request assigned to this
             # sequence reuses the longest common prefix (prompt caching).  A
