@@ -26,7 +26,9 @@ from urllib.parse import parse_qs
 import orjson
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import wire
@@ -607,7 +609,9 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
         return Response(dumps({"schema": "aotx.request.v1", **g.state_fields(rh)}),
                         status_code=202, media_type="application/json")
 
-    @app.get("/aotx/v1/requests/{rid}/events", tags=["native"])
+    @app.get("/aotx/v1/requests/{rid}/events", tags=["native"], response_class=StreamingResponse,
+             responses={200: {"content": {"text/event-stream": {}},
+                              "description": "SSE: emission, status and error events"}})
     async def events(rid: str, request: Request, cursor: str | None = None) -> Response:
         g = gw()
         principal = await g.authenticate(request)
@@ -827,7 +831,7 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
                         if any(m.automatic_memory for m in info.models) else None),
         }), media_type="application/json")
 
-    @app.get("/metrics", tags=["operations"])
+    @app.get("/metrics", tags=["operations"], response_class=PlainTextResponse)
     async def metrics(request: Request) -> Response:
         g = gw()
         principal = await g.authenticate(request)
@@ -908,6 +912,7 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
                       "total_tokens": last.prompt_tokens + last.sampled_tokens},
         }), media_type="application/json", headers={"X-Request-Id": rid})
 
+    _document_errors(app)
     return Guard(app, loopback_only, gateway=gw)  # type: ignore[return-value]
 
 
@@ -1044,6 +1049,41 @@ def render_metrics(device: dict[str, Any], broker: dict[str, Any], gateway_packe
     registry = CollectorRegistry()
     registry.register(Snapshot())  # type: ignore[arg-type]
     return bytes(generate_latest(registry))
+
+
+class ErrorObject(BaseModel):
+    message: str
+    type: str
+    code: str | None
+    param: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The standard error object every route answers with on failure."""
+
+    error: ErrorObject
+
+
+#: Statuses any authenticated route can answer (see docs/api.md for which and why).
+_COMMON_ERRORS = (400, 401, 403, 404, 405, 408, 409, 410, 413, 415, 421, 422, 429, 431, 503)
+_PUBLIC = ("/healthz", "/readyz", "/openapi.json", "/docs", "/redoc")
+
+
+def _document_errors(app: FastAPI) -> None:
+    """Declare the standard error responses on every route of the OpenAPI document."""
+    for route in app.routes:
+        if not isinstance(route, APIRoute) or route.path in _PUBLIC:
+            continue
+        for status in _COMMON_ERRORS:
+            route.responses.setdefault(status, {"model": ErrorResponse,
+                                                "description": "standard error object"})
+        if "POST" in route.methods:
+            route.responses.setdefault(200, {"description": "OK"})
+            route.responses.setdefault(201, {"description": "Created"})
+            route.responses.setdefault(202, {"description": "Accepted"})
+        if "DELETE" in route.methods:
+            route.responses.setdefault(204, {"description": "Removed"})
+    app.openapi_schema = None
 
 
 def _policy_json(h: wire.Header, body: bytes) -> dict[str, Any]:
