@@ -86,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     fo.add_argument("--cursor", type=int, default=0)
     fo.add_argument("--url")
     fo.add_argument("--token")
+    ch = sub.add_parser("chat", help="interactive chat (history kept for the session)")
+    _state_dir(ch)
+    ch.add_argument("--model", default="smollm2")
+    ch.add_argument("--max-tokens", type=int, default=256)
+    ch.add_argument("--system", help="a system message for the whole session")
+    ch.add_argument("--url")
+    ch.add_argument("--token")
     st = sub.add_parser("status", help="print a summary of a running service")
     _state_dir(st)
     st.add_argument("--url", help="gateway URL (default: STATE_DIR/run/gateway.url)")
@@ -203,6 +210,49 @@ def _submit_or_follow(args: argparse.Namespace, state_dir: str, run_dir: str) ->
             return 1
 
 
+def _chat(args: argparse.Namespace, state_dir: str, run_dir: str) -> int:
+    """A line-oriented chat: each turn is a native request followed over SSE.
+
+    Ctrl-C while an answer streams cancels that request on the device and keeps
+    the session; Ctrl-C or Ctrl-D at the prompt ends it.
+    """
+    from .client import AotxError, Client
+
+    url, token = _endpoint(args, state_dir, run_dir)
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print(f"aotx chat on {url} with {args.model} (Ctrl-C cancels an answer, Ctrl-D quits)")
+    with Client(url, token) as c:
+        while True:
+            try:
+                line = input("you> ").strip()
+            except (EOFError, KeyboardInterrupt):
+                print()
+                return 0
+            if not line:
+                continue
+            history.append({"role": "user", "content": line})
+            try:
+                adm = c.submit(history, args.model, max_tokens=args.max_tokens)
+            except AotxError as exc:
+                print(f"[{exc.status}: {exc.message}]")
+                history.pop()
+                continue
+            sys.stdout.write("bot> ")
+            answer = []
+            try:
+                for text in c.text(adm.id):
+                    answer.append(text)
+                    sys.stdout.write(text)
+                    sys.stdout.flush()
+                print()
+            except KeyboardInterrupt:
+                state = c.cancel(adm.id)
+                print(f"\n[cancelled on the device: {state.state}]")
+            history.append({"role": "assistant", "content": "".join(answer)})
+
+
 def _status(args: argparse.Namespace, state_dir: str, run_dir: str) -> int:
     import httpx
 
@@ -267,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "token":
         return _token_command(args, paths.state_dir)
+    if args.command == "chat":
+        return _chat(args, paths.state_dir, paths.run_dir)
     if args.command in ("submit", "follow"):
         return _submit_or_follow(args, paths.state_dir, paths.run_dir)
     if args.command == "status":

@@ -130,3 +130,41 @@ def test_cli_ctrl_c_cancels_on_the_device(service: Service) -> None:
     with Client(service.url, service.token) as c:
         final = c.wait(rid)
     assert final.state == "cancelled" and final.cancel_requested
+
+
+def test_cli_chat_through_a_pseudo_terminal(service: Service) -> None:
+    import pty
+    import select
+
+    pid, fd = pty.fork()
+    if pid == 0:  # child: the chat on the terminal
+        os.execv(sys.executable, [sys.executable, "-m", "aotx", "chat", "--state-dir",
+                                  service.state_dir, "--max-tokens", "12"])
+    out = b""
+
+    def read_until(marker: bytes, count: int = 1, timeout: float = 90) -> None:
+        nonlocal out
+        deadline = time.monotonic() + timeout
+        while out.count(marker) < count:
+            assert time.monotonic() < deadline, out.decode(errors="replace")
+            r, _, _ = select.select([fd], [], [], 0.5)
+            if r:
+                out += os.read(fd, 4096)
+
+    try:
+        read_until(b"you> ", 1)
+        os.write(fd, b"Say hello.\n")
+        read_until(b"you> ", 2)  # the answer streamed, then the prompt again
+        os.write(fd, b"And again?\n")
+        read_until(b"you> ", 3)
+        os.write(fd, b"\x04")  # Ctrl-D ends the session
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+    text = out.decode(errors="replace")
+    assert text.count("bot> ") == 2 and "aotx chat on http://127.0.0.1" in text
