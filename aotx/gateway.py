@@ -912,6 +912,13 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
                       "total_tokens": last.prompt_tokens + last.sampled_tokens},
         }), media_type="application/json", headers={"X-Request-Id": rid})
 
+    from starlette.staticfiles import StaticFiles
+
+    # The web console: static files shipped in the package (no CDN). They hold no
+    # secret; every API call the page makes carries the token the user typed.
+    app.mount("/console", StaticFiles(directory=os.path.join(os.path.dirname(__file__),
+                                                             "console"), html=True),
+              name="console")
     _document_errors(app)
     return Guard(app, loopback_only, gateway=gw)  # type: ignore[return-value]
 
