@@ -177,6 +177,44 @@ def _body(messages: list[dict[str, Any]], model: str, params: dict[str, Any]) ->
 # Reconnect policy for followed streams: a dropped connection, a gateway that
 # restarts (connection refused, 503) are retried with backoff up to this long.
 RECONNECT_SECONDS = 60.0
+RECONNECT_PAUSE = 0.2
+
+
+class _Resume:
+    """Where a followed stream is, and whether a failure is worth a reconnect (sans I/O)."""
+
+    def __init__(self, request_id: str, cursor: int) -> None:
+        self.request_id = request_id
+        self.cursor = cursor
+        self.deadline: float | None = None
+
+    @property
+    def path(self) -> str:
+        return f"/aotx/v1/requests/{self.request_id}/events"
+
+    def headers(self) -> dict[str, str]:
+        return {"Last-Event-ID": f"{self.request_id}:{self.cursor}"}
+
+    def connected(self) -> None:
+        self.deadline = None
+
+    def item(self, ev: dict[str, str]) -> Emission | RequestState:
+        """The parsed event; an SSE error event is raised as AotxError(0, ...)."""
+        item = _to_item(ev)
+        if isinstance(item, AotxError):
+            raise item
+        if isinstance(item, Emission):
+            self.cursor = item.next_cursor
+        return item
+
+    def retry(self, exc: Exception, reconnect: bool) -> bool:
+        """True to reconnect after ``exc``; False to let it propagate."""
+        if isinstance(exc, AotxError) and not isinstance(exc, Unavailable) and exc.status:
+            return False  # a real answer (401, 404, 410, ...): never retried
+        if not reconnect:
+            return False
+        self.deadline = self.deadline or time.monotonic() + RECONNECT_SECONDS
+        return time.monotonic() <= self.deadline
 
 
 class Client:
@@ -241,39 +279,27 @@ class Client:
     def events(self, request_id: str, cursor: int = 0,
                reconnect: bool = True) -> Iterator[Emission | RequestState]:
         """Emissions and status events until the terminal status; resumes exactly."""
-        next_cursor = cursor
-        deadline = None
+        at = _Resume(request_id, cursor)
         while True:
-            headers = {"Last-Event-ID": f"{request_id}:{next_cursor}"}
             try:
-                with self.http.stream("GET", f"/aotx/v1/requests/{request_id}/events",
-                                      headers=headers) as r:
+                with self.http.stream("GET", at.path, headers=at.headers()) as r:
                     if r.status_code >= 400:
                         r.read()
                         _raise_for(r)
-                    deadline = None
+                    at.connected()
                     parser = _SSE()
                     for line in r.iter_lines():
                         ev = parser.feed(line)
                         if ev is None:
                             continue
-                        item = _to_item(ev)
-                        if isinstance(item, AotxError):
-                            raise item
-                        if isinstance(item, Emission):
-                            next_cursor = item.next_cursor
+                        item = at.item(ev)
                         yield item
                         if isinstance(item, RequestState) and item.terminal:
                             return
-            except (httpx.TransportError, Unavailable, AotxError) as exc:
-                if isinstance(exc, AotxError) and not isinstance(exc, Unavailable) and exc.status:
+            except (httpx.TransportError, AotxError) as exc:
+                if not at.retry(exc, reconnect):
                     raise
-                if not reconnect:
-                    raise
-                deadline = deadline or time.monotonic() + RECONNECT_SECONDS
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+                time.sleep(RECONNECT_PAUSE)
 
     def text(self, request_id: str, cursor: int = 0) -> Iterator[str]:
         """The output as text, decoded incrementally (safe across split characters)."""
@@ -383,39 +409,27 @@ class AsyncClient:
 
     async def events(self, request_id: str, cursor: int = 0,
                      reconnect: bool = True) -> AsyncIterator[Emission | RequestState]:
-        next_cursor = cursor
-        deadline = None
+        at = _Resume(request_id, cursor)
         while True:
-            headers = {"Last-Event-ID": f"{request_id}:{next_cursor}"}
             try:
-                async with self.http.stream("GET", f"/aotx/v1/requests/{request_id}/events",
-                                            headers=headers) as r:
+                async with self.http.stream("GET", at.path, headers=at.headers()) as r:
                     if r.status_code >= 400:
                         await r.aread()
                         _raise_for(r)
-                    deadline = None
+                    at.connected()
                     parser = _SSE()
                     async for line in r.aiter_lines():
                         ev = parser.feed(line)
                         if ev is None:
                             continue
-                        item = _to_item(ev)
-                        if isinstance(item, AotxError):
-                            raise item
-                        if isinstance(item, Emission):
-                            next_cursor = item.next_cursor
+                        item = at.item(ev)
                         yield item
                         if isinstance(item, RequestState) and item.terminal:
                             return
-            except (httpx.TransportError, Unavailable, AotxError) as exc:
-                if isinstance(exc, AotxError) and not isinstance(exc, Unavailable) and exc.status:
+            except (httpx.TransportError, AotxError) as exc:
+                if not at.retry(exc, reconnect):
                     raise
-                if not reconnect:
-                    raise
-                deadline = deadline or time.monotonic() + RECONNECT_SECONDS
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(RECONNECT_PAUSE)
 
     async def text(self, request_id: str, cursor: int = 0) -> AsyncIterator[str]:
         dec = codecs.getincrementaldecoder("utf-8")()

@@ -216,6 +216,13 @@ class Gateway:
             raise ApiError(503, f"the device is not reachable: {exc}") from None
         return rh, body
 
+    async def ask(self, principal: Principal, op: wire.Op, payload: bytes = b"",
+                  **fields: Any) -> tuple[wire.Header, bytes]:
+        """One operation on behalf of ``principal``; a refusal becomes an ApiError."""
+        rh, body = await self.call(wire.Header(op=op, principal=principal.id, **fields), payload)
+        self.raise_for(rh, body)
+        return rh, body
+
     async def poll_loop(self) -> None:
         """Notice device restarts while idle, so grants are back before the next call."""
         while True:
@@ -707,9 +714,7 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
         pos = parse_cursor(cursor)
         if not 1 <= limit <= 500:
             raise ApiError(400, "limit must be between 1 and 500", param="limit")
-        rh, body = await g.call(wire.Header(op=wire.Op.MEDIA_LIST, principal=principal.id,
-                                            cursor=pos, max_tokens=limit))
-        g.raise_for(rh, body)
+        rh, body = await g.ask(principal, wire.Op.MEDIA_LIST, cursor=pos, max_tokens=limit)
         rows = wire.decode_media_rows(body)
         return Response(dumps({"schema": "aotx.media_list.v1",
                                "data": [_media_json(sid, meta) for sid, meta in rows],
@@ -720,9 +725,7 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
     async def get_media(sid: str, request: Request) -> Response:
         g = gw()
         principal = await g.authenticate(request)
-        rh, body = await g.call(wire.Header(op=wire.Op.MEDIA_READ, principal=principal.id,
-                                            identity=_parse_source_id(sid)))
-        g.raise_for(rh, body)
+        rh, body = await g.ask(principal, wire.Op.MEDIA_READ, identity=_parse_source_id(sid))
         return Response(dumps(_media_json(rh.identity, wire.decode_media_meta(body[:64]),
                                           body[64:].decode())), media_type="application/json")
 
@@ -730,17 +733,14 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
     async def delete_media(sid: str, request: Request) -> Response:
         g = gw()
         principal = await g.authenticate(request)
-        rh, body = await g.call(wire.Header(op=wire.Op.MEDIA_DELETE, principal=principal.id,
-                                            identity=_parse_source_id(sid)))
-        g.raise_for(rh, body)
+        await g.ask(principal, wire.Op.MEDIA_DELETE, identity=_parse_source_id(sid))
         return Response(status_code=204)
 
     @app.get("/aotx/v1/policy", tags=["policy"])
     async def get_policy(request: Request) -> Response:
         g = gw()
         principal = await g.authenticate(request)
-        rh, body = await g.call(wire.Header(op=wire.Op.POLICY, principal=principal.id))
-        g.raise_for(rh, body)
+        rh, body = await g.ask(principal, wire.Op.POLICY)
         return Response(dumps(_policy_json(rh, body)), media_type="application/json")
 
     @app.post("/aotx/v1/policy", tags=["policy"])
@@ -769,10 +769,7 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
                           pending_id: int = 0) -> tuple[wire.Header, bytes]:
         g = gw()
         principal = await g.authenticate(request)
-        rh, body = await g.call(wire.Header(op=wire.Op.MEMORY, principal=principal.id,
-                                            role=int(sub), cursor=pending_id))
-        g.raise_for(rh, body)
-        return rh, body
+        return await g.ask(principal, wire.Op.MEMORY, role=int(sub), cursor=pending_id)
 
     @app.get("/aotx/v1/memory", tags=["policy"])
     async def read_memory(request: Request) -> Response:
@@ -835,8 +832,7 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
     async def metrics(request: Request) -> Response:
         g = gw()
         principal = await g.authenticate(request)
-        rh, body = await g.call(wire.Header(op=wire.Op.METRICS, principal=principal.id))
-        g.raise_for(rh, body)
+        rh, body = await g.ask(principal, wire.Op.METRICS)
         device = orjson.loads(body)
         bh, bbody = await g.call(wire.Header(op=wire.Op.BROKER_STATS))
         broker = orjson.loads(bbody) if bh.status == 200 else {}
@@ -847,8 +843,7 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
     async def telemetry(request: Request) -> Response:
         g = gw()
         principal = await g.authenticate(request)
-        rh, body = await g.call(wire.Header(op=wire.Op.TELEMETRY, principal=principal.id))
-        g.raise_for(rh, body)
+        rh, body = await g.ask(principal, wire.Op.TELEMETRY)
         t = wire.decode_telemetry(body)
         return Response(dumps({"schema": "aotx.telemetry.v1", "runtime_epoch": str(rh.epoch),
                                "sample": {"service_allocation_bytes": str(t.allocation_bytes),

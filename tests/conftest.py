@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -118,16 +119,23 @@ def make_service(models: str = SMALL_MODELS, extra_args: list[str] | None = None
                    env=env or {})
 
 
-@pytest.fixture(scope="session")
-def service() -> Iterator[Service]:
-    """One shared service for the end-to-end tests that do not restart it."""
-    svc = make_service()
+@contextlib.contextmanager
+def running_service(**kw: object) -> Iterator[Service]:
+    """A started service (``make_service`` arguments), stopped and removed afterwards."""
+    svc = make_service(**kw)  # type: ignore[arg-type]
     try:
         svc.start()
         yield svc
     finally:
         svc.stop()
         shutil.rmtree(svc.state_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def service() -> Iterator[Service]:
+    """One shared service for the end-to-end tests that do not restart it."""
+    with running_service() as svc:
+        yield svc
 
 
 @pytest.fixture

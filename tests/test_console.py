@@ -10,7 +10,7 @@ import pytest
 
 from aotx.client import Client
 
-from .conftest import Service, make_service
+from .conftest import Service, running_service
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 playwright_api = pytest.importorskip("playwright.sync_api")
@@ -20,13 +20,8 @@ pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM),
 
 @pytest.fixture(scope="module")
 def csvc() -> Iterator[Service]:
-    svc = make_service()
-    try:
-        svc.start()
+    with running_service() as svc:
         yield svc
-    finally:
-        svc.stop()
-        shutil.rmtree(svc.state_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +90,9 @@ def test_console_sign_in_chat_live_and_policy(csvc: Service, browser) -> None:
     page.wait_for_function(
         "['quiet', 'recording', 'active'].includes("
         "document.getElementById('policy-status').dataset.state)")
-    assert "nothing saved" in page.inner_text("#memory-saved")
+    # (refreshed every 3 s; the offline spell above may have left a network error there)
+    page.wait_for_function(
+        "document.getElementById('memory-saved').textContent.includes('nothing saved')")
     page.screenshot(path=os.path.join(csvc.state_dir, "console.png"))
     ctx.close()
 

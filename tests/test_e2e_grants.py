@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import stat
 import subprocess
@@ -17,7 +16,7 @@ import pytest
 from aotx import wire
 from aotx.credentials import token_hash
 
-from .conftest import Service, make_service
+from .conftest import Service, running_service
 from .test_e2e_foundation import poll_until_terminal
 
 MSG = [{"role": "user", "content": "Say hello."}]
@@ -47,13 +46,8 @@ def submit(c: httpx.Client, messages=MSG, **kw) -> httpx.Response:
 
 @pytest.fixture(scope="module")
 def gsvc() -> Iterator[Service]:
-    svc = make_service()
-    try:
-        svc.start()
+    with running_service() as svc:
         yield svc
-    finally:
-        svc.stop()
-        shutil.rmtree(svc.state_dir, ignore_errors=True)
 
 
 def test_principals_cannot_touch_each_others_requests(gsvc: Service) -> None:

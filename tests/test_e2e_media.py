@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import socket
 import struct
 import time
@@ -14,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from .conftest import Service, make_service
+from .conftest import Service, running_service
 from .test_e2e_grants import client, mint
 
 
@@ -38,13 +37,8 @@ def wav(n: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def msvc() -> Iterator[Service]:
-    svc = make_service()
-    try:
-        svc.start()
+    with running_service() as svc:
         yield svc
-    finally:
-        svc.stop()
-        shutil.rmtree(svc.state_dir, ignore_errors=True)
 
 
 def upload(c: httpx.Client, data: bytes, ctype: str = "image/png") -> httpx.Response:

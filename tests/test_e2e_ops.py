@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from aotx import wire
 from aotx.models import default_model_path
 
-from .conftest import Service, make_service
+from .conftest import Service, running_service
 from .test_e2e_foundation import poll_until_terminal
 
 MSG = [{"role": "user", "content": "Write a sentence about the sea."}]
@@ -29,14 +28,9 @@ LONG = [{"role": "user", "content": "Write a very long story about a dragon."}]
 
 @pytest.fixture(scope="module")
 def osvc() -> Iterator[Service]:
-    svc = make_service(extra_args=["--retention-seconds", "2", "--max-active", "6",
-                                   "--window-bytes", "64"])
-    try:
-        svc.start()
+    with running_service(extra_args=["--retention-seconds", "2", "--max-active", "6",
+                                     "--window-bytes", "64"]) as svc:
         yield svc
-    finally:
-        svc.stop()
-        shutil.rmtree(svc.state_dir, ignore_errors=True)
 
 
 def submit(c: httpx.Client, messages=MSG, **kw) -> httpx.Response:

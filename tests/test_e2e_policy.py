@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ import pytest
 
 from aotx import wire
 
-from .conftest import Service, make_service
+from .conftest import Service, running_service
 from .test_e2e_foundation import poll_until_terminal
 from .test_e2e_grants import client, mint
 
@@ -30,13 +29,8 @@ def mint_memory(svc: Service, name: str, *args: str) -> str:
 
 @pytest.fixture(scope="module")
 def psvc() -> Iterator[Service]:
-    svc = make_service(env={"AOTX_LOG_PROMPTS": "1"})
-    try:
-        svc.start()
+    with running_service(env={"AOTX_LOG_PROMPTS": "1"}) as svc:
         yield svc
-    finally:
-        svc.stop()
-        shutil.rmtree(svc.state_dir, ignore_errors=True)
 
 
 def ask(c: httpx.Client, messages, **kw) -> str:

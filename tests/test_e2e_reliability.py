@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import shutil
 import signal
 import socket
 import stat
@@ -15,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from .conftest import Service, make_service
+from .conftest import Service, running_service
 from .test_e2e_api import emissions, sse
 from .test_e2e_foundation import poll_until_terminal, read_all_windows
 from .test_e2e_grants import client, mint
@@ -25,13 +24,8 @@ LONG = [{"role": "user", "content": "Write a long story about a lighthouse keepe
 
 @pytest.fixture(scope="module")
 def rsvc() -> Iterator[Service]:
-    svc = make_service(env={"AOTX_HEADER_TIMEOUT": "2", "AOTX_BODY_TIMEOUT": "2"})
-    try:
-        svc.start()
+    with running_service(env={"AOTX_HEADER_TIMEOUT": "2", "AOTX_BODY_TIMEOUT": "2"}) as svc:
         yield svc
-    finally:
-        svc.stop()
-        shutil.rmtree(svc.state_dir, ignore_errors=True)
 
 
 def raw(port: int, data: bytes, wait: float = 5) -> bytes:
