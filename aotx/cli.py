@@ -175,10 +175,27 @@ def _endpoint(args: argparse.Namespace, state_dir: str, run_dir: str) -> tuple[s
 
 
 def _follow(c: object, request_id: str, cursor: int = 0) -> int:
-    from .client import Client
+    from rich.console import Console
+
+    from .client import Client, RequestState
 
     assert isinstance(c, Client)
+
+    # While nothing has arrived yet (queued, prompt evaluation), show a spinner with the
+    # request's state on stderr when it is a terminal; it goes away with the first byte.
+    err = Console(stderr=True)
+    status = err.status("waiting for the device…") if err.is_terminal else None
+    if status is not None:
+        status.start()
     try:
+        for item in c.events(request_id, cursor):
+            if isinstance(item, RequestState) and status is not None:
+                status.update(f"{item.state}…")
+            elif not isinstance(item, RequestState):
+                if status is not None:
+                    status.stop()
+                    status = None
+                break
         for text in c.text(request_id, cursor):
             sys.stdout.write(text)
             sys.stdout.flush()
@@ -186,6 +203,9 @@ def _follow(c: object, request_id: str, cursor: int = 0) -> int:
         state = c.cancel(request_id)
         print(f"\n[cancel requested; state {state.state}]", file=sys.stderr)
         return 130
+    finally:
+        if status is not None:
+            status.stop()
     state = c.wait(request_id)
     print(f"\n[{state.state}, finish {state.finish_reason}, "
           f"{state.usage['completion_tokens']} tokens]", file=sys.stderr)

@@ -114,9 +114,16 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
         mpath = entry.get("path")
         if not isinstance(mpath, str) or not mpath:
             raise ModelConfigError(f"model {n}: path is required")
-        if not os.path.isabs(mpath):
+        relative = not os.path.isabs(mpath)
+        if relative:
             mpath = os.path.join(state_dir, mpath)
         mpath = os.path.realpath(mpath)
+        root = os.path.realpath(state_dir)
+        if relative and os.path.commonpath([root, mpath]) != root:
+            # A relative path names a file inside the state folder; "../" (or a
+            # symlink) leading out of it is refused. Absolute paths are the
+            # operator's explicit choice.
+            raise ModelConfigError(f"model {n}: {entry['path']!r} leaves the state folder")
         if not os.path.isfile(mpath):
             raise ModelConfigError(f"model {n}: {mpath} is not a file")
         mods = entry.get("modalities", ["text"])

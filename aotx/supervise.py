@@ -140,3 +140,5 @@ def configure_logging(level: str = "INFO") -> None:
                         format="%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s",
                         stream=sys.stderr)
     os.environ.setdefault("AOTX_LOG_LEVEL", level)
+    for noisy in ("httpx", "httpcore"):  # one line per HTTP call is not an event
+        logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -108,7 +108,7 @@ def test_cli_submit_follow_and_reattach(service: Service) -> None:
     assert rid.startswith("req-") and "[completed" in r.stderr
     again = subprocess.run(base + ["follow", rid, *common], capture_output=True, text=True,
                            timeout=60)
-    assert again.returncode == 0 and again.stdout == text.rstrip("\n")
+    assert again.returncode == 0 and again.stdout == text
     with Client(service.url, service.token) as c:
         assert c.read_all(rid).decode() == again.stdout
 

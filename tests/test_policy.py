@@ -74,3 +74,25 @@ def test_controls_follow_the_revision() -> None:
     assert off.control(A.RESUME, 1) == 409
     data = wire.encode_policy_status(core.status())
     assert len(data) == 160 and wire.decode_policy_status(data) == core.status()
+
+
+def test_models_file_paths_cannot_escape_the_state_folder(tmp_path) -> None:
+    import pytest
+
+    from aotx.models import ModelConfigError, load_specs
+
+    state = tmp_path / "state"
+    (state / "models").mkdir(parents=True)
+    outside = tmp_path / "outside.gguf"
+    outside.write_bytes(b"GGUF")
+    (state / "models" / "inside.gguf").write_bytes(b"GGUF")
+    (state / "models" / "link.gguf").symlink_to(outside)
+    for bad in ("../outside.gguf", "models/../../outside.gguf", "models/link.gguf"):
+        (state / "models.toml").write_text(f'[default]\nenabled = false\n[[model]]\n'
+                                           f'alias = "x"\npath = "{bad}"\n')
+        with pytest.raises(ModelConfigError, match="leaves the state folder"):
+            load_specs(str(state))
+    (state / "models.toml").write_text('[default]\nenabled = false\n[[model]]\n'
+                                       'alias = "x"\npath = "models/inside.gguf"\n')
+    (spec,) = load_specs(str(state))
+    assert spec.path == str((state / "models" / "inside.gguf").resolve()) and spec.role == 1
