@@ -218,10 +218,13 @@ class Broker:
             pass
 
     def _on_bell_scan(self) -> None:
+        """Look for replies no doorbell announced (at start-up, then every second)."""
         for i in range(self.region.count):
             if self.region.state(i) == REPLY:
                 self.bell.ring_self()
                 break
+        if self._stopping is not None and not self._stopping.is_set():
+            asyncio.get_running_loop().call_later(1.0, self._on_bell_scan)
 
     async def _accept_loop(self, srv: socket.socket) -> None:
         loop = asyncio.get_running_loop()

@@ -735,6 +735,7 @@ class Device:
                  ",".join(m.spec.alias for m in self.models.values()), self.region.count)
         pending = list(range(self.region.count))  # start-up: look at every mailbox once
         last_sweep = 0.0
+        last_scan = time.monotonic()
         while not self._stopping:
             with self.lock:
                 for i in pending:
@@ -763,6 +764,11 @@ class Device:
                     pending = list(range(self.region.count))
                 else:
                     pending = list(dict.fromkeys(got))
+            elif time.monotonic() - last_scan >= 1.0:
+                # Idle for a while: look at every mailbox once, so a doorbell ring lost
+                # to a full FIFO delays a packet by a second at most, never for ever.
+                pending = list(range(self.region.count))
+                last_scan = time.monotonic()
         for m in self.models.values():
             m.scheduler.stop()
         for m in self.models.values():

@@ -29,6 +29,9 @@ class TokenizingEngine(ScriptedEngine):
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return [100 + (b % 50) for b in text.encode()][:64]
 
+    def close(self) -> None:
+        pass
+
 
 @pytest.fixture
 def device():
@@ -105,3 +108,27 @@ def test_cancelled_request_releases_its_lease(device) -> None:
     sched.step()
     assert dev.requests[ah.identity].phase is wire.Phase.CANCELLED
     assert dev.media.sources[rh.identity].leases == 0
+
+
+def test_a_lost_doorbell_delays_a_packet_by_a_second_at_most(device) -> None:
+    """A request published without a ring (as when a full FIFO drops it) is still answered."""
+    import threading
+    import time
+
+    from aotx.mailbox import REPLY, REQUEST
+
+    dev, _sched = device
+    t = threading.Thread(target=dev.serve, daemon=True)
+    t.start()
+    try:
+        time.sleep(0.3)
+        dev.region.publish(1, wire.encode_packet(wire.Header(op=wire.Op.INFO, tag=5)), REQUEST)
+        deadline = time.monotonic() + 3
+        while dev.region.state(1) != REPLY:
+            assert time.monotonic() < deadline, "the device never looked at the mailbox"
+            time.sleep(0.05)
+        h, body = wire.decode_packet(dev.region.read(1))
+        assert h.status == 200 and h.tag == 5 and wire.decode_info(body).epoch == dev.epoch
+    finally:
+        dev.stop()
+        t.join(10)
