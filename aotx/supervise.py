@@ -99,7 +99,8 @@ def serve(paths: RuntimePaths, host: str, port: int, models_file: str | None,
               f"    -H \"Authorization: Bearer $(cat {token_path})\" \\\n"
               f"    -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"smollm2\", \"messages\": "
-              f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'\n",
+              f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], "
+              f"\"max_tokens\": 64}}'\n",
               flush=True)
     elif not stopping:
         log.error("event=serve.not_ready url=%s", url)
