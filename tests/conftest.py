@@ -11,11 +11,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import httpx
 import pytest
+
+T = TypeVar("T")
 
 SMALL_MODELS = """
 [default]
@@ -23,6 +26,22 @@ alias = "smollm2"
 slots = 4
 context = 2048
 """
+
+
+def eventually(probe: Callable[[], T | None], timeout: float, interval: float = 0.2,
+               ignore: tuple[type[BaseException], ...] = (httpx.HTTPError,)) -> T:
+    """Call ``probe`` until it returns something truthy (a component restarting may
+    refuse connections meanwhile: ``ignore`` those errors); fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = probe()
+            if value:
+                return value
+        except ignore:
+            pass
+        assert time.monotonic() < deadline, f"not within {timeout} s"
+        time.sleep(interval)
 
 
 def free_port() -> int:

@@ -16,7 +16,7 @@ import pytest
 from aotx import wire
 from aotx.credentials import token_hash
 
-from .conftest import Service, running_service
+from .conftest import Service, eventually, running_service
 from .test_e2e_foundation import poll_until_terminal
 
 MSG = [{"role": "user", "content": "Say hello."}]
@@ -225,17 +225,12 @@ def test_gateway_restart_keeps_results_readable(fresh_service: Service) -> None:
         poll_until_terminal(c, rid)
         before = c.get(f"/aotx/v1/requests/{rid}").json()
     os.kill(fresh_service.children()["gateway"], signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            r = httpx.get(fresh_service.url + f"/aotx/v1/requests/{rid}",
-                          headers={"Authorization": f"Bearer {token}"}, timeout=5)
-            if r.status_code != 503:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    def answered() -> httpx.Response | None:
+        r = httpx.get(fresh_service.url + f"/aotx/v1/requests/{rid}",
+                      headers={"Authorization": f"Bearer {token}"}, timeout=5)
+        return r if r.status_code != 503 else None
+
+    r = eventually(answered, timeout=30)
     assert "event=serve.restart component=gateway" in fresh_service.read_log()
     assert r.status_code == 200 and r.json()["output"] == before["output"]
     with client(fresh_service, fresh_service.token) as c:  # the admin too

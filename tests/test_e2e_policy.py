@@ -14,7 +14,7 @@ import pytest
 
 from aotx import wire
 
-from .conftest import Service, running_service
+from .conftest import Service, eventually, running_service
 from .test_e2e_foundation import poll_until_terminal
 from .test_e2e_grants import client, mint
 
@@ -252,19 +252,13 @@ def test_lineage_survives_a_device_crash_mid_save(fresh_service: Service) -> Non
     with open(os.path.join(lineage_dir, f"gen-{gen + 1:08d}.json"), "w") as f:
         f.write(json.dumps({"generation": gen + 1, "facts": ["torn"], "sha256": "0" * 64}))
     os.kill(fresh_service.children()["device"], signal.SIGKILL)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            with client(fresh_service, token) as c:
-                r = c.get("/aotx/v1/memory")
-                if r.status_code == 200 and "restart component=device" in fresh_service.read_log():
-                    caps = c.get("/aotx/v1/capabilities").json()
-                    if caps["runtime_epoch"] == "2":
-                        break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline
-        time.sleep(0.3)
+    def restarted() -> bool:
+        with client(fresh_service, token) as c:
+            return (c.get("/aotx/v1/memory").status_code == 200
+                    and "restart component=device" in fresh_service.read_log()
+                    and c.get("/aotx/v1/capabilities").json()["runtime_epoch"] == "2")
+
+    eventually(restarted, timeout=120, interval=0.3)
     with client(fresh_service, token) as c:
         mem = c.get("/aotx/v1/memory").json()
         assert mem["facts"] == saved["facts"] and mem["generation"] == saved["generation"]

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from .conftest import Service, running_service
+from .conftest import Service, eventually, running_service
 from .test_e2e_api import emissions, sse
 from .test_e2e_foundation import poll_until_terminal, read_all_windows
 from .test_e2e_grants import client, mint
@@ -169,15 +169,8 @@ def test_gateway_kill_mid_stream_then_resume_every_byte(fresh_service: Service) 
                     if len(got) > 40:
                         break
     os.kill(fresh_service.children()["gateway"], signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(fresh_service.url + "/readyz", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    eventually(lambda: httpx.get(fresh_service.url + "/readyz", timeout=2).status_code == 200,
+               timeout=30)
     with fresh_service.client() as c:
         with c.stream("GET", f"/aotx/v1/requests/{rid}/events",
                       headers={"Last-Event-ID": last_id}) as r:
@@ -194,16 +187,12 @@ def test_broker_kill_with_requests_in_flight(fresh_service: Service) -> None:
                                                  "max_tokens": 60}).json()["id"]
                for _ in range(3)]
     os.kill(fresh_service.children()["broker"], signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with fresh_service.client() as c:
-                if all(poll_until_terminal(c, i)["state"] == "completed" for i in ids):
-                    break
-        except (httpx.HTTPError, AssertionError, KeyError):
-            pass
-        assert time.monotonic() < deadline
-        time.sleep(0.3)
+    def all_completed() -> bool:
+        with fresh_service.client() as c:
+            return all(poll_until_terminal(c, i)["state"] == "completed" for i in ids)
+
+    eventually(all_completed, timeout=30, interval=0.3,
+               ignore=(httpx.HTTPError, AssertionError, KeyError))
     with fresh_service.client() as c:
         for _ in range(50):
             text = c.get("/metrics").text
@@ -224,17 +213,11 @@ def test_device_kill_new_epoch_410_grants_reinstalled(fresh_service: Service) ->
             {"role": "user", "content": "hi"}]}).json()["id"]
         poll_until_terminal(c, rid)
     os.kill(fresh_service.children()["device"], signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with client(fresh_service, token) as c:
-                r = c.get(f"/aotx/v1/requests/{rid}")
-                if r.status_code == 410:
-                    break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline
-        time.sleep(0.3)
+    def gone() -> bool:
+        with client(fresh_service, token) as c:
+            return c.get(f"/aotx/v1/requests/{rid}").status_code == 410
+
+    eventually(gone, timeout=60, interval=0.3)
     with client(fresh_service, token) as c:
         new = c.post("/aotx/v1/requests", json={"model": "smollm2", "max_tokens": 4, "messages": [
             {"role": "user", "content": "hi"}]})
