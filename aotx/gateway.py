@@ -28,9 +28,9 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from . import schemas as S
 from . import wire
 from .brokerclient import BrokerClient, BrokerUnavailable
 from .credentials import CredentialStore, PrincipalGrant, token_hash
@@ -569,11 +569,12 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
                         headers=getattr(exc, "headers", None))
 
     # -- health ------------------------------------------------------------------
-    @app.get("/healthz", tags=["operations"])
+    @app.get("/healthz", tags=["operations"], response_model=S.Health)
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["operations"])
+    @app.get("/readyz", tags=["operations"], response_model=S.Ready,
+             responses={503: {"model": S.Ready, "description": "not ready"}})
     async def readyz() -> Response:
         g = gw()
         try:
@@ -585,7 +586,7 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     # -- native routes ---------------------------------------------------------
-    @app.post("/aotx/v1/requests", status_code=202, tags=["native"])
+    @app.post("/aotx/v1/requests", status_code=202, tags=["native"], response_model=S.Admission)
     async def submit(body: ChatRequest,
                      principal: Principal = Depends(authenticated)) -> Response:  # noqa: B008
         g = gw()
@@ -598,7 +599,7 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
                                "persistence": "ephemeral", "media": media}),
                         status_code=202, media_type="application/json")
 
-    @app.get("/aotx/v1/requests/{rid}", tags=["native"])
+    @app.get("/aotx/v1/requests/{rid}", tags=["native"], response_model=S.RequestWindow)
     async def get_request(rid: str, request: Request, cursor: str | None = None) -> Response:
         # Served by Guard's fast path (same code: Gateway.window_body); this route
         # documents it in the OpenAPI document and serves it if the fast path is off.
@@ -607,7 +608,8 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
         return Response(await g.window_body(principal, rid, cursor),
                         media_type="application/json")
 
-    @app.post("/aotx/v1/requests/{rid}/cancel", status_code=202, tags=["native"])
+    @app.post("/aotx/v1/requests/{rid}/cancel", status_code=202, tags=["native"],
+              response_model=S.RequestState)
     async def cancel_request(rid: str, request: Request) -> Response:
         g = gw()
         principal = await g.authenticate(request)
@@ -664,7 +666,9 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
-    @app.post("/aotx/v1/media", status_code=201, tags=["media"])
+    @app.post("/aotx/v1/media", status_code=201, tags=["media"], response_model=S.MediaSource,
+              responses={200: {"model": S.MediaSource,
+                               "description": "the same bytes were already a source"}})
     async def upload_media(request: Request) -> Response:
         g = gw()
         principal = await g.authenticate(request)
@@ -706,7 +710,7 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
                            code="media_refused")
         return Response(dumps(obj), status_code=rh.status, media_type="application/json")
 
-    @app.get("/aotx/v1/media", tags=["media"])
+    @app.get("/aotx/v1/media", tags=["media"], response_model=S.MediaList)
     async def list_media(request: Request, cursor: str | None = None,
                          limit: int = 20) -> Response:
         g = gw()
@@ -721,7 +725,7 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
                                "next_cursor": str(rh.cursor) if rh.cursor else None}),
                         media_type="application/json")
 
-    @app.get("/aotx/v1/media/{sid}", tags=["media"])
+    @app.get("/aotx/v1/media/{sid}", tags=["media"], response_model=S.MediaSource)
     async def get_media(sid: str, request: Request) -> Response:
         g = gw()
         principal = await g.authenticate(request)
@@ -736,14 +740,14 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
         await g.ask(principal, wire.Op.MEDIA_DELETE, identity=_parse_source_id(sid))
         return Response(status_code=204)
 
-    @app.get("/aotx/v1/policy", tags=["policy"])
+    @app.get("/aotx/v1/policy", tags=["policy"], response_model=S.Policy)
     async def get_policy(request: Request) -> Response:
         g = gw()
         principal = await g.authenticate(request)
         rh, body = await g.ask(principal, wire.Op.POLICY)
         return Response(dumps(_policy_json(rh, body)), media_type="application/json")
 
-    @app.post("/aotx/v1/policy", tags=["policy"])
+    @app.post("/aotx/v1/policy", tags=["policy"], response_model=S.Policy)
     async def control_policy(body: PolicyControlBody,
                      principal: Principal = Depends(authenticated)) -> Response:  # noqa: B008
         g = gw()
@@ -771,7 +775,7 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
         principal = await g.authenticate(request)
         return await g.ask(principal, wire.Op.MEMORY, role=int(sub), cursor=pending_id)
 
-    @app.get("/aotx/v1/memory", tags=["policy"])
+    @app.get("/aotx/v1/memory", tags=["policy"], response_model=S.Memory)
     async def read_memory(request: Request) -> Response:
         _, body = await memory_call(request, wire.MemoryOp.READ)
         doc = orjson.loads(body)
@@ -783,13 +787,14 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
         await memory_call(request, wire.MemoryOp.ERASE)
         return Response(status_code=204)
 
-    @app.get("/aotx/v1/memory/pending", tags=["policy"])
+    @app.get("/aotx/v1/memory/pending", tags=["policy"], response_model=S.MemoryPending)
     async def pending_memory(request: Request) -> Response:
         _, body = await memory_call(request, wire.MemoryOp.PENDING)
         return Response(dumps({"schema": "aotx.memory_pending.v1", "data": orjson.loads(body)}),
                         media_type="application/json")
 
-    @app.post("/aotx/v1/memory/pending/{pid}/{verdict}", tags=["policy"])
+    @app.post("/aotx/v1/memory/pending/{pid}/{verdict}", tags=["policy"],
+              response_model=S.PendingDecision)
     async def decide_pending(pid: str, verdict: str, request: Request) -> Response:
         if verdict not in ("approve", "reject"):
             raise ApiError(404, "use .../approve or .../reject")
@@ -799,7 +804,7 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
         await memory_call(request, sub, int(pid))
         return Response(dumps({"id": pid, "decision": verdict}), media_type="application/json")
 
-    @app.get("/aotx/v1/capabilities", tags=["native"])
+    @app.get("/aotx/v1/capabilities", tags=["native"], response_model=S.Capabilities)
     async def capabilities(request: Request) -> Response:
         g = gw()
         principal = await g.authenticate(request)
@@ -839,7 +844,7 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
         return Response(render_metrics(device, broker, g.broker.packets_sent),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/aotx/v1/telemetry", tags=["native"])
+    @app.get("/aotx/v1/telemetry", tags=["native"], response_model=S.Telemetry)
     async def telemetry(request: Request) -> Response:
         g = gw()
         principal = await g.authenticate(request)
@@ -853,7 +858,7 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
                         media_type="application/json")
 
     # -- standard routes -------------------------------------------------------
-    @app.get("/v1/models", tags=["standard"])
+    @app.get("/v1/models", tags=["standard"], response_model=S.OpenAIModelList)
     async def list_models(request: Request) -> Response:
         g = gw()
         principal = await g.authenticate(request)
@@ -862,7 +867,7 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
                                "data": [_openai_model(m) for m in g.visible_models(principal)]}),
                         media_type="application/json")
 
-    @app.get("/v1/models/{model_id:path}", tags=["standard"])
+    @app.get("/v1/models/{model_id:path}", tags=["standard"], response_model=S.OpenAIModel)
     async def get_model(model_id: str, request: Request) -> Response:
         g = gw()
         principal = await g.authenticate(request)
@@ -870,7 +875,10 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
         return Response(dumps(_openai_model(g.model_for(model_id, principal))),
                         media_type="application/json")
 
-    @app.post("/v1/chat/completions", tags=["standard"])
+    @app.post("/v1/chat/completions", tags=["standard"], response_model=S.ChatCompletion,
+              responses={200: {"content": {"text/event-stream": {}},
+                               "description": "the completion, or with stream: true an SSE "
+                                              "stream of chat.completion.chunk objects"}})
     async def chat_completions(body: ChatRequest,
                      principal: Principal = Depends(authenticated)) -> Response:  # noqa: B008
         g = gw()
@@ -1053,19 +1061,6 @@ def render_metrics(device: dict[str, Any], broker: dict[str, Any], gateway_packe
     return bytes(generate_latest(registry))
 
 
-class ErrorObject(BaseModel):
-    message: str
-    type: str
-    code: str | None
-    param: str | None
-
-
-class ErrorResponse(BaseModel):
-    """The standard error object every route answers with on failure."""
-
-    error: ErrorObject
-
-
 #: Statuses any authenticated route can answer (see docs/api.md for which and why).
 _COMMON_ERRORS = (400, 401, 403, 404, 405, 408, 409, 410, 413, 415, 421, 422, 429, 431, 503)
 _PUBLIC = ("/healthz", "/readyz", "/openapi.json", "/docs", "/redoc")
@@ -1077,7 +1072,7 @@ def _document_errors(app: FastAPI) -> None:
         if not isinstance(route, APIRoute) or route.path in _PUBLIC:
             continue
         for status in _COMMON_ERRORS:
-            route.responses.setdefault(status, {"model": ErrorResponse,
+            route.responses.setdefault(status, {"model": S.ErrorResponse,
                                                 "description": "standard error object"})
         if "POST" in route.methods:
             route.responses.setdefault(200, {"description": "OK"})

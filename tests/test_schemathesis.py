@@ -18,7 +18,8 @@ def test_api_against_its_openapi_document(service: Service) -> None:
     r = subprocess.run(
         [st, "run", service.url + "/openapi.json", "-H", f"Authorization: Bearer {service.token}",
          "--max-examples", "10", "--request-timeout", "60", "--phases", "fuzzing,coverage",
-         "--checks", "not_a_server_error,status_code_conformance,content_type_conformance",
+         "--checks", "not_a_server_error,status_code_conformance,content_type_conformance,"
+         "response_schema_conformance",
          "--seed", "1"],
         capture_output=True, text=True, timeout=600)
     out = r.stdout + r.stderr

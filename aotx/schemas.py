@@ -1,0 +1,268 @@
+"""Response documents of the HTTP API, as pydantic models.
+
+The routes build their JSON by hand (orjson, no validation on the hot path);
+these models exist so that the OpenAPI document describes every response body
+exactly, and schemathesis checks each live response against it
+(``tests/test_schemathesis.py``).  A field added to a route and not here makes
+that test fail.
+
+64-bit counters and cursors are decimal strings (JSON numbers lose precision
+past 2^53); token counts are plain integers.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+Decimal = str  # a non-negative integer written in decimal (fits in 64 bits)
+_DEC = Field(pattern=r"^[0-9]+$")
+
+
+class ErrorObject(_Doc):
+    message: str
+    type: str
+    code: str | None
+    param: str | None
+
+
+class ErrorResponse(_Doc):
+    """The standard error object every route answers with on failure."""
+
+    error: ErrorObject
+
+
+class Health(_Doc):
+    status: str
+
+
+class Ready(_Doc):
+    status: Literal["ready", "not ready"]
+    runtime_epoch: Decimal = _DEC
+
+
+class Usage(_Doc):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Admission(_Doc):
+    """``aotx.admission.v1``: the answer to a native submission."""
+
+    schema_: Literal["aotx.admission.v1"] = Field(alias="schema")
+    id: str
+    runtime_epoch: Decimal = _DEC
+    state: Literal["accepted"]
+    persistence: Literal["ephemeral"]
+    media: list[str] = Field(description="the media handles (src-...) this request leased")
+
+
+_STATES = Literal["free", "queued", "preparing", "running", "completed", "failed", "cancelled"]
+_FINISH = Literal["stop", "length"] | None
+
+
+class RequestState(_Doc):
+    """``aotx.request.v1`` without a window (the answer to a cancel)."""
+
+    schema_: Literal["aotx.request.v1"] = Field(alias="schema")
+    id: str
+    runtime_epoch: Decimal = _DEC
+    model: str | None
+    model_role: int
+    state: _STATES
+    cancel_requested: bool
+    finish_reason: _FINISH
+    failure: ErrorObject | None
+    usage: Usage
+
+
+class OutputWindow(_Doc):
+    encoding: Literal["base64"]
+    bytes: str
+    cursor: Decimal = _DEC
+    next_cursor: Decimal = _DEC
+    total_bytes: Decimal = _DEC
+
+
+class RequestWindow(RequestState):
+    """``aotx.request.v1``: state plus the output bytes from ``cursor`` on."""
+
+    output: OutputWindow
+
+
+class MediaSource(_Doc):
+    """``aotx.media.v1``."""
+
+    schema_: Literal["aotx.media.v1"] = Field(alias="schema")
+    id: str = Field(pattern=r"^src-[0-9a-f]{32}$")
+    digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$")
+    kind: Literal["image", "audio"]
+    content_type: str
+    bytes: Decimal = _DEC
+    state: Literal["receiving", "ready", "refused"]
+    reason: str | None
+    leases: int
+    created: str
+
+
+class MediaList(_Doc):
+    schema_: Literal["aotx.media_list.v1"] = Field(alias="schema")
+    data: list[MediaSource]
+    next_cursor: Decimal | None
+
+
+class Policy(_Doc):
+    """``aotx.policy.v1``: the resident policy's status record."""
+
+    schema_: Literal["aotx.policy.v1"] = Field(alias="schema")
+    runtime_epoch: Decimal = _DEC
+    mode: str
+    abi: int
+    state: Literal["off", "quiet", "active", "paused", "stopped", "error", "recording"]
+    review_enabled: bool
+    pending: int
+    active_rows: int
+    result_status: int
+    control_revision: Decimal = _DEC
+    source_frontier: Decimal = _DEC
+    completed: Decimal = _DEC
+    interrupted: Decimal = _DEC
+    refused: Decimal = _DEC
+    decision: Decimal = _DEC
+    saved_generation: Decimal = _DEC
+    max_ns: Decimal = _DEC
+    last_ns: Decimal = _DEC
+    written_bytes: Decimal = _DEC
+    result_bytes: Decimal = _DEC
+    reason: Literal["quiet", "foreground", "paused", "capacity", "active", "disabled"]
+
+
+class Memory(_Doc):
+    schema_: Literal["aotx.memory.v1"] = Field(alias="schema")
+    generation: Decimal = _DEC
+    facts: list[str]
+
+
+class PendingFact(_Doc):
+    id: Decimal = _DEC
+    fact: str
+
+
+class MemoryPending(_Doc):
+    schema_: Literal["aotx.memory_pending.v1"] = Field(alias="schema")
+    data: list[PendingFact]
+
+
+class PendingDecision(_Doc):
+    id: Decimal = _DEC
+    decision: Literal["approve", "reject"]
+
+
+class Limits(_Doc):
+    max_packet_bytes: Decimal = _DEC
+    max_payload_bytes: Decimal = _DEC
+    window_bytes: Decimal = _DEC
+    context_tokens: Decimal = _DEC
+    output_tokens: Decimal = _DEC
+    active_requests: Decimal = _DEC
+    slots: Decimal = _DEC
+    media_bytes: Decimal = _DEC
+    body_bytes: Decimal = _DEC
+    retention_seconds: Decimal = _DEC
+    retention_requests: Decimal = _DEC
+
+
+class ModelEntry(_Doc):
+    alias: str
+    role: int
+    model_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    input_modalities: list[Literal["text", "image", "audio"]]
+    published_at: str
+    context_tokens: Decimal = _DEC
+    automatic_memory: bool
+
+
+class Features(_Doc):
+    requests: bool
+    windows: bool
+    events: bool
+    cancel: bool
+    media: bool
+    telemetry: bool
+    metrics: bool
+    policy: bool
+    automatic_memory: bool
+    shared_operations: bool
+
+
+class Lineage(_Doc):
+    kind: Literal["automatic_memory"]
+    path: str
+
+
+class Capabilities(_Doc):
+    schema_: Literal["aotx.capabilities.v1"] = Field(alias="schema")
+    runtime_epoch: Decimal = _DEC
+    limits: Limits
+    models: list[ModelEntry]
+    features: Features
+    lineage: Lineage | None
+
+
+class TelemetrySample(_Doc):
+    service_allocation_bytes: Decimal = _DEC
+    device_tick: Decimal = _DEC
+    device_clock_ns: Decimal = _DEC
+
+
+class Telemetry(_Doc):
+    schema_: Literal["aotx.telemetry.v1"] = Field(alias="schema")
+    runtime_epoch: Decimal = _DEC
+    sample: TelemetrySample
+    affect: None
+    expression: None
+
+
+class OpenAIModel(_Doc):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    automatic_memory: bool
+
+
+class OpenAIModelList(_Doc):
+    object: Literal["list"]
+    data: list[OpenAIModel]
+
+
+class ChatMessageOut(_Doc):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Doc):
+    index: int
+    message: ChatMessageOut
+    logprobs: None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletion(_Doc):
+    """A non-streaming ``chat.completion``; with ``stream: true`` the route answers
+    ``text/event-stream`` of ``chat.completion.chunk`` objects instead."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChoice]
+    usage: Usage
