@@ -27,7 +27,9 @@ import select
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 
@@ -36,6 +38,7 @@ from .engine import EngineConfig, LlamaEngine, Sampler
 from .mailbox import REQUEST, SCAN_ALL, Bell, Region
 from .media import MediaError, MediaTable
 from .models import ModelSpec, file_sha256, load_specs
+from .multimodal import MARKER, MediaEncoder, MediaInputError, MediaSegment, release_all
 from .paths import RuntimePaths
 from .policy import (
     EXTRACTION_MAX_TOKENS,
@@ -79,7 +82,8 @@ class LoadedModel:
     published_at: int
     thread: threading.Thread | None = None
     modalities: int = wire.MOD_TEXT
-    media_marker: str = "<__media__>"  # where a media part sits in the rendered prompt
+    media_marker: str = MARKER  # where a media part sits in the rendered prompt
+    encoder: MediaEncoder | None = None  # the projector, for image/audio input
     automatic_memory: bool = False  # the exact file, template and processors are qualified
 
 
@@ -188,17 +192,37 @@ class Device:
         except TemplateError as exc:
             engine.close()
             raise SystemExit(f"model {spec.alias} ({spec.path}) refused: {exc}") from None
+        encoder = None
+        mods = 0
+        for m in spec.modalities:
+            mods |= {"text": wire.MOD_TEXT, "image": wire.MOD_IMAGE, "audio": wire.MOD_AUDIO}[m]
+        if spec.mmproj:
+            try:
+                encoder = MediaEncoder(spec.mmproj, engine.model, engine.n_embd, engine.threads)
+            except MediaInputError as exc:
+                engine.close()
+                raise SystemExit(f"model {spec.alias}: {exc}") from None
+            found = (wire.MOD_TEXT | (wire.MOD_IMAGE if encoder.vision else 0)
+                     | (wire.MOD_AUDIO if encoder.audio else 0))
+            if spec.modalities and mods != found:
+                encoder.close()
+                engine.close()
+                raise SystemExit(f"model {spec.alias}: the models file declares modalities "
+                                 f"{list(spec.modalities)}, but {spec.mmproj} encodes "
+                                 f"{_modality_names(found)}")
+            mods = found
+            log.info("event=model.projector alias=%s path=%s modalities=%s", spec.alias,
+                     spec.mmproj, ",".join(_modality_names(mods)))
         scheduler = Scheduler(
             engine, spec.slots, batch, self.lock,
             make_sampler=lambda r: Sampler(r.temperature, r.top_p, r.seed),
             free_sampler=lambda s: s.free(),  # type: ignore[attr-defined]
-            on_step=self._after_step, on_terminal=self._on_terminal)
-        mods = 0
-        for m in spec.modalities:
-            mods |= {"text": wire.MOD_TEXT, "image": wire.MOD_IMAGE, "audio": wire.MOD_AUDIO}[m]
+            on_step=self._after_step, on_terminal=self._on_terminal,
+            encode=encoder.encode if encoder is not None else None)
         self.models[spec.role] = LoadedModel(spec, engine, template, scheduler, digest,
                                              int(os.stat(spec.path).st_mtime), modalities=mods,
-                                             automatic_memory=qualified(digest, template.source))
+                                             automatic_memory=qualified(digest, template.source),
+                                             encoder=encoder)
         log.info("event=model.ready alias=%s role=%d sha256=%s params_bytes=%d kv_bytes=%d "
                  "threads=%d seconds=%.1f", spec.alias, spec.role, digest.hex(),
                  engine.model_bytes, engine.kv_bytes(), engine.threads, time.monotonic() - t0)
@@ -574,7 +598,31 @@ class Device:
             prompt_text = model.template.render(messages)
         except TemplateError as exc:
             return refuse(400, str(exc))
-        prompt = model.engine.tokenize(prompt_text, add_special=model.engine.add_bos)
+        segments: list[MediaSegment] = []
+        if leased:
+            if model.encoder is None:
+                return refuse(400, f"model {model.spec.alias} has no multimodal projector")
+            try:
+                prompt, segments = model.encoder.tokenize(
+                    prompt_text, [("image" if s.kind is wire.PartKind.IMAGE_DIGEST else "audio",
+                                   s.data) for s in leased], add_special=model.engine.add_bos)
+            except MediaInputError as exc:
+                return refuse(400, str(exc))
+            if not prompt or prompt[-1] < 0:
+                release_all(segments)
+                return refuse(400, "a prompt must end with text after its last media part")
+        else:
+            prompt = model.engine.tokenize(prompt_text, add_special=model.engine.add_bos)
+        reply = self._admit(h, grant, model, sub, prompt, prompt_text, segments, leased,
+                            messages, bool(memory_on), refuse)
+        if reply[0].status != 202:
+            release_all(segments)  # refused: the request will not run
+        return reply
+
+    def _admit(self, h: Header, grant: wire.Grant, model: LoadedModel, sub: wire.Submission,
+               prompt: list[int], prompt_text: str, segments: list[MediaSegment],
+               leased: list[Any], messages: list[dict[str, str]], memory_on: bool,
+               refuse: Callable[..., tuple[Header, bytes]]) -> tuple[Header, bytes]:
         ctx = model.engine.slot_context
         if len(prompt) >= ctx:
             return refuse(400, f"the prompt has {len(prompt)} tokens; model {model.spec.alias} "
@@ -609,7 +657,8 @@ class Device:
                       temperature=max(0.0, h.temperature),
                       top_p=h.top_p if 0.0 < h.top_p <= 1.0 else 1.0, seed=seed,
                       stops=tuple(s.encode() for s in sub.stop),
-                      memory_off=bool(h.submit_flags & wire.SUBMIT_FLAG_MEMORY_OFF))
+                      memory_off=bool(h.submit_flags & wire.SUBMIT_FLAG_MEMORY_OFF),
+                      segments=segments)
         if memory_on and self.policy.enabled:
             req.source_text = "\n".join(f"{m['role'].capitalize()}: {m['content']}"
                                         for m in messages if m["role"] == "user")
@@ -774,6 +823,8 @@ class Device:
         for m in self.models.values():
             if m.thread:
                 m.thread.join(timeout=30)
+            if m.encoder is not None:
+                m.encoder.close()
             m.engine.close()
         self.region.close()
         log.info("event=device.stopped epoch=%d", self.epoch)
@@ -781,6 +832,11 @@ class Device:
     def stop(self) -> None:
         self._stopping = True
         self.bell.ring_self()
+
+
+def _modality_names(mods: int) -> list[str]:
+    return [name for bit, name in ((wire.MOD_TEXT, "text"), (wire.MOD_IMAGE, "image"),
+                                   (wire.MOD_AUDIO, "audio")) if mods & bit]
 
 
 def run(paths: RuntimePaths, mailboxes: int, models_file: str | None = None,

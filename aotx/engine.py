@@ -109,6 +109,8 @@ class LlamaEngine:
         self.model_bytes = int(llama_cpp.llama_model_size(self.model))
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.threads = threads
+        self.n_embd = int(llama_cpp.llama_model_n_embd(self.model))
+        self._embd_batch: llama_cpp.llama_batch | None = None
 
     # -- metadata ------------------------------------------------------------
     def metadata(self, key: str) -> str | None:
@@ -173,6 +175,39 @@ class LlamaEngine:
         b.n_tokens = len(entries)
         return int(llama_cpp.llama_decode(self.ctx, b))
 
+    def decode_embeddings(self, embd: ctypes.Array[ctypes.c_float], n_tokens: int, pos: int,
+                          seq: int, non_causal: bool = False) -> int:
+        """Decode ``n_tokens`` rows of input embeddings (an image or audio segment from
+        the projector) into ``seq`` at positions ``pos``...; no logits are kept (a
+        prompt always ends in text).  Returns llama_decode's status."""
+        n_embd = self.n_embd
+        if self._embd_batch is None:
+            self._embd_batch = llama_cpp.llama_batch_init(self.config.batch, n_embd, 1)
+        b = self._embd_batch
+        row = n_embd * ctypes.sizeof(ctypes.c_float)
+        base = ctypes.addressof(embd)
+        if non_causal:
+            llama_cpp.llama_set_causal_attn(self.ctx, False)
+        try:
+            done = 0
+            while done < n_tokens:
+                n = min(self.config.batch, n_tokens - done)
+                ctypes.memmove(b.embd, base + done * row, n * row)
+                for i in range(n):
+                    b.pos[i] = pos + done + i
+                    b.n_seq_id[i] = 1
+                    b.seq_id[i][0] = seq
+                    b.logits[i] = False
+                b.n_tokens = n
+                status = int(llama_cpp.llama_decode(self.ctx, b))
+                if status != 0:
+                    return status
+                done += n
+        finally:
+            if non_causal:
+                llama_cpp.llama_set_causal_attn(self.ctx, True)
+        return 0
+
     def sample(self, sampler: Sampler, index: int) -> int:
         return int(llama_cpp.llama_sampler_sample(sampler.ptr, self.ctx, index))
 
@@ -199,6 +234,8 @@ class LlamaEngine:
     def close(self) -> None:
         if self.ctx:
             llama_cpp.llama_batch_free(self.batch)
+            if self._embd_batch is not None:
+                llama_cpp.llama_batch_free(self._embd_batch)
             llama_cpp.llama_free(self.ctx)
             llama_cpp.llama_model_free(self.model)
             self.ctx = None

@@ -20,6 +20,16 @@ installed package, never by a fixed path.
     context = 8192
     modalities = ["text"]
 
+    [[model]]
+    alias = "vision"
+    path = "models/some-vlm.gguf"
+    mmproj = "models/mmproj-some-vlm.gguf"  # llama.cpp multimodal projector
+
+A model with ``mmproj`` accepts what its projector encodes (image, audio or
+both, as libmtmd reports at load); ``modalities``, when given, must match.
+Image or audio without a projector is refused.  ``[default]`` takes ``mmproj``
+too (a projector built for SmolLM2's 576-wide embeddings).
+
 Roles are assigned in order: the default model is role 1, the models file's
 entries follow (2, 3, ...).  A role is the small number the wire protocol uses
 for a model (at most 31 models).
@@ -57,6 +67,7 @@ class ModelSpec:
     modalities: tuple[str, ...] = ("text",)
     batch: int = 512
     threads: int = 0
+    mmproj: str | None = None  # multimodal projector (llama.cpp mtmd), None: text only
 
 
 def default_model_path() -> str:
@@ -83,6 +94,36 @@ def _positive(table: dict[str, object], key: str, default: int) -> int:
     return v
 
 
+def _file_in(state_dir: str, value: object, what: str) -> str:
+    """Resolve a model or projector path; a relative one must stay inside the state folder."""
+    if not isinstance(value, str) or not value:
+        raise ModelConfigError(f"{what}: path is required")
+    relative = not os.path.isabs(value)
+    path = os.path.realpath(os.path.join(state_dir, value) if relative else value)
+    root = os.path.realpath(state_dir)
+    if relative and os.path.commonpath([root, path]) != root:
+        # A relative path names a file inside the state folder; "../" (or a
+        # symlink) leading out of it is refused. Absolute paths are the
+        # operator's explicit choice.
+        raise ModelConfigError(f"{what}: {value!r} leaves the state folder")
+    if not os.path.isfile(path):
+        raise ModelConfigError(f"{what}: {path} is not a file")
+    return path
+
+
+def _modalities(entry: dict[str, object], what: str, mmproj: str | None) -> tuple[str, ...]:
+    mods = entry.get("modalities", ["text"] if mmproj is None else None)
+    if mods is None:
+        return ()  # decided at load from what the projector supports
+    if (not isinstance(mods, list) or not mods or "text" not in mods
+            or not set(mods) <= {"text", "image", "audio"}):
+        raise ModelConfigError(f"{what}: modalities must list text and optionally image, audio")
+    if set(mods) - {"text"} and mmproj is None:
+        raise ModelConfigError(f"{what}: {'/'.join(sorted(set(mods) - {'text'}))} input needs "
+                               "a multimodal projector: set mmproj = \"path/to/mmproj.gguf\"")
+    return tuple(mods)
+
+
 def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec]:
     path = models_file or os.path.join(state_dir, "models.toml")
     data: dict[str, object] = {}
@@ -100,40 +141,24 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
     if not isinstance(default, dict):
         raise ModelConfigError("[default] must be a table")
     if default.get("enabled", True):
+        mmproj = (_file_in(state_dir, default["mmproj"], "[default] mmproj")
+                  if "mmproj" in default else None)
         specs.append(ModelSpec(alias=_check_alias(default.get("alias", DEFAULT_ALIAS)),
                                path=default_model_path(), role=1,
                                slots=_positive(default, "slots", 16),
                                context=_positive(default, "context", 4096),
-                               threads=int(default.get("threads", 0))))
+                               threads=int(default.get("threads", 0)), mmproj=mmproj,
+                               modalities=_modalities(default, "[default]", mmproj)))
     entries = data.get("model", [])
     if not isinstance(entries, list):
         raise ModelConfigError("[[model]] must be an array of tables")
     for n, entry in enumerate(entries):
         if not isinstance(entry, dict):
             raise ModelConfigError("each [[model]] must be a table")
-        mpath = entry.get("path")
-        if not isinstance(mpath, str) or not mpath:
-            raise ModelConfigError(f"model {n}: path is required")
-        relative = not os.path.isabs(mpath)
-        if relative:
-            mpath = os.path.join(state_dir, mpath)
-        mpath = os.path.realpath(mpath)
-        root = os.path.realpath(state_dir)
-        if relative and os.path.commonpath([root, mpath]) != root:
-            # A relative path names a file inside the state folder; "../" (or a
-            # symlink) leading out of it is refused. Absolute paths are the
-            # operator's explicit choice.
-            raise ModelConfigError(f"model {n}: {entry['path']!r} leaves the state folder")
-        if not os.path.isfile(mpath):
-            raise ModelConfigError(f"model {n}: {mpath} is not a file")
-        mods = entry.get("modalities", ["text"])
-        if not isinstance(mods, list) or not set(mods) <= {"text", "image", "audio"}:
-            raise ModelConfigError(f"model {n}: modalities must be text, image or audio")
-        if set(mods) - {"text"}:
-            # Image and audio input need llama.cpp's multimodal projector (mtmd);
-            # this build does not drive it yet, so refuse rather than pretend.
-            raise ModelConfigError(f"model {n}: {'/'.join(sorted(set(mods) - {'text'}))} input "
-                                   "needs a multimodal projector, which aotx does not support yet")
+        mpath = _file_in(state_dir, entry.get("path"), f"model {n}")
+        mmproj = (_file_in(state_dir, entry["mmproj"], f"model {n} mmproj")
+                  if "mmproj" in entry else None)
+        mods = _modalities(entry, f"model {n}", mmproj)
         sha = entry.get("sha256")
         if sha is not None and (not isinstance(sha, str) or len(sha) != 64):
             raise ModelConfigError(f"model {n}: sha256 must be 64 hex digits")
@@ -142,7 +167,7 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
                                slots=_positive(entry, "slots", 8),
                                context=_positive(entry, "context", 4096),
                                sha256=sha.lower() if sha else None,
-                               modalities=tuple(mods),
+                               modalities=mods, mmproj=mmproj,
                                threads=int(entry.get("threads", 0))))
     if not specs:
         raise ModelConfigError("no model to load: the default is disabled and none is configured")

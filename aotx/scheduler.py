@@ -19,9 +19,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from .engine import BatchEntry
+from .multimodal import MediaInputError, MediaSegment, release_all
 from .wire import Finish, Phase
 
 
@@ -33,6 +34,8 @@ class Engine(Protocol):
     def piece(self, token: int) -> bytes: ...
     def is_eog(self, token: int) -> bool: ...
     def clear_sequence(self, seq: int) -> None: ...
+    def decode_embeddings(self, embd: Any, n_tokens: int, pos: int, seq: int,
+                          non_causal: bool = False) -> int: ...
     def trim_sequence(self, seq: int, keep: int) -> None: ...
 
 
@@ -159,6 +162,8 @@ class Request:
     background: bool = False  # resident-policy work: yields to any foreground request
     preempted: bool = False  # a background request cancelled because foreground work came
     source_text: str = ""  # the conversation, kept only when it may become a memory source
+    segments: list[MediaSegment] = field(default_factory=list)  # image/audio spans of prompt
+    next_segment: int = 0  # index of the first segment not yet decoded
     # engine state, owned by the engine thread
     seq: int = -1
     n_past: int = 0
@@ -178,7 +183,8 @@ class Scheduler:
     def __init__(self, engine: Engine, slots: int, batch: int, lock: threading.Lock,
                  make_sampler: SamplerFactory, free_sampler: Callable[[object], None],
                  on_step: Callable[[], None] = lambda: None,
-                 on_terminal: Callable[[Request], None] = lambda r: None) -> None:
+                 on_terminal: Callable[[Request], None] = lambda r: None,
+                 encode: Callable[[MediaSegment], Any] | None = None) -> None:
         self.engine = engine
         self.batch = batch
         self.lock = lock
@@ -190,6 +196,8 @@ class Scheduler:
         self.free_sampler = free_sampler
         self.on_step = on_step
         self.on_terminal = on_terminal
+        self.encode = encode
+        self.media_decoded = 0  # media segments decoded into sequences
         self.tick = 0
         self.steps_with_tokens = 0
         self.tokens_decoded = 0
@@ -242,10 +250,12 @@ class Scheduler:
         if req.sampler is not None:
             self.free_sampler(req.sampler)
             req.sampler = None
+        release_all(req.segments)
         self.on_terminal(req)
 
-    def _plan(self) -> tuple[list[BatchEntry], list[tuple[Request, int]], list[tuple[Request, int]]]:
-        """Choose this step's tokens.  Lock held."""
+    def _plan(self) -> tuple[list[BatchEntry], list[tuple[Request, int]],
+                             list[tuple[Request, int]], tuple[Request, MediaSegment] | None]:
+        """Choose this step's tokens, and at most one media segment.  Lock held."""
         for req in [r for r in self.queue if r.cancel_requested]:
             self.queue.remove(req)
             self._finish(req, Phase.CANCELLED)
@@ -284,13 +294,22 @@ class Scheduler:
             self.active.append(req)
         # Each request's tokens for this step: one for a running sequence, a prompt
         # chunk for one being prepared (prefill is chunked and mixed into decode).
+        # An image or audio segment is decoded on its own (a batch holds either
+        # tokens or embeddings), one segment per step, before the step's tokens.
         chosen: list[tuple[Request, list[BatchEntry], bool]] = []
+        media: tuple[Request, MediaSegment] | None = None
         budget = self.batch - sum(1 for r in self.active if r.phase is Phase.RUNNING)
         for req in self.active:
+            seg = (req.segments[req.next_segment] if req.next_segment < len(req.segments)
+                   else None)
             if req.phase is Phase.RUNNING:
                 chosen.append((req, [BatchEntry(req.next_token, req.n_past, req.seq, True)], True))
+            elif seg is not None and seg.start == req.n_past:
+                if media is None:
+                    media = (req, seg)
             elif budget > 0:
-                take = min(budget, len(req.prompt) - req.n_past)
+                end = seg.start if seg is not None else len(req.prompt)
+                take = min(budget, end - req.n_past)
                 if req.background:  # small steps: foreground work waits at most one of them
                     take = min(take, BACKGROUND_CHUNK)
                 last = req.n_past + take == len(req.prompt)
@@ -310,12 +329,40 @@ class Scheduler:
             advances.append((req, len(toks)))
             if sample:
                 samples.append((req, len(entries) - 1))
-        return entries, samples, advances
+        return entries, samples, advances, media
+
+    def _decode_media(self, req: Request, seg: MediaSegment) -> None:
+        """Encode one media segment and decode its embeddings into the request's sequence."""
+        try:
+            if self.encode is None:
+                raise MediaInputError("this model has no projector")
+            embd = self.encode(seg)
+            status = self.engine.decode_embeddings(embd, seg.n_tokens, seg.start, req.seq,
+                                                   seg.non_causal)
+        except MediaInputError:
+            status = -1
+        with self.lock:
+            seg.embeddings = None
+            if status == 0:
+                req.n_past += seg.n_tokens
+                req.next_segment += 1
+                self.prompt_tokens_in += seg.n_tokens
+                self.media_decoded += 1
+            elif req in self.active:
+                self.active.remove(req)
+                self._finish(req, Phase.FAILED, failure=503 if status == 1 else 500)
 
     def step(self) -> bool:
         """Run one decode step.  Returns False when there was nothing to do."""
         with self.lock:
-            entries, samples, advances = self._plan()
+            entries, samples, advances, media = self._plan()
+        if media is not None:
+            self._decode_media(*media)
+            if not entries:
+                with self.lock:
+                    self.tick += 1
+                self.on_step()
+                return True
         if not entries:
             return False
         status = self.engine.decode(entries)

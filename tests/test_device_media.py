@@ -1,8 +1,8 @@
 """Device layer: media leases from admission to the terminal state (fake engine, real tables).
 
-The default model has no image input, so the end-to-end tests cannot hold a
-lease; this test gives the device a scripted image-capable model to check the
-lease rules themselves.
+These tests give the device a scripted image-capable model (a fake projector
+that turns each media marker into two placeholder positions) to check the
+lease rules themselves; tests/test_e2e_vision.py runs the real projector.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 from aotx import wire
 from aotx.device import Device, LoadedModel
 from aotx.models import ModelSpec
+from aotx.multimodal import MARKER, MediaSegment
 from aotx.paths import RuntimePaths
 from aotx.scheduler import Scheduler
 from aotx.template import ChatTemplate
@@ -21,6 +22,29 @@ from aotx.template import ChatTemplate
 from .conftest import short_tmpdir
 from .test_e2e_media import png
 from .test_scheduler import ScriptedEngine
+
+
+class FakeEncoder:
+    vision, audio = True, False
+
+    def tokenize(self, text: str, media: list[tuple[str, bytes]],
+                 add_special: bool) -> tuple[list[int], list[MediaSegment]]:
+        parts = text.split(MARKER)
+        assert len(parts) == len(media) + 1
+        tokens: list[int] = []
+        segments = []
+        for i, part in enumerate(parts):
+            tokens += [100 + (b % 50) for b in part.encode()]
+            if i < len(media):
+                segments.append(MediaSegment(start=len(tokens), n_tokens=2, kind=media[i][0]))
+                tokens += [-(i + 1)] * 2
+        return tokens, segments
+
+    def encode(self, seg: MediaSegment) -> str:
+        return "embeddings"
+
+    def close(self) -> None:
+        pass
 
 
 class TokenizingEngine(ScriptedEngine):
@@ -38,12 +62,15 @@ def device():
     state = short_tmpdir()
     dev = Device(RuntimePaths(state), [], mailboxes=4)
     engine = TokenizingEngine()
+    encoder = FakeEncoder()
     sched = Scheduler(engine, 2, 64, dev.lock, make_sampler=lambda r: r,
-                      free_sampler=lambda s: None, on_terminal=dev._on_terminal)
+                      free_sampler=lambda s: None, on_terminal=dev._on_terminal,
+                      encode=encoder.encode)
     tmpl = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     spec = ModelSpec(alias="vision", path="/dev/null", role=1, modalities=("text", "image"))
     dev.models[1] = LoadedModel(spec, engine, tmpl, sched, bytes(32), 0,  # type: ignore[arg-type]
-                                modalities=wire.MOD_TEXT | wire.MOD_IMAGE)
+                                modalities=wire.MOD_TEXT | wire.MOD_IMAGE,
+                                encoder=encoder)  # type: ignore[arg-type]
     dev.grants[7] = wire.Grant(principal=7, actions=int(wire.Action.all()), model_mask=2,
                                revision=1)
     dev.grant_revision = 1
@@ -71,7 +98,8 @@ def test_a_request_leases_its_sources_until_terminal(device) -> None:
     assert rh.status == 201
     source_id, digest = rh.identity, wire.decode_media_meta(body[:64]).digest
     sub = wire.encode_submission(wire.Submission((wire.Message(wire.Role.USER, (
-        wire.Part(wire.PartKind.TEXT, b"look: "), wire.Part(wire.PartKind.IMAGE_DIGEST, digest))),)))
+        wire.Part(wire.PartKind.TEXT, b"look: "), wire.Part(wire.PartKind.IMAGE_DIGEST, digest),
+        wire.Part(wire.PartKind.TEXT, b"?"))),)))
     ah, _ = call(dev, wire.Header(op=wire.Op.SUBMIT, role=1, max_tokens=5), sub)
     assert ah.status == 202
     req = dev.requests[ah.identity]
@@ -101,6 +129,11 @@ def test_cancelled_request_releases_its_lease(device) -> None:
     digest = wire.decode_media_meta(body[:64]).digest
     sub = wire.encode_submission(wire.Submission((wire.Message(wire.Role.USER, (
         wire.Part(wire.PartKind.IMAGE_DIGEST, digest),)),)))
+    ends_in_image, msg = call(dev, wire.Header(op=wire.Op.SUBMIT, role=1, max_tokens=50), sub)
+    assert ends_in_image.status == 400 and b"end with text" in msg
+    assert dev.media.sources[rh.identity].leases == 0  # a refusal leases nothing
+    sub = wire.encode_submission(wire.Submission((wire.Message(wire.Role.USER, (
+        wire.Part(wire.PartKind.IMAGE_DIGEST, digest), wire.Part(wire.PartKind.TEXT, b"?"))),)))
     ah, _ = call(dev, wire.Header(op=wire.Op.SUBMIT, role=1, max_tokens=50), sub)
     dev.requests[ah.identity].script = [1] * 50  # type: ignore[attr-defined]
     sched.step()

@@ -30,6 +30,8 @@ class ScriptedEngine:
         self.seq_script: dict[int, list[int]] = {}
         self.cleared: list[int] = []
         self.trims: list[tuple[int, int]] = []
+        self.media: list[tuple[int, int, int, object]] = []  # (seq, pos, n, embeddings)
+        self.media_status = 0
 
     def decode(self, entries: list[BatchEntry]) -> int:
         self.steps.append(list(entries))
@@ -54,11 +56,17 @@ class ScriptedEngine:
     def trim_sequence(self, seq: int, keep: int) -> None:
         self.trims.append((seq, keep))
 
+    def decode_embeddings(self, embd: object, n_tokens: int, pos: int, seq: int,
+                          non_causal: bool = False) -> int:
+        self.steps.append([])  # a step of its own: embeddings never share a token batch
+        self.media.append((seq, pos, n_tokens, embd))
+        return self.media_status
+
 
 def make(slots: int = 4, batch: int = 64) -> tuple[Scheduler, ScriptedEngine]:
     engine = ScriptedEngine()
     sched = Scheduler(engine, slots, batch, threading.Lock(), make_sampler=lambda r: r,
-                      free_sampler=lambda s: None)
+                      free_sampler=lambda s: None, encode=lambda seg: f"embd{seg.start}")
     return sched, engine
 
 
@@ -360,3 +368,65 @@ def test_real_engine_prefix_reuse_evaluates_fewer_tokens_with_the_same_output() 
         assert bytes(alone.out) == bytes(second.out) and alone.out
     finally:
         fresh.close()
+
+
+def media_req(name: int, script: list[int], layout: list[int | str]) -> Request:
+    """A request whose prompt is text tokens and media spans ("3" = an image of 3 positions)."""
+    from aotx.multimodal import MediaSegment
+
+    r = req(name, script)
+    r.prompt, r.segments = [], []
+    for part in layout:
+        if isinstance(part, str):
+            r.segments.append(MediaSegment(start=len(r.prompt), n_tokens=int(part), kind="image"))
+            r.prompt += [-(1000 * name + len(r.segments))] * int(part)
+        else:
+            r.prompt.append(part)
+    return r
+
+
+def test_media_segments_decode_in_steps_of_their_own_between_prompt_chunks() -> None:
+    sched, engine = make(slots=2, batch=64)
+    talker = req(1, [1, 1, 1, 1, 1, 1])
+    submit(sched, talker)
+    sched.step()  # the talker's prompt; it is running from now on
+    looker = media_req(2, [2, 2], [100, 101, "3", 102, 103])
+    submit(sched, looker)
+    for _ in range(4):
+        sched.step()
+    # step 2: the talker's token and the looker's text up to the image (not into it)
+    assert [(e.seq, e.pos) for e in engine.steps[1]] == [(0, 5), (1, 0), (1, 1)]
+    # step 3: the image alone as embeddings at positions 2..4, then the talker's token
+    assert engine.media == [(1, 2, 3, "embd2")]
+    assert engine.steps[2] == [] and [(e.seq, e.pos) for e in engine.steps[3]] == [(0, 6)]
+    # step 4: the text after the image, with logits on the prompt's last position only
+    assert [(e.seq, e.pos, e.token, e.logits) for e in engine.steps[4] if e.seq == 1] == [
+        (1, 5, 102, False), (1, 6, 103, True)]
+    run_until_idle(sched)
+    assert bytes(looker.out) == b"bb" and looker.phase is Phase.COMPLETED
+    assert sched.media_decoded == 1 and looker.n_past == 7 + 2
+
+
+def test_a_failed_media_decode_fails_only_its_request() -> None:
+    sched, engine = make(slots=2)
+    ok = req(1, [1, 1])
+    bad = media_req(2, [2], ["2", 100])
+    engine.media_status = 1  # the KV cache had no room for the embeddings
+    submit(sched, ok)
+    submit(sched, bad)
+    run_until_idle(sched)
+    assert bad.phase is Phase.FAILED and bad.failure == 503
+    assert ok.phase is Phase.COMPLETED and bytes(ok.out) == b"aa"
+    assert 1 in engine.cleared  # the failed sequence's cells are dropped
+
+
+def test_a_cached_image_prefix_never_matches_another_image() -> None:
+    sched, engine = make(slots=1)
+    first = media_req(1, [1], [100, 101, "2", 102])
+    submit(sched, first)
+    run_until_idle(sched)
+    second = media_req(2, [1], [100, 101, "2", 102])  # same text, another image
+    submit(sched, second)
+    run_until_idle(sched)
+    assert second.reused_tokens == 2  # the text before the image, not the image
+    assert engine.media[-1][:3] == (0, 2, 2)
