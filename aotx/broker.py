@@ -221,7 +221,7 @@ class Broker:
         """Look for replies no doorbell announced (at start-up, then every second)."""
         for i in range(self.region.count):
             if self.region.state(i) == REPLY:
-                self.bell.ring_self()
+                self.bell.ring_self(SCAN_ALL)
                 break
         if self._stopping is not None and not self._stopping.is_set():
             asyncio.get_running_loop().call_later(1.0, self._on_bell_scan)

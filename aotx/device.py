@@ -35,7 +35,7 @@ import orjson
 
 from . import wire
 from .engine import EngineConfig, LlamaEngine, Sampler
-from .mailbox import REQUEST, SCAN_ALL, Bell, Region
+from .mailbox import REQUEST, SCAN_ALL, WAKE, Bell, Region
 from .media import MediaError, MediaTable
 from .models import ModelSpec, file_sha256, load_specs
 from .multimodal import MARKER, MediaEncoder, MediaInputError, MediaSegment, release_all
@@ -812,7 +812,7 @@ class Device:
                 if SCAN_ALL in got:
                     pending = list(range(self.region.count))
                 else:
-                    pending = list(dict.fromkeys(got))
+                    pending = [i for i in dict.fromkeys(got) if i != WAKE]
             elif time.monotonic() - last_scan >= 1.0:
                 # Idle for a while: look at every mailbox once, so a doorbell ring lost
                 # to a full FIFO delays a packet by a second at most, never for ever.

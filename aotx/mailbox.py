@@ -45,6 +45,7 @@ DEFAULT_MAILBOXES = 128
 
 FREE, REQUEST, REPLY = 0, 1, 2
 SCAN_ALL = 0xFFFF
+WAKE = 0xFFFE  # wake the reader without naming a mailbox (in-process producers)
 _IDX = struct.Struct("<H")
 
 
@@ -159,10 +160,11 @@ class Bell:
             except BlockingIOError:
                 pass
 
-    def ring_self(self) -> None:
-        """Wake this side's own reader (used by in-process producers)."""
+    def ring_self(self, index: int = WAKE) -> None:
+        """Wake this side's own reader (used by in-process producers).  ``WAKE``
+        asks for no mailbox scan: the reader has in-process work to look at."""
         try:
-            os.write(self.fd, _IDX.pack(SCAN_ALL))
+            os.write(self.fd, _IDX.pack(index))
         except BlockingIOError:
             pass
 
