@@ -239,9 +239,7 @@ class Device:
             self.policy.log.append(PolicySource(req.principal, req.role, req.source_text))
             self.bell.ring_self()
         for sid in self.leases.pop(req.identity, []):
-            src = self.media.sources.get(sid)
-            if src is not None:
-                src.leases -= 1
+            self.media.unlease(sid)
 
     def _after_step(self) -> None:
         if self.n_parked:
@@ -354,7 +352,8 @@ class Device:
         if op is Op.MEDIA_PUT:
             status, src = self.media.put(h.principal, h.identity, h.cursor, h.role, payload,
                                          bool(h.submit_flags & wire.MEDIA_FLAG_FINAL),
-                                         bool(h.submit_flags & wire.MEDIA_FLAG_ABORT), grant)
+                                         bool(h.submit_flags & wire.MEDIA_FLAG_ABORT), grant,
+                                         ephemeral=bool(h.submit_flags & wire.MEDIA_FLAG_EPHEMERAL))
             if src is None:
                 return h.reply(status, epoch=self.epoch), b""
             if status == 201:
@@ -668,7 +667,7 @@ class Device:
         self.requests[identity] = req
         if leased:
             for src in leased:
-                src.leases += 1
+                self.media.lease(src)
             self.leases[identity] = [src.id for src in leased]
             req.media = [src.data for src in leased]
         model.scheduler.submit(req)

@@ -10,6 +10,8 @@ restarted: the gateway re-reads the information payload and reinstalls grants).
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import codecs
 import contextlib
 import dataclasses
@@ -38,7 +40,14 @@ from .errors import ApiError, error_body
 from .httpguard import BODY_IDLE_TIMEOUT, GuardedHttpToolsProtocol
 from .media import CONTENT_TYPES
 from .paths import RuntimePaths
-from .protocol import ChatRequest, MediaPart, PolicyControlBody, b64
+from .protocol import (
+    ChatRequest,
+    ImageUrlPart,
+    InputAudioPart,
+    MediaPart,
+    PolicyControlBody,
+    b64,
+)
 
 log = logging.getLogger("aotx.gateway")
 
@@ -284,15 +293,21 @@ class Gateway:
                       "total_tokens": h.prompt_tokens + h.sampled_tokens},
         }
 
-    def submission(self, body: ChatRequest, principal: Principal,
-                   allow_media: bool) -> tuple[wire.Header, bytes, wire.ModelInfo, list[str]]:
+    def submission(self, body: ChatRequest, principal: Principal, allow_media: bool,
+                   inline: dict[int, wire.Part] | None = None,
+                   ) -> tuple[wire.Header, bytes, wire.ModelInfo, list[str]]:
         m = self.model_for(body.model, principal)
         messages = []
         media: list[str] = []
         for msg in body.messages:
             parts = []
             for part in msg.parts():
-                if isinstance(part, MediaPart):
+                if isinstance(part, ImageUrlPart | InputAudioPart):
+                    if inline is None or id(part) not in inline:
+                        raise ApiError(400, "inline media was not uploaded", param="messages")
+                    parts.append(inline[id(part)])
+                    media.append("sha256:" + inline[id(part)].data.hex())
+                elif isinstance(part, MediaPart):
                     if not allow_media:
                         raise ApiError(400, "media parts are accepted only on /aotx/v1/requests",
                                        param="messages")
@@ -332,10 +347,38 @@ class Gateway:
 
     async def submit(self, body: ChatRequest, principal: Principal,
                      allow_media: bool = False) -> tuple[wire.Header, wire.ModelInfo, list[str]]:
-        h, payload, m, media = self.submission(body, principal, allow_media)
+        inline = await self.upload_inline(body, principal)
+        h, payload, m, media = self.submission(body, principal, allow_media, inline)
         rh, rbody = await self.call(h, payload)
         self.raise_for(rh, rbody, ok=(202,))
         return rh, m, media
+
+    async def upload_inline(self, body: ChatRequest, principal: Principal) -> dict[int, wire.Part]:
+        """Send OpenAI inline media (``image_url`` data URLs, ``input_audio``) to the device
+        as ephemeral sources: leased by this request, removed when it ends."""
+        found = [p for msg in body.messages for p in msg.parts()
+                 if isinstance(p, ImageUrlPart | InputAudioPart)]
+        if not found:
+            return {}
+        m = self.model_for(body.model, principal)
+        out: dict[int, wire.Part] = {}
+        for part in found:
+            image = isinstance(part, ImageUrlPart)
+            if not m.modalities & (wire.MOD_IMAGE if image else wire.MOD_AUDIO):
+                raise ApiError(400, f"model {m.alias} does not accept "
+                                    f"{'image' if image else 'audio'} input", param="messages")
+            ctype, raw = inline_media(part)
+
+            async def one(data: bytes = raw) -> AsyncIterator[bytes]:
+                yield data
+
+            _, obj = await MediaUpload(self, principal, CONTENT_TYPES[ctype][0],
+                                       ephemeral=True).run(one())
+            if obj["state"] == "refused":
+                raise ApiError(400, f"inline {obj['kind']} refused: {obj['reason']}",
+                               param="messages", code="media_refused")
+            out[id(part)] = wire.Part(CONTENT_TYPES[ctype][1], bytes.fromhex(obj["digest"][7:]))
+        return out
 
     async def read(self, principal: Principal, epoch: int, identity: bytes, cursor: int,
                    op: wire.Op = wire.Op.READ, seen: wire.Header | None = None,
@@ -389,6 +432,82 @@ class Gateway:
         rh, body = await self.call(h)
         self.raise_for(rh, body, ok=(202,))
         return rh
+
+
+class MediaUpload:
+    """One source sent to the device in MEDIA_PUT chunks of at most a packet's payload.
+
+    Anything but a finished upload (the client went away, a chunk was refused) is
+    aborted on the device, so nothing partial is left behind."""
+
+    def __init__(self, g: Gateway, principal: Principal, code: int,
+                 ephemeral: bool = False) -> None:
+        self.g = g
+        self.principal = principal
+        self.code = code
+        self.flags = wire.MEDIA_FLAG_EPHEMERAL if ephemeral else 0
+        self.id = secrets.token_bytes(16)
+        self.sent = 0
+
+    async def _put(self, chunk: bytes, flags: int) -> tuple[wire.Header, bytes]:
+        h = wire.Header(op=wire.Op.MEDIA_PUT, principal=self.principal.id, identity=self.id,
+                        cursor=self.sent, role=self.code, submit_flags=flags | self.flags)
+        rh, body = await self.g.call(h, chunk)
+        if rh.status not in (200, 201, 202):
+            self.g.raise_for(rh, body)
+        self.sent += len(chunk)
+        return rh, body
+
+    async def run(self, pieces: AsyncIterator[bytes]) -> tuple[int, dict[str, Any]]:
+        """Send every piece; returns (201 new or 200 existing, the aotx.media.v1 object)."""
+        buf = bytearray()
+        finished = False
+        try:
+            async for piece in pieces:
+                buf += piece
+                while len(buf) >= wire.MAX_PAYLOAD:
+                    chunk = bytes(buf[:wire.MAX_PAYLOAD])
+                    del buf[:wire.MAX_PAYLOAD]
+                    await self._put(chunk, 0)
+            rh, body = await self._put(bytes(buf), wire.MEDIA_FLAG_FINAL)
+            finished = True
+        finally:
+            if not finished:
+                with contextlib.suppress(ApiError, asyncio.CancelledError):
+                    await asyncio.shield(self._put(b"", wire.MEDIA_FLAG_ABORT))
+        return rh.status, _media_json(rh.identity, wire.decode_media_meta(body[:64]),
+                                      body[64:].decode())
+
+
+_AUDIO_FORMATS = {"wav": "audio/wav", "mp3": "audio/mpeg", "flac": "audio/flac"}
+
+
+def inline_media(part: ImageUrlPart | InputAudioPart) -> tuple[str, bytes]:
+    """The content type and bytes of an OpenAI inline media part (400 when unusable)."""
+    if isinstance(part, ImageUrlPart):
+        url = part.image_url.url
+        if not url.startswith("data:"):
+            raise ApiError(400, "image_url must be a data: URL (data:image/png;base64,...); "
+                                "aotx fetches nothing from the network. Or upload the image to "
+                                "/aotx/v1/media and name its digest", param="messages")
+        head, sep, data = url[5:].partition(",")
+        if not sep or not head.lower().endswith(";base64"):
+            raise ApiError(400, "the image's data: URL must be base64 "
+                                "(data:image/png;base64,...)", param="messages")
+        ctype = head[:-7].strip().lower()
+        if not ctype.startswith("image/") or ctype not in CONTENT_TYPES:
+            raise ApiError(400, f"unsupported image type {ctype or '(none)'}; use one of "
+                                f"{', '.join(t for t in sorted(CONTENT_TYPES) if t.startswith('image/'))}",
+                           param="messages")
+    else:
+        ctype, data = _AUDIO_FORMATS[part.input_audio.format], part.input_audio.data
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, "inline media is not valid base64", param="messages") from None
+    if not raw:
+        raise ApiError(400, "inline media is empty", param="messages")
+    return ctype, raw
 
 
 def _sse(event: str | None, data: bytes, event_id: str | None = None) -> bytes:
@@ -676,39 +795,12 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
         if ctype not in CONTENT_TYPES:
             raise ApiError(415, f"unsupported media type {ctype or '(none)'}; use one of "
                                 f"{', '.join(sorted(CONTENT_TYPES))}", param="Content-Type")
-        code = CONTENT_TYPES[ctype][0]
-        upload_id = secrets.token_bytes(16)
-        sent = 0
-        buf = bytearray()
-        finished = False
-
-        async def put(chunk: bytes, flags: int) -> tuple[wire.Header, bytes]:
-            h = wire.Header(op=wire.Op.MEDIA_PUT, principal=principal.id, identity=upload_id,
-                            cursor=sent, role=code, submit_flags=flags)
-            rh, body = await g.call(h, chunk)
-            if rh.status not in (200, 201, 202):
-                g.raise_for(rh, body)
-            return rh, body
-
-        try:
-            async for piece in request.stream():
-                buf += piece
-                while len(buf) >= wire.MAX_PAYLOAD:
-                    chunk = bytes(buf[:wire.MAX_PAYLOAD])
-                    del buf[:wire.MAX_PAYLOAD]
-                    await put(chunk, 0)
-                    sent += len(chunk)
-            rh, body = await put(bytes(buf), wire.MEDIA_FLAG_FINAL)
-            finished = True
-        finally:
-            if not finished:  # the client went away or a chunk was refused: leave nothing behind
-                with contextlib.suppress(ApiError, asyncio.CancelledError):
-                    await asyncio.shield(put(b"", wire.MEDIA_FLAG_ABORT))
-        obj = _media_json(rh.identity, wire.decode_media_meta(body[:64]), body[64:].decode())
+        status, obj = await MediaUpload(g, principal, CONTENT_TYPES[ctype][0]).run(
+            request.stream())
         if obj["state"] == "refused":
             raise ApiError(400, f"media source {obj['id']} refused: {obj['reason']}",
                            code="media_refused")
-        return Response(dumps(obj), status_code=rh.status, media_type="application/json")
+        return Response(dumps(obj), status_code=status, media_type="application/json")
 
     @app.get("/aotx/v1/media", tags=["media"], response_model=S.MediaList)
     async def list_media(request: Request, cursor: str | None = None,

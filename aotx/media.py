@@ -6,6 +6,12 @@ content type.  It is then ``ready`` (usable by digest in submissions of its
 owner) or ``refused`` (kept as a row with a reason, without its bytes, and
 excluded from lists).  Requests lease the sources they name from admission to
 their terminal state; a leased source cannot be removed (409).
+
+An *ephemeral* source (MEDIA_FLAG_EPHEMERAL: media sent inline in a chat
+request rather than uploaded) is the same, except that it is removed when its
+last lease ends, or after ``EPHEMERAL_SECONDS`` if no request ever leases it,
+and it is not listed.  Uploading the same bytes as a named source makes it an
+ordinary one.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ CONTENT_TYPES["audio/mp3"] = CONTENT_TYPES["audio/mpeg"]
 CONTENT_TYPES["audio/x-flac"] = CONTENT_TYPES["audio/flac"]
 
 UPLOAD_IDLE_SECONDS = 60.0
+EPHEMERAL_SECONDS = 60.0  # an ephemeral source no request leased is removed after this
 
 
 def magic_matches(code: int, data: bytes) -> bool:
@@ -67,6 +74,9 @@ class Source:
     reason: str = ""
     leases: int = 0
     data: bytes = b""
+    ephemeral: bool = False
+    touched: float = field(default_factory=time.monotonic)  # last upload or lease change
+    claims: int = 0  # inline uploads of these bytes whose request has not leased them yet
 
     @property
     def kind(self) -> wire.PartKind:
@@ -110,7 +120,8 @@ class MediaTable:
         return len(mine), sum(s.size for s in mine)
 
     def put(self, principal: int, upload_id: bytes, offset: int, content_type: int,
-            chunk: bytes, final: bool, abort: bool, grant: wire.Grant) -> tuple[int, Source | None]:
+            chunk: bytes, final: bool, abort: bool, grant: wire.Grant,
+            ephemeral: bool = False) -> tuple[int, Source | None]:
         """Take one chunk.  Returns (status, source): 202 while receiving, 201 new, 200 existing."""
         key = (principal, upload_id)
         if abort:
@@ -150,10 +161,16 @@ class MediaTable:
         digest = hashlib.sha256(data).digest()
         existing = self.by_digest.get((principal, digest))
         if existing is not None:
-            return 200, self.sources[existing]
+            src = self.sources[existing]
+            if not ephemeral:
+                src.ephemeral = False  # uploaded by name: an ordinary source from now on
+            src.touched = time.monotonic()
+            src.claims += ephemeral
+            return 200, src
         self.position += 1
         src = Source(secrets.token_bytes(16), principal, digest, up.content_type, len(data),
-                     wire.MediaState.READY, self.position, int(time.time() * 1000))
+                     wire.MediaState.READY, self.position, int(time.time() * 1000),
+                     ephemeral=ephemeral, claims=int(ephemeral))
         if not data:
             src.state, src.reason = wire.MediaState.REFUSED, "the source is empty"
         elif not magic_matches(up.content_type, data):
@@ -186,7 +203,7 @@ class MediaTable:
         """The caller's non-refused sources from table position ``cursor``; next cursor or 0."""
         mine = sorted((s for s in self.sources.values()
                        if s.principal == principal and s.state is not wire.MediaState.REFUSED
-                       and s.position >= cursor), key=lambda s: s.position)
+                       and not s.ephemeral and s.position >= cursor), key=lambda s: s.position)
         page = mine[:limit]
         nxt = mine[limit].position if len(mine) > limit else 0
         return page, nxt
@@ -195,8 +212,28 @@ class MediaTable:
         sid = self.by_digest.get((principal, digest))
         return self.sources.get(sid) if sid is not None else None
 
+    def unlease(self, source_id: bytes) -> None:
+        """A request holding ``source_id`` ended; an ephemeral source goes with its last lease."""
+        src = self.sources.get(source_id)
+        if src is None:
+            return
+        src.leases -= 1
+        src.touched = time.monotonic()
+        # claims: the same bytes were just sent inline again, for a request that has
+        # not leased them yet; that request's lease (or the sweep) removes the source.
+        if src.ephemeral and src.leases == 0 and src.claims == 0:
+            self.remove(src.principal, src.id)
+
+    def lease(self, src: Source) -> None:
+        src.leases += 1
+        src.claims = max(0, src.claims - 1)
+        src.touched = time.monotonic()
+
     def sweep(self, now: float) -> None:
         for key, up in list(self.uploads.items()):
             if now - up.touched > UPLOAD_IDLE_SECONDS:
                 self.total_bytes -= len(up.buf)
                 del self.uploads[key]
+        for src in [s for s in self.sources.values() if s.ephemeral and not s.leases
+                    and now - s.touched > EPHEMERAL_SECONDS]:
+            self.remove(src.principal, src.id)

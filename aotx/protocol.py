@@ -13,9 +13,18 @@ import base64
 import binascii
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
 MAX_STOP = 16
+MAX_INLINE_CHARS = 1 << 21  # longer than any body the gateway accepts (1 MiB)
 
 
 class TextPart(BaseModel):
@@ -36,7 +45,57 @@ class MediaPart(BaseModel):
         return binascii.unhexlify(self.digest[7:])
 
 
-ContentPart = Annotated[TextPart | MediaPart, Field(discriminator="type")]
+class ImageUrl(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    url: str = Field(max_length=MAX_INLINE_CHARS)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageUrlPart(BaseModel):
+    """OpenAI's inline image: ``{"type": "image_url", "image_url": {"url": "data:..."}}``.
+    Only ``data:`` URLs (base64); aotx fetches nothing from the network."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+class InputAudio(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    data: str = Field(max_length=MAX_INLINE_CHARS)  # base64
+    format: Literal["wav", "mp3", "flac"]
+
+
+class InputAudioPart(BaseModel):
+    """OpenAI's inline audio: ``{"type": "input_audio", "input_audio": {"data", "format"}}``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+InlinePart = ImageUrlPart | InputAudioPart
+
+
+def _part_tag(v: Any) -> str | None:
+    """Native digest parts and OpenAI's inline audio share the type ``input_audio``;
+    the inline one carries an ``input_audio`` object, the native one a ``digest``."""
+    if isinstance(v, dict):
+        kind = v.get("type")
+        if kind == "input_audio" and "input_audio" in v:
+            return "inline_audio"
+        return "digest" if kind in ("input_image", "input_audio") else kind
+    if isinstance(v, InputAudioPart):
+        return "inline_audio"
+    if isinstance(v, MediaPart):
+        return "digest"
+    return getattr(v, "type", None)
+
+
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("text")] | Annotated[MediaPart, Tag("digest")]
+    | Annotated[ImageUrlPart, Tag("image_url")] | Annotated[InputAudioPart, Tag("inline_audio")],
+    Discriminator(_part_tag)]
 
 
 class ChatMessage(BaseModel):
@@ -45,7 +104,7 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart]
     name: str | None = None
 
-    def parts(self) -> list[TextPart | MediaPart]:
+    def parts(self) -> list[TextPart | MediaPart | ImageUrlPart | InputAudioPart]:
         if isinstance(self.content, str):
             return [TextPart(type="text", text=self.content)]
         return list(self.content)

@@ -153,6 +153,7 @@ class Action(enum.IntFlag):
 #: Header flags for MEDIA_PUT (offset 116).
 MEDIA_FLAG_FINAL = 1  # the last chunk: assemble, hash and check the source
 MEDIA_FLAG_ABORT = 2  # drop the upload in progress
+MEDIA_FLAG_EPHEMERAL = 4  # a request's inline media: removed when its last lease ends
 MEDIA_LIST_MAX_ROWS = MAX_PACKET // 80 - 2  # 817 rows fit one reply
 
 #: Header flags for SUBMIT (offset 116).

@@ -189,3 +189,65 @@ def test_refusals_name_the_model_and_the_modality(vsvc: Service) -> None:
             "completed"
         # and so do images after the refusal
         assert finish(c, ok.json()["id"])["state"] == "completed"
+
+
+def media_bytes(c: httpx.Client) -> float:
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith("aotx_media_bytes "):
+            return float(line.split()[1])
+    raise AssertionError("no aotx_media_bytes in /metrics")
+
+
+def test_openai_inline_image_and_audio(vsvc: Service) -> None:
+    """OpenAI's inline parts on the standard route: data: URLs and input_audio, through the
+    official client; each becomes an ephemeral source that goes when its request ends."""
+    import base64
+
+    from openai import BadRequestError, OpenAI
+
+    client_ = OpenAI(base_url=vsvc.url + "/v1", api_key=vsvc.token, max_retries=0)
+    image = "data:image/png;base64," + base64.b64encode(png(33, 20)).decode()
+    question = {"type": "text", "text": "What is in this picture?"}
+    with client(vsvc, vsvc.token) as c:
+        before = media_bytes(c)
+        plain = client_.chat.completions.create(
+            model="smollm2", temperature=0, max_tokens=8,
+            messages=[{"role": "user", "content": [question]}])
+        seen = client_.chat.completions.create(
+            model="smollm2", temperature=0, max_tokens=8,
+            messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": image}}, question]}])
+        assert seen.usage.prompt_tokens == plain.usage.prompt_tokens + IMAGE_POSITIONS
+        assert seen.choices[0].message.content
+        chunks = list(client_.chat.completions.create(
+            model="smollm2", temperature=0, max_tokens=8, stream=True,
+            messages=[{"role": "user", "content": [
+                {"type": "input_audio", "input_audio": {
+                    "data": base64.b64encode(tone(0.5)).decode(), "format": "wav"}},
+                {"type": "text", "text": "What do you hear?"}]}]))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        deadline = time.monotonic() + 10
+        while media_bytes(c) != before:  # ephemeral: removed when their requests ended
+            assert time.monotonic() < deadline, "inline media outlived its request"
+            time.sleep(0.1)
+        # the native route takes inline media too, and echoes the digest it leased
+        r = ask(c, [{"type": "image_url", "image_url": {"url": image}}, question])
+        assert r.status_code == 202 and r.json()["media"][0].startswith("sha256:")
+        assert finish(c, r.json()["id"])["state"] == "completed"
+    bad = [
+        ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "data: URL"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "base64"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png,raw"}}, "base64"),
+        ({"type": "image_url", "image_url": {"url": "data:text/html;base64,PGI+"}}, "image type"),
+        ({"type": "image_url", "image_url": {
+            "url": "data:image/png;base64," + base64.b64encode(b"not a png").decode()}},
+         "magic"),
+    ]
+    for part, words in bad:
+        with pytest.raises(BadRequestError) as err:
+            client_.chat.completions.create(model="smollm2", max_tokens=4,
+                                            messages=[{"role": "user", "content": [part]}])
+        assert words in str(err.value), (part, str(err.value))
+    with pytest.raises(BadRequestError, match="model plain does not accept image input"):
+        client_.chat.completions.create(model="plain", max_tokens=4, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}]}])
