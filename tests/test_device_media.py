@@ -7,7 +7,9 @@ lease rules themselves; tests/test_e2e_vision.py runs the real projector.
 
 from __future__ import annotations
 
+import secrets
 import shutil
+import time
 
 import pytest
 
@@ -165,3 +167,36 @@ def test_a_lost_doorbell_delays_a_packet_by_a_second_at_most(device) -> None:
     finally:
         dev.stop()
         t.join(10)
+
+
+def test_ephemeral_sources_go_with_their_last_lease() -> None:
+    """Inline media (MEDIA_FLAG_EPHEMERAL): leased like any source, never listed, removed
+    when the last request holding it ends, or by the sweep if no request ever leased it."""
+    from aotx.media import EPHEMERAL_SECONDS, MediaTable
+
+    t = MediaTable(1 << 20, 1 << 24)
+    g = wire.Grant(principal=7, actions=int(wire.Action.all()), model_mask=2, revision=1)
+
+    def put(data: bytes, ephemeral: bool = True) -> tuple[int, object]:
+        return t.put(7, secrets.token_bytes(16), 0, 1, data, True, False, g, ephemeral=ephemeral)
+
+    status, src = put(png(1))
+    assert status == 201 and src.ephemeral and t.page(7, 0, 10)[0] == []
+    t.lease(src)
+    again_status, again = put(png(1))  # the same bytes inline for a second request
+    assert again_status == 200 and again is src and src.claims == 1
+    t.unlease(src.id)  # the first request ends; the second has not leased yet
+    assert src.id in t.sources
+    t.lease(src)
+    t.unlease(src.id)  # the second ends: nothing holds it any more
+    assert src.id not in t.sources and t.total_bytes == 0
+    _, lone = put(png(2))  # uploaded inline, but its request was refused
+    t.sweep(time.monotonic() + EPHEMERAL_SECONDS / 2)
+    assert lone.id in t.sources
+    t.sweep(time.monotonic() + EPHEMERAL_SECONDS + 1)
+    assert lone.id not in t.sources and t.total_bytes == 0
+    _, kept = put(png(3))
+    status, named = put(png(3), ephemeral=False)  # uploaded by name: an ordinary source
+    assert named is kept and not kept.ephemeral
+    t.sweep(time.monotonic() + EPHEMERAL_SECONDS + 1)
+    assert [s.id for s in t.page(7, 0, 10)[0]] == [kept.id]
