@@ -18,9 +18,11 @@ never during ``llama_decode``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import fcntl
 import logging
 import os
+import queue
 import re
 import secrets
 import select
@@ -155,6 +157,8 @@ class Device:
             collections.deque)
         self.parked: dict[bytes, list[Parked]] = collections.defaultdict(list)
         self.parked_mailboxes: set[int] = set()
+        self.busy_mailboxes: set[int] = set()  # submissions whose media is being prepared
+        self._media_jobs: queue.Queue[Any] | None = None  # the media worker's queue
         self.n_parked = 0
         self.counters = Counters()
         self.models: dict[int, LoadedModel] = {}
@@ -198,7 +202,8 @@ class Device:
             mods |= {"text": wire.MOD_TEXT, "image": wire.MOD_IMAGE, "audio": wire.MOD_AUDIO}[m]
         if spec.mmproj:
             try:
-                encoder = MediaEncoder(spec.mmproj, engine.model, engine.n_embd, engine.threads)
+                encoder = MediaEncoder(spec.mmproj, engine.model, engine.n_embd, engine.threads,
+                                       batch)
             except MediaInputError as exc:
                 engine.close()
                 raise SystemExit(f"model {spec.alias}: {exc}") from None
@@ -317,7 +322,7 @@ class Device:
             rows = sorted(self.grants.values(), key=lambda g: g.principal)
             return h.reply(200, epoch=self.epoch, total=len(rows)), wire.encode_grants(rows)
         if op is Op.SUBMIT:
-            return self._submit(h, payload)
+            return self._submit(h, payload, mailbox)
         if op in (Op.READ, Op.WAIT):
             return self._read(mailbox, h)
         if op is Op.CANCEL:
@@ -555,7 +560,7 @@ class Device:
         log.info("event=grant.install rows=%d revision=%d", len(rows), self.grant_revision)
         return h.reply(200, epoch=self.epoch, total=len(installed)), wire.encode_grants(installed)
 
-    def _submit(self, h: Header, payload: bytes) -> tuple[Header, bytes]:
+    def _submit(self, h: Header, payload: bytes, mailbox: int = -1) -> tuple[Header, bytes] | None:
         def refuse(status: int, msg: str, retry_after: int = 0) -> tuple[Header, bytes]:
             # A 429 carries its Retry-After seconds at offset 104.
             self.counters.refused[status] += 1
@@ -597,26 +602,69 @@ class Device:
             prompt_text = model.template.render(messages)
         except TemplateError as exc:
             return refuse(400, str(exc))
-        segments: list[MediaSegment] = []
-        if leased:
-            if model.encoder is None:
-                return refuse(400, f"model {model.spec.alias} has no multimodal projector")
-            try:
-                prompt, segments = model.encoder.tokenize(
-                    prompt_text, [("image" if s.kind is wire.PartKind.IMAGE_DIGEST else "audio",
-                                   s.data) for s in leased], add_special=model.engine.add_bos)
-            except MediaInputError as exc:
-                return refuse(400, str(exc))
-            if not prompt or prompt[-1] < 0:
-                release_all(segments)
-                return refuse(400, "a prompt must end with text after its last media part")
-        else:
+        if not leased:
             prompt = model.engine.tokenize(prompt_text, add_special=model.engine.add_bos)
-        reply = self._admit(h, grant, model, sub, prompt, prompt_text, segments, leased,
-                            messages, bool(memory_on), refuse)
-        if reply[0].status != 202:
-            release_all(segments)  # refused: the request will not run
-        return reply
+            return self._admit(h, grant, model, sub, prompt, prompt_text, [], [], messages,
+                               bool(memory_on), refuse)
+        if model.encoder is None:
+            return refuse(400, f"model {model.spec.alias} has no multimodal projector")
+        # Decoding and preprocessing media takes time (a large image: a good part of a
+        # second): the media worker does it without the lock, and this mailbox is
+        # answered when it is done.  The sources are leased from now on, so they
+        # cannot be removed meanwhile; a refusal gives the leases back.
+        for src in leased:
+            self.media.lease(src)
+        job = (mailbox, h, grant, model, sub, prompt_text, leased, messages, bool(memory_on),
+               refuse)
+        if self._media_jobs is None:  # no worker (unit tests drive handle() directly)
+            return self._prepare_media(*job, locked=True)
+        self.busy_mailboxes.add(mailbox)
+        self._media_jobs.put(job)
+        return None
+
+    def _media_worker(self) -> None:
+        assert self._media_jobs is not None
+        while (job := self._media_jobs.get()) is not None:
+            reply = self._prepare_media(*job, locked=False)
+            with self.lock:
+                self.busy_mailboxes.discard(job[0])
+                self._publish(job[0], *reply)
+
+    def _prepare_media(self, mailbox: int, h: Header, grant: wire.Grant, model: LoadedModel,
+                       sub: wire.Submission, prompt_text: str, leased: list[Any],
+                       messages: list[dict[str, str]], memory_on: bool,
+                       refuse: Callable[..., tuple[Header, bytes]],
+                       locked: bool) -> tuple[Header, bytes]:
+        """Tokenize a media request (lock not held unless ``locked``) and admit it."""
+        assert model.encoder is not None
+        segments: list[MediaSegment] = []
+        prompt: list[int] = []
+        error = ""
+        try:
+            prompt, segments = model.encoder.tokenize(
+                prompt_text, [("image" if s.kind is wire.PartKind.IMAGE_DIGEST else "audio",
+                               s.data) for s in leased], add_special=model.engine.add_bos)
+            if not prompt or prompt[-1] < 0:
+                error = "a prompt must end with text after its last media part"
+        except MediaInputError as exc:
+            error = str(exc)
+        except Exception:
+            log.exception("event=media.error")
+            error = "the media could not be prepared"
+        with contextlib.nullcontext() if locked else self.lock:
+            reply = None
+            try:
+                if error:
+                    reply = refuse(400, error)
+                else:
+                    reply = self._admit(h, grant, model, sub, prompt, prompt_text, segments,
+                                        leased, messages, memory_on, refuse)
+            finally:
+                if reply is None or reply[0].status != 202:  # refused: it will not run
+                    release_all(segments)
+                    for src in leased:
+                        self.media.unlease(src.id)
+            return reply
 
     def _admit(self, h: Header, grant: wire.Grant, model: LoadedModel, sub: wire.Submission,
                prompt: list[int], prompt_text: str, segments: list[MediaSegment],
@@ -665,9 +713,7 @@ class Device:
             log.info("event=request.prompt id=%s text=%r",
                      wire.format_request_id(self.epoch, identity), prompt_text)
         self.requests[identity] = req
-        if leased:
-            for src in leased:
-                self.media.lease(src)
+        if leased:  # leased by the caller (_submit) when the request came in
             self.leases[identity] = [src.id for src in leased]
             req.media = [src.data for src in leased]
         model.scheduler.submit(req)
@@ -755,8 +801,8 @@ class Device:
     def _take(self, i: int) -> None:
         if self.region.state(i) != REQUEST:
             return
-        if i in self.parked_mailboxes:
-            return  # a parked wait: answered when ready
+        if i in self.parked_mailboxes or i in self.busy_mailboxes:
+            return  # a parked wait, or media being prepared: answered when ready
         data = self.region.read(i)
         try:
             h, payload = wire.decode_packet(data)
@@ -779,6 +825,9 @@ class Device:
             t = threading.Thread(target=m.scheduler.run, name=f"engine-{m.spec.alias}", daemon=True)
             m.thread = t
             t.start()
+        if any(m.encoder is not None for m in self.models.values()):
+            self._media_jobs = queue.Queue()
+            threading.Thread(target=self._media_worker, name="media", daemon=True).start()
         log.info("event=device.ready epoch=%d models=%s mailboxes=%d", self.epoch,
                  ",".join(m.spec.alias for m in self.models.values()), self.region.count)
         pending = list(range(self.region.count))  # start-up: look at every mailbox once
@@ -812,16 +861,20 @@ class Device:
                     pending = list(range(self.region.count))
                 else:
                     pending = [i for i in dict.fromkeys(got) if i != WAKE]
-            elif time.monotonic() - last_scan >= 1.0:
-                # Idle for a while: look at every mailbox once, so a doorbell ring lost
-                # to a full FIFO delays a packet by a second at most, never for ever.
+            if time.monotonic() - last_scan >= 1.0:
+                # Once a second, busy or idle, look at every mailbox: a doorbell ring
+                # lost to a full FIFO delays a packet by a second at most, never for ever.
                 pending = list(range(self.region.count))
                 last_scan = time.monotonic()
+        if self._media_jobs is not None:
+            self._media_jobs.put(None)
         for m in self.models.values():
             m.scheduler.stop()
         for m in self.models.values():
             if m.thread:
                 m.thread.join(timeout=30)
+                if m.thread.is_alive():
+                    continue  # still inside llama.cpp: leave its memory to the exit
             if m.encoder is not None:
                 m.encoder.close()
             m.engine.close()

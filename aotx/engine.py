@@ -109,7 +109,8 @@ class LlamaEngine:
         self.model_bytes = int(llama_cpp.llama_model_size(self.model))
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.threads = threads
-        self.n_embd = int(llama_cpp.llama_model_n_embd(self.model))
+        # the width of one input embedding row (what a projector must produce)
+        self.n_embd = int(llama_cpp.llama_model_n_embd_inp(self.model))
         self._embd_batch: llama_cpp.llama_batch | None = None
 
     # -- metadata ------------------------------------------------------------

@@ -54,7 +54,7 @@ log = logging.getLogger("aotx.gateway")
 MAX_BODY = 1 << 20  # bytes of JSON accepted on any route
 WAIT_MS = 10_000  # a parked WAIT answers at least this often (keep-alive cadence)
 ADMIN_PRINCIPAL = 1
-_CURSOR_RE = re.compile(r"^[0-9]{1,20}$")
+_CURSOR_RE = re.compile(r"[0-9]{1,20}")  # ASCII digits only (str.isdigit takes "²")
 _PHASE_NAMES = {p: p.name.lower() for p in wire.Phase}
 _FINISH_NAMES = {wire.Finish.NONE: None, wire.Finish.STOP: "stop", wire.Finish.LENGTH: "length"}
 _ROLES = {"system": wire.Role.SYSTEM, "developer": wire.Role.SYSTEM, "user": wire.Role.USER,
@@ -93,7 +93,7 @@ class Principal:
 def parse_cursor(value: str | None, param: str = "cursor") -> int:
     if value is None:
         return 0
-    if not _CURSOR_RE.match(value) or int(value) >= 1 << 64:
+    if not _CURSOR_RE.fullmatch(value) or int(value) >= 1 << 64:
         raise ApiError(400, f"{param} must be a decimal byte offset below 2^64", param=param)
     return int(value)
 
@@ -888,9 +888,10 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
     @app.post("/aotx/v1/memory/pending/{pid}/{verdict}", tags=["policy"],
               response_model=S.PendingDecision)
     async def decide_pending(pid: str, verdict: str, request: Request) -> Response:
+        await gw().authenticate(request)  # before anything about the path is said
         if verdict not in ("approve", "reject"):
             raise ApiError(404, "use .../approve or .../reject")
-        if not pid.isdigit() or int(pid) >= 1 << 63:
+        if not _CURSOR_RE.fullmatch(pid) or int(pid) >= 1 << 63:
             raise ApiError(404, "no such pending decision")
         sub = wire.MemoryOp.APPROVE if verdict == "approve" else wire.MemoryOp.REJECT
         await memory_call(request, sub, int(pid))

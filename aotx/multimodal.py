@@ -19,8 +19,13 @@ Every placeholder of one segment is the same negative number, and no two
 segments ever share one, so prefix reuse (``Scheduler``) can never match a
 cached image against a different one.
 
-libmtmd keeps per-call state in its context; one lock serialises tokenize
-and encode.
+``mtmd_tokenize`` is thread-safe on a shared context; ``encode`` keeps state
+in the context (its output buffer), so a lock serialises encodes only.
+
+Only formats the bundled decoders read are handed to libmtmd: PNG, JPEG and
+GIF images (stb_image) of at most ``MAX_PIXELS``, and WAV, MP3 and FLAC audio
+(miniaudio).  Anything else is refused before libmtmd sees it: its helper would
+otherwise fall through to video decoding, which starts ffmpeg on the bytes.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
+import struct
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +41,80 @@ from typing import Any
 log = logging.getLogger("aotx.multimodal")
 
 MARKER = "<__media__>"
+MAX_PIXELS = 16 * 1024 * 1024  # decoded at 3 bytes a pixel: 48 MiB at most
 _placeholders = itertools.count(1)
+_log_callback: Any = None  # kept alive: libmtmd holds the pointer
+
+
+def image_size(data: bytes) -> tuple[str, int, int] | None:
+    """(format, width, height) read from a PNG, GIF or JPEG header; None otherwise."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) >= 24 and data[12:16] == b"IHDR":
+        w, h = struct.unpack(">II", data[16:24])
+        return "png", w, h
+    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
+        w, h = struct.unpack("<HH", data[6:10])
+        return "gif", w, h
+    if data.startswith(b"\xff\xd8"):
+        i = 2
+        while i + 9 <= len(data):
+            if data[i] != 0xFF:
+                return None
+            marker = data[i + 1]
+            if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
+                i += 2
+                continue
+            (length,) = struct.unpack(">H", data[i + 2:i + 4])
+            if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+                h, w = struct.unpack(">HH", data[i + 5:i + 9])
+                return "jpeg", w, h
+            i += 2 + length
+    return None
+
+
+def audio_format(data: bytes) -> str | None:
+    if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
+        return "wav"
+    if data.startswith(b"fLaC"):
+        return "flac"
+    if data.startswith(b"ID3") or (len(data) > 1 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0):
+        return "mp3"
+    return None
+
+
+def check_media(kind: str, data: bytes, n: int) -> None:
+    """Refuse what the bundled decoders cannot read, or an image too large to decode."""
+    if kind == "image":
+        size = image_size(data)
+        if size is None:
+            raise MediaInputError(f"media part {n} (image) could not be decoded: only PNG, "
+                                  "JPEG and GIF images are read")
+        fmt, w, h = size
+        if not w or not h or w * h > MAX_PIXELS:
+            raise MediaInputError(f"media part {n} (image) is {w}x{h} {fmt}; at most "
+                                  f"{MAX_PIXELS} pixels are decoded")
+    elif audio_format(data) is None:
+        raise MediaInputError(f"media part {n} (audio) could not be decoded: only WAV, MP3 "
+                              "and FLAC audio is read")
+
+
+def quiet_logs() -> None:
+    """Send libmtmd's messages to the aotx log, warnings and errors only: its debug
+    output echoes prompt text, which the device does not log unless asked."""
+    global _log_callback
+    if _log_callback is not None:
+        return
+    import llama_cpp
+    from llama_cpp import mtmd_cpp
+
+    @llama_cpp.llama_log_callback
+    def _cb(level: int, text: bytes, user_data: Any) -> None:
+        if level in (2, 3):  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
+            msg = text.decode("utf-8", errors="replace").strip()
+            if msg:
+                log.warning("event=mtmd.log message=%r", msg)
+
+    _log_callback = _cb
+    mtmd_cpp.mtmd_helper_log_set(_cb, None)
 
 
 class MediaInputError(Exception):
@@ -69,9 +148,10 @@ class MediaEncoder:
     """One model's projector."""
 
     def __init__(self, mmproj: str, model: Any, n_embd: int, threads: int,
-                 use_gpu: bool = False) -> None:
+                 batch: int, use_gpu: bool = False) -> None:
         from llama_cpp import mtmd_cpp
 
+        quiet_logs()
         self.m = mtmd_cpp
         params = mtmd_cpp.mtmd_context_params_default()
         params.use_gpu = use_gpu
@@ -89,6 +169,7 @@ class MediaEncoder:
         self.vision = bool(mtmd_cpp.mtmd_support_vision(self.ctx))
         self.audio = bool(mtmd_cpp.mtmd_support_audio(self.ctx))
         self.n_embd = n_embd
+        self.batch = batch  # a non-causal segment must fit one llama_decode call
         self.lock = threading.Lock()
         self.encoded = 0
         self.encode_seconds = 0.0
@@ -99,34 +180,40 @@ class MediaEncoder:
         for ``media`` in order.  The caller owns the segments: release them when
         the request will not run (``release_all``)."""
         m = self.m
-        for kind, _ in media:
+        for n, (kind, data) in enumerate(media):
             if (kind == "image" and not self.vision) or (kind == "audio" and not self.audio):
                 raise MediaInputError(f"the projector does not accept {kind} input")
-        with self.lock:
-            bitmaps = []
-            chunks = None
-            try:
-                for n, (kind, data) in enumerate(media):
-                    buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-                    bmp = m.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(data), False)
-                    if not bmp:
-                        raise MediaInputError(f"media part {n} ({kind}) could not be decoded")
-                    bitmaps.append(bmp)
-                raw = text.encode("utf-8")
-                inp = m.mtmd_input_text(raw, len(raw), add_special, True)
-                arr = (m.mtmd_bitmap_p_ctypes * max(1, len(bitmaps)))(*bitmaps)
-                chunks = m.mtmd_input_chunks_init()
-                rc = m.mtmd_tokenize(self.ctx, chunks, ctypes.byref(inp), arr, len(bitmaps))
-                if rc == 1:
-                    raise MediaInputError("the prompt's media markers do not match its media parts")
-                if rc != 0:
-                    raise MediaInputError(f"the media could not be preprocessed (mtmd {rc})")
-                return self._flatten(chunks)
-            finally:
-                for bmp in bitmaps:
-                    m.mtmd_bitmap_free(bmp)
-                if chunks is not None:
-                    m.mtmd_input_chunks_free(chunks)
+            check_media(kind, data, n)
+        bitmaps = []
+        chunks = None
+        try:
+            for n, (kind, data) in enumerate(media):
+                buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+                got = m.mtmd_helper_bitmap_init_from_buf_wrapper(
+                    self.ctx, buf, len(data), False, m.mtmd_helper_init_opt_default())
+                if got.video_ctx:  # never asked for; free it rather than leak it
+                    m.mtmd_helper_video_free(got.video_ctx)
+                    if got.bitmap:
+                        m.mtmd_bitmap_free(got.bitmap)
+                    raise MediaInputError(f"media part {n} ({kind}) could not be decoded")
+                if not got.bitmap:
+                    raise MediaInputError(f"media part {n} ({kind}) could not be decoded")
+                bitmaps.append(got.bitmap)
+            raw = text.encode("utf-8")
+            inp = m.mtmd_input_text(raw, len(raw), add_special, True)
+            arr = (m.mtmd_bitmap_p_ctypes * max(1, len(bitmaps)))(*bitmaps)
+            chunks = m.mtmd_input_chunks_init()
+            rc = m.mtmd_tokenize(self.ctx, chunks, ctypes.byref(inp), arr, len(bitmaps))
+            if rc == 1:
+                raise MediaInputError("the prompt's media markers do not match its media parts")
+            if rc != 0:
+                raise MediaInputError(f"the media could not be preprocessed (mtmd {rc})")
+            return self._flatten(chunks)
+        finally:
+            for bmp in bitmaps:
+                m.mtmd_bitmap_free(bmp)
+            if chunks is not None:
+                m.mtmd_input_chunks_free(chunks)
 
     def _flatten(self, chunks: Any) -> tuple[list[int], list[MediaSegment]]:
         m = self.m
@@ -147,9 +234,14 @@ class MediaEncoder:
                     raise MediaInputError("this projector's positions differ from its tokens; "
                                           "not supported")
                 kind = "audio" if ctype == m.MTMD_INPUT_CHUNK_TYPE_AUDIO else "image"
+                non_causal = bool(m.mtmd_decode_use_non_causal(self.ctx, chunk))
+                if non_causal and n_tok > self.batch:
+                    # split over several decode calls, its positions would stop seeing
+                    # each other: refuse rather than compute something else
+                    raise MediaInputError(f"the {kind} takes {n_tok} positions, more than "
+                                          f"one batch of {self.batch}")
                 seg = MediaSegment(start=len(tokens), n_tokens=n_tok, kind=kind,
-                                   chunk=m.mtmd_input_chunk_copy(chunk),
-                                   non_causal=bool(m.mtmd_decode_use_non_causal(self.ctx, chunk)))
+                                   chunk=m.mtmd_input_chunk_copy(chunk), non_causal=non_causal)
                 segments.append(seg)
                 tokens += [-next(_placeholders)] * n_tok
         except BaseException:

@@ -12,7 +12,7 @@ past 2^53); token counts are plain integers.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -61,7 +61,8 @@ class Admission(_Doc):
     runtime_epoch: Decimal = _DEC
     state: Literal["accepted"]
     persistence: Literal["ephemeral"]
-    media: list[str] = Field(description="the media handles (src-...) this request leased")
+    media: list[Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")]] = Field(
+        description="the digests of the media sources this request leased, in prompt order")
 
 
 _STATES = Literal["free", "queued", "preparing", "running", "completed", "failed", "cancelled"]

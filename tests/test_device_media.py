@@ -200,3 +200,30 @@ def test_ephemeral_sources_go_with_their_last_lease() -> None:
     assert named is kept and not kept.ephemeral
     t.sweep(time.monotonic() + EPHEMERAL_SECONDS + 1)
     assert [s.id for s in t.page(7, 0, 10)[0]] == [kept.id]
+
+
+def test_media_is_checked_before_libmtmd_sees_it() -> None:
+    """Only formats the bundled decoders read, and images small enough to decode."""
+    import struct as st
+
+    from aotx.multimodal import MAX_PIXELS, MediaInputError, check_media, image_size
+
+    assert image_size(png(1, 24)) == ("png", 24, 24)
+    assert image_size(b"GIF89a" + st.pack("<HH", 640, 480) + b"\0" * 8) == ("gif", 640, 480)
+    jpeg = (b"\xff\xd8" + b"\xff\xe0" + st.pack(">H", 16) + b"JFIF\0" + b"\0" * 9
+            + b"\xff\xdb" + st.pack(">H", 4) + b"\0\0"
+            + b"\xff\xc2" + st.pack(">HBHH", 17, 8, 1080, 1920) + b"\0" * 12)
+    assert image_size(jpeg) == ("jpeg", 1920, 1080)
+    webp = b"RIFF" + st.pack("<I", 30) + b"WEBPVP8 " + b"\0" * 20
+    for kind, data, words in [
+        ("image", webp, "only PNG, JPEG and GIF"),
+        ("image", b"\x89PNG\r\n\x1a\n" + st.pack(">I", 13) + b"IHDR" + st.pack(">II", 5000, 5000),
+         f"at most {MAX_PIXELS} pixels"),
+        ("image", b"\x89PNG\r\n\x1a\n" + st.pack(">I", 13) + b"IHDR" + st.pack(">II", 0, 10),
+         "0x10"),
+        ("audio", b"OggS" + b"\0" * 40, "only WAV, MP3 and FLAC"),
+    ]:
+        with pytest.raises(MediaInputError, match=words):
+            check_media(kind, data, 0)
+    check_media("image", png(2, 16), 0)
+    check_media("image", jpeg, 0)
