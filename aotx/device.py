@@ -53,7 +53,7 @@ from .policy import (
 )
 from .policy import Pending as PolicyPending
 from .policy import Source as PolicySource
-from .scheduler import Request, Scheduler
+from .scheduler import Request, Scheduler, common_prefix
 from .template import ChatTemplate, TemplateError
 from .wire import Action, Header, Op, Phase, PolicyReason, PolicyState, WireError
 
@@ -224,6 +224,8 @@ class Device:
             free_sampler=lambda s: s.free(),  # type: ignore[attr-defined]
             on_step=self._after_step, on_terminal=self._on_terminal,
             encode=encoder.encode if encoder is not None else None)
+        warm = self._template_prefix(engine, template)
+        scheduler.warm(warm)
         self.models[spec.role] = LoadedModel(spec, engine, template, scheduler, digest,
                                              int(os.stat(spec.path).st_mtime), modalities=mods,
                                              automatic_memory=qualified(digest, template.source),
@@ -231,6 +233,19 @@ class Device:
         log.info("event=model.ready alias=%s role=%d sha256=%s params_bytes=%d kv_bytes=%d "
                  "threads=%d seconds=%.1f", spec.alias, spec.role, digest.hex(),
                  engine.model_bytes, engine.kv_bytes(), engine.threads, time.monotonic() - t0)
+
+    @staticmethod
+    def _template_prefix(engine: LlamaEngine, template: ChatTemplate) -> list[int]:
+        """The tokens every one-user-message chat starts with (for SmolLM2: its
+        default system prompt and the user's header), found by rendering two
+        different conversations and keeping what their tokens have in common."""
+        try:
+            a, b = (engine.tokenize(template.render([{"role": "user", "content": c}]),
+                                    add_special=engine.add_bos) for c in ("Hi.", "What?"))
+        except TemplateError:
+            return []
+        n = common_prefix(a, b)
+        return a[:n] if n >= 8 else []
 
     # -- engine callbacks (engine thread, lock held for on_terminal) ------------
     def _on_terminal(self, req: Request) -> None:

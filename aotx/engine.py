@@ -215,6 +215,12 @@ class LlamaEngine:
     def clear_sequence(self, seq: int) -> None:
         llama_cpp.llama_memory_seq_rm(self.memory, seq, -1, -1)
 
+    def copy_sequence(self, src: int, dst: int) -> None:
+        """Make ``dst`` hold everything ``src`` holds.  With one KV stream per sequence
+        this copies the whole stream buffer (at the next decode; a few MB per layer set,
+        milliseconds), far cheaper than evaluating a shared prompt prefix again."""
+        llama_cpp.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+
     def trim_sequence(self, seq: int, keep: int) -> None:
         """Drop the sequence's cells at positions >= keep."""
         llama_cpp.llama_memory_seq_rm(self.memory, seq, keep, -1)

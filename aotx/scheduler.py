@@ -37,11 +37,16 @@ class Engine(Protocol):
     def decode_embeddings(self, embd: Any, n_tokens: int, pos: int, seq: int,
                           non_causal: bool = False) -> int: ...
     def trim_sequence(self, seq: int, keep: int) -> None: ...
+    def copy_sequence(self, src: int, dst: int) -> None: ...
 
 
 #: Prompt tokens per step for background (policy) work, so that a foreground
 #: request arriving meanwhile waits for at most one short step.
 BACKGROUND_CHUNK = 16
+#: A running sequence's prefix is copied into a new request's sequence when it
+#: saves at least this many prompt tokens over the best free sequence's cache
+#: (a stream copy costs milliseconds; evaluating 16 tokens costs more).
+COPY_MIN_TOKENS = 16
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -203,6 +208,7 @@ class Scheduler:
         self.tokens_decoded = 0
         self.prompt_tokens_in = 0
         self.reused_tokens = 0
+        self.copies = 0  # prefixes copied from a sequence in use
         self.cached: dict[int, list[int]] = {}  # seq -> tokens held in its KV cells
         self.tokens_out = 0
         self.finished: collections.Counter[str] = collections.Counter()
@@ -280,6 +286,20 @@ class Scheduler:
             # in use stay a compact range, which llama.cpp batches fastest.
             seq = max(self.free_seqs,
                       key=lambda q: (common_prefix(self.cached.get(q, []), req.prompt), -q))
+            have = common_prefix(self.cached.get(seq, []), req.prompt)
+            # A sequence in use may hold a longer prefix (requests arriving together
+            # share the chat template's system prompt): copy it into the lowest free
+            # sequence instead of evaluating it again.
+            source, shared = None, 0
+            for other in self.active:
+                n = common_prefix(other.prompt[:other.n_past], req.prompt)
+                if n > shared:
+                    source, shared = other, n
+            if source is not None and shared - have >= COPY_MIN_TOKENS:
+                seq = min(self.free_seqs)
+                self.engine.copy_sequence(source.seq, seq)
+                self.cached[seq] = source.prompt[:shared]
+                self.copies += 1
             self.free_seqs.remove(seq)
             keep = min(common_prefix(self.cached.get(seq, []), req.prompt), len(req.prompt) - 1)
             self.engine.trim_sequence(seq, keep)
@@ -423,6 +443,21 @@ class Scheduler:
             req.phase = Phase.RUNNING
             req.next_token = token
             req.generated.append(token)
+
+    def warm(self, prefix: list[int]) -> None:
+        """Evaluate ``prefix`` (the chat template's fixed start) into sequence 0 before
+        serving, so that the first requests, and every request copied from them,
+        start with it in cache.  Called before the engine thread starts."""
+        if not prefix or not self.free_seqs:
+            return
+        for start in range(0, len(prefix), self.batch):
+            part = prefix[start:start + self.batch]
+            status = self.engine.decode([BatchEntry(t, start + i, 0, False)
+                                         for i, t in enumerate(part)])
+            if status != 0:
+                self.engine.clear_sequence(0)
+                return
+        self.cached[0] = list(prefix)
 
     def run(self) -> None:
         """The engine thread: step while there is work, sleep on the condition otherwise."""

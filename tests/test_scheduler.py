@@ -31,6 +31,7 @@ class ScriptedEngine:
         self.cleared: list[int] = []
         self.trims: list[tuple[int, int]] = []
         self.media: list[tuple[int, int, int, object]] = []  # (seq, pos, n, embeddings)
+        self.copies: list[tuple[int, int]] = []
         self.media_status = 0
 
     def decode(self, entries: list[BatchEntry]) -> int:
@@ -55,6 +56,9 @@ class ScriptedEngine:
 
     def trim_sequence(self, seq: int, keep: int) -> None:
         self.trims.append((seq, keep))
+
+    def copy_sequence(self, src: int, dst: int) -> None:
+        self.copies.append((src, dst))
 
     def decode_embeddings(self, embd: object, n_tokens: int, pos: int, seq: int,
                           non_causal: bool = False) -> int:
@@ -430,3 +434,91 @@ def test_a_cached_image_prefix_never_matches_another_image() -> None:
     run_until_idle(sched)
     assert second.reused_tokens == 2  # the text before the image, not the image
     assert engine.media[-1][:3] == (0, 2, 2)
+
+
+def test_a_new_request_copies_a_shared_prefix_from_a_running_sequence() -> None:
+    sched, engine = make(slots=3, batch=64)
+    shared = list(range(500, 530))  # 30 tokens every prompt starts with
+    first = req(1, [1] * 10)
+    first.prompt = [*shared, 7, 8]
+    submit(sched, first)
+    sched.step()  # first's whole prompt is in sequence 0
+    second = req(2, [2])
+    second.prompt = [*shared, 9]
+    short = req(3, [2])
+    short.prompt = [*shared[:10], 4]  # shares 10 tokens: below COPY_MIN_TOKENS
+    submit(sched, second)
+    submit(sched, short)
+    sched.step()
+    assert engine.copies == [(0, 1)]
+    assert (1, 30) in engine.trims and second.reused_tokens == 30
+    # only the token after the shared prefix was evaluated for the second request
+    assert [e.pos for e in engine.steps[1] if e.seq == 1] == [30]
+    assert short.reused_tokens == 0 and sched.copies == 1
+    run_until_idle(sched)
+
+
+def test_warm_puts_the_template_prefix_in_sequence_zero() -> None:
+    sched, engine = make(slots=2, batch=8)
+    sched.warm(list(range(500, 520)))
+    assert [len(s) for s in engine.steps] == [8, 8, 4]  # in batch-sized pieces
+    assert not any(e.logits for s in engine.steps for e in s)
+    r = req(1, [1])
+    r.prompt = [*range(500, 520), 7]
+    submit(sched, r)
+    sched.step()
+    assert r.seq == 0 and r.reused_tokens == 20
+
+
+@pytest.mark.skipif(os.environ.get("AOTX_SKIP_MODEL") == "1", reason="model tests disabled")
+def test_real_engine_copied_prefix_gives_the_same_output() -> None:
+    """Requests arriving together share the chat template's system prompt through the warm
+    sequence and stream copies: fewer prompt tokens evaluated, identical greedy output."""
+    from aotx.device import Device
+    from aotx.engine import EngineConfig, LlamaEngine, Sampler
+    from aotx.models import default_model_path
+    from aotx.template import ChatTemplate
+
+    questions = ["Name a fruit.", "Name a color.", "Name a planet."]
+
+    def serve(warm: bool, copy: bool) -> tuple[list[bytes], int, int]:
+        eng = LlamaEngine(EngineConfig(path=default_model_path(), slots=4, slot_context=512,
+                                       batch=256))
+        try:
+            tmpl = ChatTemplate(eng.metadata("tokenizer.chat_template"))
+            sch = Scheduler(eng, 4, 256, threading.Lock(),
+                            make_sampler=lambda r: Sampler(0.0, 1.0, 0),
+                            free_sampler=lambda s: s.free())
+            if not copy:
+                sch.engine = _NoCopy(eng)  # type: ignore[assignment]
+            if warm:
+                sch.warm(Device._template_prefix(eng, tmpl))
+            reqs = [Request(identity=bytes([i]) * 16, principal=1, revision=1, role=1,
+                            prompt=eng.tokenize(tmpl.render([{"role": "user", "content": q}]),
+                                                False), max_tokens=12)
+                    for i, q in enumerate(questions)]
+            for r in reqs:
+                submit(sch, r)
+            run_until_idle(sch)
+            return [bytes(r.out) for r in reqs], eng.perf()[0], sch.copies
+        finally:
+            eng.close()
+
+    plain, evaluated_plain, _ = serve(warm=False, copy=False)
+    shared, evaluated_shared, copies = serve(warm=True, copy=True)
+    assert all(plain) and shared == plain
+    assert copies == 2  # the second and third request copied the first one's prefix
+    assert evaluated_shared < evaluated_plain - 2 * 16
+
+
+class _NoCopy:
+    """An engine wrapper that refuses to be a copy source (copies fall back to evaluating)."""
+
+    def __init__(self, engine: object) -> None:
+        self._e = engine
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._e, name)
+
+    def copy_sequence(self, src: int, dst: int) -> None:
+        raise AssertionError("no copies in this run")
