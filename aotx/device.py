@@ -640,10 +640,15 @@ class Device:
     def _media_worker(self) -> None:
         assert self._media_jobs is not None
         while (job := self._media_jobs.get()) is not None:
-            reply = self._prepare_media(*job, locked=False)
+            mailbox, h = job[0], job[1]
+            try:
+                reply = self._prepare_media(*job, locked=False)
+            except Exception:  # never leave the mailbox unanswered or the worker dead
+                log.exception("event=media.error")
+                reply = h.reply(500, epoch=self.epoch), b"internal device error"
             with self.lock:
-                self.busy_mailboxes.discard(job[0])
-                self._publish(job[0], *reply)
+                self.busy_mailboxes.discard(mailbox)
+                self._publish(mailbox, *reply)
 
     def _prepare_media(self, mailbox: int, h: Header, grant: wire.Grant, model: LoadedModel,
                        sub: wire.Submission, prompt_text: str, leased: list[Any],
