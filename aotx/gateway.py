@@ -494,7 +494,7 @@ def inline_media(part: ImageUrlPart | InputAudioPart) -> tuple[str, bytes]:
         if not sep or not head.lower().endswith(";base64"):
             raise ApiError(400, "the image's data: URL must be base64 "
                                 "(data:image/png;base64,...)", param="messages")
-        ctype = head[:-7].strip().lower()
+        ctype = head[:-7].split(";")[0].strip().lower()  # parameters (name=...) ignored
         if not ctype.startswith("image/") or ctype not in CONTENT_TYPES:
             raise ApiError(400, f"unsupported image type {ctype or '(none)'}; use one of "
                                 f"{', '.join(t for t in sorted(CONTENT_TYPES) if t.startswith('image/'))}",
