@@ -199,7 +199,7 @@ class Device:
         encoder = None
         mods = 0
         for m in spec.modalities:
-            mods |= {"text": wire.MOD_TEXT, "image": wire.MOD_IMAGE, "audio": wire.MOD_AUDIO}[m]
+            mods |= wire.MODALITY_BITS[m]
         if spec.mmproj:
             try:
                 encoder = MediaEncoder(spec.mmproj, engine.model, engine.n_embd, engine.threads,
@@ -214,10 +214,10 @@ class Device:
                 engine.close()
                 raise SystemExit(f"model {spec.alias}: the models file declares modalities "
                                  f"{list(spec.modalities)}, but {spec.mmproj} encodes "
-                                 f"{_modality_names(found)}")
+                                 f"{wire.modality_names(found)}")
             mods = found
             log.info("event=model.projector alias=%s path=%s modalities=%s", spec.alias,
-                     spec.mmproj, ",".join(_modality_names(mods)))
+                     spec.mmproj, ",".join(wire.modality_names(mods)))
         scheduler = Scheduler(
             engine, spec.slots, batch, self.lock,
             make_sampler=lambda r: Sampler(r.temperature, r.top_p, r.seed),
@@ -629,28 +629,27 @@ class Device:
         # cannot be removed meanwhile; a refusal gives the leases back.
         for src in leased:
             self.media.lease(src)
-        job = (mailbox, h, grant, model, sub, prompt_text, leased, messages, bool(memory_on),
-               refuse)
+        job = (h, grant, model, sub, prompt_text, leased, messages, bool(memory_on), refuse)
         if self._media_jobs is None:  # no worker (unit tests drive handle() directly)
             return self._prepare_media(*job, locked=True)
         self.busy_mailboxes.add(mailbox)
-        self._media_jobs.put(job)
+        self._media_jobs.put((mailbox, job))
         return None
 
     def _media_worker(self) -> None:
         assert self._media_jobs is not None
-        while (job := self._media_jobs.get()) is not None:
-            mailbox, h = job[0], job[1]
+        while (item := self._media_jobs.get()) is not None:
+            mailbox, job = item
             try:
                 reply = self._prepare_media(*job, locked=False)
             except Exception:  # never leave the mailbox unanswered or the worker dead
                 log.exception("event=media.error")
-                reply = h.reply(500, epoch=self.epoch), b"internal device error"
+                reply = job[0].reply(500, epoch=self.epoch), b"internal device error"
             with self.lock:
                 self.busy_mailboxes.discard(mailbox)
                 self._publish(mailbox, *reply)
 
-    def _prepare_media(self, mailbox: int, h: Header, grant: wire.Grant, model: LoadedModel,
+    def _prepare_media(self, h: Header, grant: wire.Grant, model: LoadedModel,
                        sub: wire.Submission, prompt_text: str, leased: list[Any],
                        messages: list[dict[str, str]], memory_on: bool,
                        refuse: Callable[..., tuple[Header, bytes]],
@@ -904,11 +903,6 @@ class Device:
     def stop(self) -> None:
         self._stopping = True
         self.bell.ring_self()
-
-
-def _modality_names(mods: int) -> list[str]:
-    return [name for bit, name in ((wire.MOD_TEXT, "text"), (wire.MOD_IMAGE, "image"),
-                                   (wire.MOD_AUDIO, "audio")) if mods & bit]
 
 
 def run(paths: RuntimePaths, mailboxes: int, models_file: str | None = None,

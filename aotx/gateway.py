@@ -1207,10 +1207,8 @@ def _media_json(source_id: bytes, meta: wire.MediaMeta, reason: str = "") -> dic
 
 
 def _model_entry(m: wire.ModelInfo) -> dict[str, Any]:
-    mods = [name for bit, name in ((wire.MOD_TEXT, "text"), (wire.MOD_IMAGE, "image"),
-                                   (wire.MOD_AUDIO, "audio")) if m.modalities & bit]
     return {"alias": m.alias, "role": m.role, "model_sha256": m.sha256.hex(),
-            "input_modalities": mods,
+            "input_modalities": wire.modality_names(m.modalities),
             "published_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m.published_at)),
             "context_tokens": str(m.context_tokens), "automatic_memory": m.automatic_memory}
 

@@ -35,7 +35,7 @@ import itertools
 import logging
 import struct
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("aotx.multimodal")
@@ -128,7 +128,6 @@ class MediaSegment:
     kind: str  # "image" or "audio"
     chunk: Any = None  # owned mtmd_input_chunk copy until encoded or released
     non_causal: bool = False
-    embeddings: Any = field(default=None, repr=False)  # ctypes float array once encoded
 
     def release(self) -> None:
         if self.chunk is not None:
@@ -141,7 +140,6 @@ class MediaSegment:
 def release_all(segments: list[MediaSegment]) -> None:
     for seg in segments:
         seg.release()
-        seg.embeddings = None
 
 
 class MediaEncoder:
@@ -171,8 +169,6 @@ class MediaEncoder:
         self.n_embd = n_embd
         self.batch = batch  # a non-causal segment must fit one llama_decode call
         self.lock = threading.Lock()
-        self.encoded = 0
-        self.encode_seconds = 0.0
 
     def tokenize(self, text: str, media: list[tuple[str, bytes]],
                  add_special: bool) -> tuple[list[int], list[MediaSegment]]:
@@ -250,15 +246,11 @@ class MediaEncoder:
         return tokens, segments
 
     def encode(self, seg: MediaSegment) -> Any:
-        """The segment's embeddings (``n_tokens * n_embd`` floats); engine thread."""
-        import time
-
-        if seg.embeddings is not None:
-            return seg.embeddings
+        """The segment's embeddings (``n_tokens * n_embd`` floats, a copy: libmtmd's
+        buffer is reused by the next encode); engine thread.  Frees the segment's chunk."""
         if seg.chunk is None:
             raise MediaInputError("the media segment was released")
         with self.lock:
-            t0 = time.perf_counter()
             rc = self.m.mtmd_encode_chunk(self.ctx, seg.chunk)
             if rc != 0:
                 raise MediaInputError(f"the projector failed to encode the {seg.kind} (mtmd {rc})")
@@ -266,9 +258,6 @@ class MediaEncoder:
             size = seg.n_tokens * self.n_embd
             embd = (ctypes.c_float * size)()
             ctypes.memmove(embd, out, size * ctypes.sizeof(ctypes.c_float))
-            self.encoded += 1
-            self.encode_seconds += time.perf_counter() - t0
-        seg.embeddings = embd
         seg.release()
         return embd
 

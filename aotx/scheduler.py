@@ -284,24 +284,25 @@ class Scheduler:
             # since its logits are needed for the first sample.
             # Prefer the longest cached prefix, then the lowest sequence id: streams
             # in use stay a compact range, which llama.cpp batches fastest.
-            seq = max(self.free_seqs,
-                      key=lambda q: (common_prefix(self.cached.get(q, []), req.prompt), -q))
-            have = common_prefix(self.cached.get(seq, []), req.prompt)
+            held = {q: common_prefix(self.cached.get(q, []), req.prompt) for q in self.free_seqs}
+            seq = max(self.free_seqs, key=lambda q: (held[q], -q))
+            have = held[seq]
             # A sequence in use may hold a longer prefix (requests arriving together
             # share the chat template's system prompt): copy it into the lowest free
             # sequence instead of evaluating it again.
             source, shared = None, 0
             for other in self.active:
-                n = common_prefix(other.prompt[:other.n_past], req.prompt)
+                n = min(common_prefix(other.prompt, req.prompt), other.n_past)
                 if n > shared:
                     source, shared = other, n
             if source is not None and shared - have >= COPY_MIN_TOKENS:
                 seq = min(self.free_seqs)
                 self.engine.copy_sequence(source.seq, seq)
                 self.cached[seq] = source.prompt[:shared]
+                have = shared
                 self.copies += 1
             self.free_seqs.remove(seq)
-            keep = min(common_prefix(self.cached.get(seq, []), req.prompt), len(req.prompt) - 1)
+            keep = min(have, len(req.prompt) - 1)
             self.engine.trim_sequence(seq, keep)
             self.cached[seq] = req.prompt[:keep]
             req.seq = seq
@@ -362,7 +363,6 @@ class Scheduler:
         except MediaInputError:
             status = -1
         with self.lock:
-            seg.embeddings = None
             if status == 0:
                 req.n_past += seg.n_tokens
                 req.next_segment += 1

@@ -459,6 +459,12 @@ INFO_ROW = struct.Struct("<IIQIIIIQ")
 assert INFO_HEADER.size == 192 and INFO_ROW.size == 40
 
 MOD_TEXT, MOD_IMAGE, MOD_AUDIO = 1, 2, 4
+MODALITY_BITS = {"text": MOD_TEXT, "image": MOD_IMAGE, "audio": MOD_AUDIO}
+
+
+def modality_names(mods: int) -> list[str]:
+    """The names of the modality bits set in ``mods``, in bit order."""
+    return [name for name, bit in MODALITY_BITS.items() if mods & bit]
 
 
 @dataclass(frozen=True, slots=True)

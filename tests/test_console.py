@@ -36,6 +36,16 @@ def browser() -> Iterator[object]:
             b.close()
 
 
+def assert_turn_shows_device_bytes(svc: Service, page, n: int, timeout: int) -> None:
+    """Once the stream completes, the page's n-th answer equals the bytes the device holds."""
+    page.wait_for_function("document.getElementById('stream-status').textContent"
+                           ".includes('completed')", timeout=timeout)
+    rid = page.get_attribute(f".turn.bot >> nth={n}", "data-request-id")
+    shown = page.inner_text(f".turn.bot >> nth={n} >> .text")
+    with Client(svc.url, svc.token) as c:
+        assert c.read_all(rid).decode("utf-8").strip() == shown.strip()
+
+
 def test_console_sign_in_chat_live_and_policy(csvc: Service, browser) -> None:
     ctx = browser.new_context()
     page = ctx.new_page()
@@ -58,12 +68,7 @@ def test_console_sign_in_chat_live_and_policy(csvc: Service, browser) -> None:
     page.fill("#prompt", "Say hello in Russian.")
     page.click("#send")
     page.wait_for_function("document.querySelector('.turn.bot .text').textContent.length > 0")
-    page.wait_for_function("document.getElementById('stream-status').textContent"
-                           ".includes('completed')", timeout=120_000)
-    rid = page.get_attribute(".turn.bot", "data-request-id")
-    shown = page.inner_text(".turn.bot .text")
-    with Client(csvc.url, csvc.token) as c:
-        assert c.read_all(rid).decode("utf-8").strip() == shown.strip()
+    assert_turn_shows_device_bytes(csvc, page, 0, timeout=120_000)
 
     # a network drop in the middle of a stream: the page resumes at its byte cursor
     page.fill("#prompt", "Write a long story about a lighthouse keeper.")
@@ -73,12 +78,7 @@ def test_console_sign_in_chat_live_and_policy(csvc: Service, browser) -> None:
     ctx.set_offline(True)
     page.wait_for_timeout(1500)
     ctx.set_offline(False)
-    page.wait_for_function("document.getElementById('stream-status').textContent"
-                           ".includes('completed')", timeout=180_000)
-    rid2 = page.get_attribute(".turn.bot >> nth=1", "data-request-id")
-    shown2 = page.inner_text(".turn.bot >> nth=1 >> .text")
-    with Client(csvc.url, csvc.token) as c:
-        assert c.read_all(rid2).decode("utf-8").strip() == shown2.strip()
+    assert_turn_shows_device_bytes(csvc, page, 1, timeout=180_000)
 
     # live figures come from telemetry and /metrics
     page.wait_for_function("document.getElementById('live-figures').textContent.includes('tick')")
