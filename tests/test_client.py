@@ -114,8 +114,10 @@ def test_cli_submit_follow_and_reattach(service: Service) -> None:
 
 
 def test_cli_ctrl_c_cancels_on_the_device(service: Service) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "aotx", "submit", "Write a long story.",
-                             "--max-tokens", "2000", "--follow", "--state-dir",
+    # greedy, on a prompt whose answer runs for hundreds of tokens: still going at 1 s
+    proc = subprocess.Popen([sys.executable, "-m", "aotx", "submit", LONG[0]["content"],
+                             "--max-tokens", "2000", "--temperature", "0", "--follow",
+                             "--state-dir",
                              service.state_dir], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     assert proc.stdout is not None
