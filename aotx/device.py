@@ -186,7 +186,7 @@ class Device:
         batch = max(spec.batch, spec.slots)  # every running sequence fits one step
         engine = LlamaEngine(EngineConfig(path=spec.path, slots=spec.slots,
                                           slot_context=spec.context, batch=batch,
-                                          threads=spec.threads))
+                                          threads=spec.threads, poll=spec.poll))
         try:
             template = ChatTemplate(engine.metadata("tokenizer.chat_template"),
                                     bos_token=engine.token_text(

@@ -32,6 +32,41 @@ class EngineError(Exception):
     pass
 
 
+class _ThreadpoolParams(ctypes.Structure):
+    """ggml's ``struct ggml_threadpool_params`` (ggml.h, GGML_MAX_N_THREADS = 512)."""
+
+    _fields_ = [("cpumask", ctypes.c_bool * 512), ("n_threads", ctypes.c_int),
+                ("prio", ctypes.c_int), ("poll", ctypes.c_uint32), ("strict_cpu", ctypes.c_bool),
+                ("paused", ctypes.c_bool)]
+
+
+_ggml: tuple[ctypes.CDLL, ctypes.CDLL] | None = None
+
+
+def _ggml_libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
+    """(libggml-base, libggml-cpu) as llama-cpp-python loaded them, with the
+    thread-pool functions it does not bind."""
+    global _ggml
+    if _ggml is None:
+        libdir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
+        base = ctypes.CDLL(os.path.join(libdir, "libggml-base.so"))
+        cpu = ctypes.CDLL(os.path.join(libdir, "libggml-cpu.so"))
+        base.ggml_threadpool_params_init.argtypes = [ctypes.POINTER(_ThreadpoolParams),
+                                                     ctypes.c_int]
+        base.ggml_threadpool_params_init.restype = None
+        cpu.ggml_threadpool_new.argtypes = [ctypes.POINTER(_ThreadpoolParams)]
+        cpu.ggml_threadpool_new.restype = ctypes.c_void_p
+        cpu.ggml_threadpool_free.argtypes = [ctypes.c_void_p]
+        cpu.ggml_threadpool_free.restype = None
+        lib = llama_cpp.llama_cpp._lib
+        lib.llama_attach_threadpool.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        lib.llama_attach_threadpool.restype = None
+        lib.llama_detach_threadpool.argtypes = [ctypes.c_void_p]
+        lib.llama_detach_threadpool.restype = None
+        _ggml = (base, cpu)
+    return _ggml
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     path: str
@@ -39,6 +74,12 @@ class EngineConfig:
     slot_context: int = 4096  # KV cells per sequence
     batch: int = 512  # tokens per llama_decode call
     threads: int = 0  # 0: all cores
+    # A persistent ggml thread pool, as llama.cpp's own tools attach.  Without one,
+    # ggml starts and joins its worker threads for every graph it computes (every
+    # llama_decode, every micro-batch).  ``poll`` is how long an idle worker spins
+    # for the next graph before it sleeps (0-100, llama.cpp's default 50); -1: no
+    # pool (ggml's per-graph threads).
+    poll: int = 50
     gpu_layers: int = 0
 
 
@@ -108,6 +149,9 @@ class LlamaEngine:
             llama_cpp.llama_model_free(self.model)
             raise EngineError("llama.cpp could not create a context "
                               f"({config.slots} x {config.slot_context} cells)")
+        self.threadpool: int | None = None
+        if config.poll >= 0 and threads > 1:
+            self._attach_threadpool(threads, config.poll)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.slot_context = int(llama_cpp.llama_n_ctx_seq(self.ctx))
         self.batch = llama_cpp.llama_batch_init(config.batch, 0, 1)
@@ -121,6 +165,21 @@ class LlamaEngine:
         # the width of one input embedding row (what a projector must produce)
         self.n_embd = int(llama_cpp.llama_model_n_embd_inp(self.model))
         self._embd_batch: llama_cpp.llama_batch | None = None
+
+    def _attach_threadpool(self, threads: int, poll: int) -> None:
+        """One pool for single-token and batch decodes alike (the same thread count)."""
+        base, cpu = _ggml_libs()
+        params = _ThreadpoolParams()
+        base.ggml_threadpool_params_init(ctypes.byref(params), threads)
+        params.poll = poll
+        pool = cpu.ggml_threadpool_new(ctypes.byref(params))
+        if not pool:
+            log.warning("event=engine.threadpool_failed threads=%d: ggml uses per-graph threads",
+                        threads)
+            return
+        self.threadpool = pool
+        llama_cpp.llama_cpp._lib.llama_attach_threadpool(
+            ctypes.c_void_p(self.ctx), ctypes.c_void_p(pool), ctypes.c_void_p(pool))
 
     # -- metadata ------------------------------------------------------------
     def metadata(self, key: str) -> str | None:
@@ -260,5 +319,8 @@ class LlamaEngine:
             if self._embd_batch is not None:
                 llama_cpp.llama_batch_free(self._embd_batch)
             llama_cpp.llama_free(self.ctx)
+            if self.threadpool:
+                _ggml_libs()[1].ggml_threadpool_free(ctypes.c_void_p(self.threadpool))
+                self.threadpool = None
             llama_cpp.llama_model_free(self.model)
             self.ctx = None

@@ -67,6 +67,7 @@ class ModelSpec:
     modalities: tuple[str, ...] = ("text",)
     batch: int = 512
     threads: int = 0
+    poll: int = 50  # ggml thread-pool polling level, 0-100, -1: no pool (EngineConfig.poll)
     mmproj: str | None = None  # multimodal projector (llama.cpp mtmd), None: text only
 
 
@@ -91,6 +92,13 @@ def _positive(table: dict[str, object], key: str, default: int) -> int:
     v = table.get(key, default)
     if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
         raise ModelConfigError(f"{key} must be a positive integer, got {v!r}")
+    return v
+
+
+def _poll(table: dict[str, object]) -> int:
+    v = table.get("poll", 50)
+    if not isinstance(v, int) or isinstance(v, bool) or not -1 <= v <= 100:
+        raise ModelConfigError(f"poll must be an integer from -1 (no pool) to 100, got {v!r}")
     return v
 
 
@@ -147,7 +155,8 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
                                path=default_model_path(), role=1,
                                slots=_positive(default, "slots", 16),
                                context=_positive(default, "context", 4096),
-                               threads=int(default.get("threads", 0)), mmproj=mmproj,
+                               threads=int(default.get("threads", 0)), poll=_poll(default),
+                               mmproj=mmproj,
                                modalities=_modalities(default, "[default]", mmproj)))
     entries = data.get("model", [])
     if not isinstance(entries, list):
@@ -168,7 +177,7 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
                                context=_positive(entry, "context", 4096),
                                sha256=sha.lower() if sha else None,
                                modalities=mods, mmproj=mmproj,
-                               threads=int(entry.get("threads", 0))))
+                               threads=int(entry.get("threads", 0)), poll=_poll(entry)))
     if not specs:
         raise ModelConfigError("no model to load: the default is disabled and none is configured")
     if len(specs) > MAX_MODELS:

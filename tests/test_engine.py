@@ -65,3 +65,32 @@ def test_sampling_a_row_without_logits_is_an_error(engine: LlamaEngine) -> None:
     assert engine.decode([BatchEntry(1, 0, 0, True)]) == 0
     with pytest.raises(EngineError):
         engine.sample(Sampler(0.0, 1.0, 0), 5)  # only entry 0 asked for logits
+
+
+def greedy_continuation(eng: LlamaEngine, text: str, steps: int) -> list[int]:
+    eng.clear_sequence(0)
+    prompt = eng.tokenize(text, False)
+    assert eng.decode([BatchEntry(t, i, 0, i == len(prompt) - 1)
+                       for i, t in enumerate(prompt)]) == 0
+    sampler, out = Sampler(0.0, 1.0, 0), []
+    for step in range(steps):
+        out.append(eng.sample(sampler, 0 if step else len(prompt) - 1))
+        assert eng.decode([BatchEntry(out[-1], len(prompt) + step, 0, True)]) == 0
+    return out
+
+
+def test_the_persistent_thread_pool_gives_the_same_tokens(engine: LlamaEngine) -> None:
+    """The default engine attaches a persistent ggml thread pool (when it has more
+    than one thread); an engine without one (poll -1: ggml's per-graph threads)
+    continues a prompt with exactly the same greedy tokens."""
+    from aotx.models import default_model_path
+
+    text = "The three primary colors are"
+    assert (engine.threadpool is not None) == (engine.threads > 1)
+    plain = LlamaEngine(EngineConfig(path=default_model_path(), slots=1, slot_context=128,
+                                     batch=64, poll=-1))
+    try:
+        assert plain.threadpool is None
+        assert greedy_continuation(engine, text, 16) == greedy_continuation(plain, text, 16)
+    finally:
+        plain.close()

@@ -96,3 +96,19 @@ def test_models_file_paths_cannot_escape_the_state_folder(tmp_path) -> None:
                                        'alias = "x"\npath = "models/inside.gguf"\n')
     (spec,) = load_specs(str(state))
     assert spec.path == str((state / "models" / "inside.gguf").resolve()) and spec.role == 1
+
+
+def test_models_file_poll_is_checked(tmp_path) -> None:
+    import pytest
+
+    from aotx.models import ModelConfigError, load_specs
+
+    (tmp_path / "models.toml").write_text("[default]\npoll = 0\n")
+    (spec,) = load_specs(str(tmp_path))
+    assert spec.poll == 0
+    (tmp_path / "models.toml").write_text("[default]\n")
+    assert load_specs(str(tmp_path))[0].poll == 50
+    for bad in ("101", "-2", '"fast"', "true"):
+        (tmp_path / "models.toml").write_text(f"[default]\npoll = {bad}\n")
+        with pytest.raises(ModelConfigError, match="poll must be"):
+            load_specs(str(tmp_path))
