@@ -9,7 +9,10 @@ For each N it prints aggregate completion tok/s of N concurrent streaming
 ``/v1/chat/completions`` clients (temperature 0, distinct prompts, a fresh
 connection per request), TTFT p50/p95, inter-token p50/p95, the raw-engine
 limit (N sequences in one llama_decode batch, measured in the same run in a
-separate process, before the server starts) and the ratio aotx/limit.  Then
+separate process, before the server starts) and the ratio aotx/limit, and
+beside it the engine alone doing the same requests (each client's first prompt
+after the cached template prefix, all in one batch, then the decode steps: the
+prompt work the limit leaves out) with the ratio against that.  Then
 the native path (admission -> SSE until terminal), admission latency while 8
 streams decode, and window-read throughput on 2 keep-alive connections.
 """
@@ -56,10 +59,11 @@ def free_port() -> int:
 
 RAW = r"""
 import json, sys, time
+from aotx.device import Device
 from aotx.engine import BatchEntry, EngineConfig, LlamaEngine, Sampler
 from aotx.models import default_model_path
 from aotx.template import ChatTemplate
-ns = json.loads(sys.argv[1]); steps = int(sys.argv[2])
+ns = json.loads(sys.argv[1]); steps = int(sys.argv[2]); chats = json.loads(sys.argv[3])
 e = LlamaEngine(EngineConfig(path=default_model_path(), slots=max(ns), slot_context=1024, batch=512))
 t = ChatTemplate(e.metadata("tokenizer.chat_template"))
 out = {}
@@ -77,15 +81,42 @@ for n in ns:
     for s in range(steps):
         assert e.decode([BatchEntry(cur[q], pos[q] + s, q, True) for q in range(n)]) == 0
         cur = [e.sample(ss[q], q) for q in range(n)]
-    out[n] = n * steps / (time.perf_counter() - t0)
+    decode_only = n * steps / (time.perf_counter() - t0)
+    # The same requests as the benchmark's clients, done by the engine alone: the
+    # template prefix cached in sequence 0 (as the service warms it) and copied to
+    # the others, every prompt's rest evaluated in one batch, then the decode steps.
+    for q in range(max(ns)):
+        e.clear_sequence(q)
+    prefix = Device._template_prefix(e, t)
+    assert e.decode([BatchEntry(tok, i, 0, False) for i, tok in enumerate(prefix)]) == 0
+    prompts = [e.tokenize(t.render(chats[q]), False) for q in range(n)]
+    t0 = time.perf_counter()
+    for q in range(1, n):
+        e.copy_sequence(0, q)
+    entries = []
+    for q, p in enumerate(prompts):
+        entries += [BatchEntry(p[i], i, q, i == len(p) - 1) for i in range(len(prefix), len(p))]
+    assert e.decode(entries) == 0
+    last = [i for i, x in enumerate(entries) if x.logits]
+    cur = [e.sample(ss[q], last[q]) for q in range(n)]
+    pos = [len(p) for p in prompts]
+    for s in range(steps - 1):
+        assert e.decode([BatchEntry(cur[q], pos[q] + s, q, True) for q in range(n)]) == 0
+        cur = [e.sample(ss[q], q) for q in range(n)]
+    out[n] = [decode_only, n * steps / (time.perf_counter() - t0)]
 print(json.dumps(out))
 """
 
 
-def raw_engine_limit(ns: list[int], steps: int) -> dict[int, float]:
-    r = subprocess.run([sys.executable, "-c", RAW, json.dumps(ns), str(steps)],
+def raw_engine_limit(ns: list[int], steps: int, per_client: int = 1) -> dict[int, tuple[float, float]]:
+    """Per N: (the limit: N sequences decoding together, tok/s; the engine alone
+    doing the clients' first requests: their prompts after the cached template
+    prefix in one batch, then the decode steps, completion tok/s)."""
+    chats = [prompt(k * per_client) for k in range(max(ns))]  # each client's first request
+    r = subprocess.run([sys.executable, "-c", RAW, json.dumps(ns), str(steps), json.dumps(chats)],
                        capture_output=True, text=True, check=True)
-    return {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
+    return {int(k): (v[0], v[1])
+            for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
 
 
 _CLIENTS: dict[str, httpx.AsyncClient] = {}
@@ -212,6 +243,24 @@ async def window_reads(base: str, headers: dict[str, str], seconds: float) -> fl
     return count / (time.perf_counter() - t0)
 
 
+def cpu_times() -> list[int]:
+    """The machine's CPU time counters (user, nice, system, idle, iowait, irq, softirq,
+    steal), in clock ticks, or [] where /proc/stat is missing."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return []
+
+
+def steal_share(before: list[int], after: list[int]) -> float | None:
+    """Share of CPU time the hypervisor took from this machine (steal) between two samples."""
+    if len(before) < 8 or len(after) < 8:
+        return None
+    d = [b - a for a, b in zip(before, after, strict=True)]
+    return d[7] / sum(d) if sum(d) else None
+
+
 STATES: list[str] = []
 
 
@@ -279,8 +328,9 @@ def main() -> None:
     ns = [int(x) for x in args.clients.split(",")]
     slots = max(16, max(ns))
 
+    times0 = cpu_times()
     print(f"raw engine limit ({args.max_tokens} decode steps per N) ...", flush=True)
-    limit = raw_engine_limit(ns, args.max_tokens)
+    limit = raw_engine_limit(ns, args.max_tokens, args.requests)
     peer_spec = os.environ.get("LLAMA_SERVER")
     proc, base, headers, _ = start_aotx(slots)
     peer = None
@@ -289,7 +339,7 @@ def main() -> None:
         for n in ns:
             res = asyncio.run(run_load(base, headers, "smollm2", n, args.requests,
                                        args.max_tokens, 0))
-            row = {"n": n, "aotx": res, "limit": limit[n]}
+            row = {"n": n, "aotx": res, "limit": limit[n][0], "same_work": limit[n][1]}
             if peer_spec:
                 stop(proc)
                 peer, pbase, pmodel = start_peer(peer_spec, 8)
@@ -310,7 +360,8 @@ def main() -> None:
             rows.append(row)
             a = row["aotx"]
             line = (f"N={n:2d}  aotx {a['tok_s']:6.1f} tok/s  limit {row['limit']:6.1f}  "
-                    f"ratio {a['tok_s'] / row['limit']:.2f}  TTFT p50 {a['ttft_p50'] * 1e3:6.1f} ms "
+                    f"ratio {a['tok_s'] / row['limit']:.2f}  (engine alone on the same requests "
+                    f"{row['same_work']:6.1f}, ratio {a['tok_s'] / row['same_work']:.2f})  TTFT p50 {a['ttft_p50'] * 1e3:6.1f} ms "
                     f"p95 {a['ttft_p95'] * 1e3:6.1f} ms  ITL p50 {a['itl_p50'] * 1e3:5.1f} ms "
                     f"p95 {a['itl_p95'] * 1e3:5.1f} ms")
             if "peer" in row:
@@ -329,6 +380,11 @@ def main() -> None:
         print(f"window reads (GET /aotx/v1/requests/{{id}}, 2 keep-alive connections): "
               f"{rps:.0f} req/s", flush=True)
         print(f"median ITL across N: {statistics.median(r['aotx']['itl_p50'] for r in rows) * 1e3:.1f} ms")
+        steal = steal_share(times0, cpu_times())
+        if steal is not None:
+            # A virtual machine whose host is busy loses CPU time to it, and every
+            # figure above with it: compare runs only at a similar steal.
+            print(f"CPU steal during the run: {100 * steal:.1f} % of the machine's CPU time")
     finally:
         stop(proc)
         stop(peer)
