@@ -30,6 +30,7 @@ import struct
 from . import wire
 from .mailbox import FREE, REPLY, REQUEST, SCAN_ALL, Bell, Region
 from .paths import RuntimePaths
+from .sched import request_short_slice
 
 log = logging.getLogger("aotx.broker")
 
@@ -258,6 +259,7 @@ class Broker:
 
 def run(paths: RuntimePaths, mailboxes: int) -> None:
     paths.ensure()
+    request_short_slice()
     broker = Broker(paths, mailboxes)
 
     async def main() -> None:

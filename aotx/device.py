@@ -53,6 +53,7 @@ from .policy import (
 )
 from .policy import Pending as PolicyPending
 from .policy import Source as PolicySource
+from .sched import request_short_slice
 from .scheduler import Request, Scheduler, common_prefix
 from .template import ChatTemplate, TemplateError
 from .wire import Action, Header, Op, Phase, PolicyReason, PolicyState, WireError
@@ -847,6 +848,7 @@ class Device:
         if any(m.encoder is not None for m in self.models.values()):
             self._media_jobs = queue.Queue()
             threading.Thread(target=self._media_worker, name="media", daemon=True).start()
+        request_short_slice()  # after the engine and media threads started: not theirs
         log.info("event=device.ready epoch=%d models=%s mailboxes=%d", self.epoch,
                  ",".join(m.spec.alias for m in self.models.values()), self.region.count)
         pending = list(range(self.region.count))  # start-up: look at every mailbox once

@@ -48,6 +48,7 @@ from .protocol import (
     PolicyControlBody,
     b64,
 )
+from .sched import request_short_slice
 
 log = logging.getLogger("aotx.gateway")
 
@@ -1232,6 +1233,7 @@ def run(paths: RuntimePaths, host: str, port: int) -> None:
     url_host = f"[{host}]" if ":" in host else host
     with open(os.path.join(paths.run_dir, "gateway.url"), "w") as f:
         f.write(f"http://{url_host}:{port}\n")
+    request_short_slice()
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             loop="uvloop", http=GuardedHttpToolsProtocol,
                             timeout_graceful_shutdown=3, server_header=False)

@@ -1,0 +1,71 @@
+"""Short scheduler slices for the latency-sensitive threads (aotx.sched)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from aotx.sched import SHORT_SLICE_NS, request_short_slice
+
+from .conftest import Service
+
+
+def slice_of(pid: int, tid: int | None = None) -> int | None:
+    """The thread's EEVDF slice in ns from /proc (None on kernels without it)."""
+    path = f"/proc/{pid}/task/{tid or pid}/sched"
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("se.slice"):
+                    return int(line.split(":")[1])
+    except OSError:
+        return None
+    return None
+
+
+def in_new_thread(fn):  # type: ignore[no-untyped-def]
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        out["ok"] = fn()
+        out["slice"] = slice_of(os.getpid(), threading.get_native_id())
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return out["ok"], out["slice"]
+
+
+def short_slices_supported() -> bool:
+    ok, got = in_new_thread(request_short_slice)
+    return bool(ok) and got == SHORT_SLICE_NS
+
+
+def test_request_short_slice_sets_the_calling_thread_only(monkeypatch) -> None:
+    before = slice_of(os.getpid(), threading.get_native_id())
+    ok, got = in_new_thread(request_short_slice)
+    if not ok or got is None or got != SHORT_SLICE_NS:
+        pytest.skip(f"this kernel ({os.uname().release}) has no per-thread slices")
+    assert slice_of(os.getpid(), threading.get_native_id()) == before != SHORT_SLICE_NS
+    monkeypatch.setenv("AOTX_SHORT_SLICE", "0")
+    ok, got = in_new_thread(request_short_slice)
+    assert ok is False and got == before
+
+
+def test_the_service_runs_its_path_threads_with_short_slices(service: Service) -> None:
+    """Gateway, broker and the device's control thread ask for a short slice; the
+    device's engine threads (the decode) keep the default one."""
+    if not short_slices_supported():
+        pytest.skip(f"this kernel ({os.uname().release}) has no per-thread slices")
+    pids = service.children()
+    assert slice_of(pids["gateway"]) == SHORT_SLICE_NS
+    assert slice_of(pids["broker"]) == SHORT_SLICE_NS
+    device = pids["device"]
+    assert slice_of(device) == SHORT_SLICE_NS  # the main thread is the control thread
+    # every other thread (the engine thread, its ggml pool worker, ...) keeps the
+    # default slice: they were started before the control thread asked
+    others = {t: slice_of(device, int(t)) for t in os.listdir(f"/proc/{device}/task")
+              if int(t) != device}
+    assert others and all(v is not None and v != SHORT_SLICE_NS for v in others.values()), others
