@@ -15,15 +15,15 @@ import time
 import pytest
 
 from aotx import wire
-from aotx.mailbox import FREE, REPLY, REQUEST, SCAN_ALL, Bell, Region
+from aotx.mailbox import FREE, REPLY, REQUEST, SCAN_ALL, TSO, Bell, Region
 from aotx.paths import RuntimePaths
 
 from .conftest import short_tmpdir
 
 
-def _echo_device(run_dir: str, count: int, n_packets: int) -> None:
+def _echo_device(run_dir: str, count: int, n_packets: int, plain: bool = TSO) -> None:
     """A device stand-in in another process: answers each request with status 200."""
-    region = Region(os.path.join(run_dir, "mailboxes"), count)
+    region = Region(os.path.join(run_dir, "mailboxes"), count, plain=plain)
     bell = Bell(os.path.join(run_dir, "device.bell"), os.path.join(run_dir, "broker.bell"))
     answered = 0
     while answered < n_packets:
@@ -43,13 +43,21 @@ def _cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
-def test_mailboxes_between_two_processes() -> None:
+# On x86-64 the state words are plain loads and stores; the other architectures use
+# the atomics library.  Both must agree on the same words, so mix them here too.
+_MODES = [(TSO, TSO)] + ([(True, False), (False, True)] if TSO else [])
+
+
+@pytest.mark.parametrize(("plain_here", "plain_there"), _MODES)
+def test_mailboxes_between_two_processes(plain_here: bool, plain_there: bool) -> None:
     run_dir = short_tmpdir()
     try:
         count = 8
-        region = Region(os.path.join(run_dir, "mailboxes"), count)
+        region = Region(os.path.join(run_dir, "mailboxes"), count, plain=plain_here)
+        assert region.plain is plain_here
         bell = Bell(os.path.join(run_dir, "broker.bell"), os.path.join(run_dir, "device.bell"))
-        proc = mp.get_context("spawn").Process(target=_echo_device, args=(run_dir, count, 40))
+        proc = mp.get_context("spawn").Process(target=_echo_device,
+                                               args=(run_dir, count, 40, plain_there))
         proc.start()
         time.sleep(1.0)  # let it start and go idle
         # Idle means asleep on the doorbell, not spinning: no CPU over a second.
