@@ -325,6 +325,39 @@ def test_native_refuses_stream_true(service: Service) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
 
 
+def test_admission_fast_path_answers_as_the_route_does(service: Service) -> None:
+    """A JSON body on POST /aotx/v1/requests is answered by the gateway's fast path;
+    the same body as application/vnd.test+json (JSON to the framework, not to the fast
+    path) goes through the framework's route.  Both
+    must give the same status and the same document (ids aside)."""
+    bad = {"Authorization": "Bearer nope"}
+    cases = [
+        (service.headers, {"model": "smollm2", "messages": RUSSIAN, "max_tokens": 2}),
+        (service.headers, {"model": "smollm2", "messages": RUSSIAN, "stream": True}),
+        (service.headers, {"model": "nope", "messages": RUSSIAN}),
+        (service.headers, {"model": "smollm2", "messages": RUSSIAN, "max_tokens": 10**6}),
+        (service.headers, {"model": "smollm2", "messages": RUSSIAN, "max_tokens": 1 << 40}),
+        (service.headers, {"model": "smollm2", "messages": [
+            {"role": "user", "content": "word " * 3000}]}),
+        (service.headers, {"model": "smollm2", "messages": [
+            {"role": "user", "content": [{"type": "input_image", "digest": "sha256:" + "0" * 64}]}]}),
+        ({}, {"model": "smollm2", "messages": RUSSIAN}),
+        (bad, {"model": "smollm2", "messages": RUSSIAN}),
+    ]
+    for headers, body in cases:
+        raw = json.dumps(body).encode()
+        fast = httpx.post(service.url + "/aotx/v1/requests", content=raw, timeout=60,
+                          headers={**headers, "Content-Type": "application/json"})
+        route = httpx.post(service.url + "/aotx/v1/requests", content=raw, timeout=60,
+                           headers={**headers, "Content-Type": "application/vnd.test+json"})
+        assert fast.status_code == route.status_code, (body, fast.text, route.text)
+        assert fast.headers.get("www-authenticate") == route.headers.get("www-authenticate")
+        a, b = fast.json(), route.json()
+        if fast.status_code == 202:
+            assert a.pop("id") != b.pop("id")
+        assert a == b, body
+
+
 def test_openapi_document(service: Service) -> None:
     doc = httpx.get(service.url + "/openapi.json").json()
     for path in ("/v1/chat/completions", "/v1/models", "/aotx/v1/requests",
