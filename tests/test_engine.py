@@ -7,6 +7,8 @@ from collections.abc import Iterator
 
 import llama_cpp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aotx.engine import BatchEntry, EngineConfig, EngineError, LlamaEngine, Sampler
 
@@ -94,3 +96,32 @@ def test_the_persistent_thread_pool_gives_the_same_tokens(engine: LlamaEngine) -
         assert greedy_continuation(engine, text, 16) == greedy_continuation(plain, text, 16)
     finally:
         plain.close()
+
+
+_PIECES = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<filename>", "<|im", "start|>",
+           "<", "|", ">", "system", "user", "assistant", "\n", "\n\n", " ", "  ", "\t", "Hello",
+           " world", "don't", "123", "4567", "é", "日本語", "🙂", "\u200b", "x" * 40, ".", "!?"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(st.sampled_from(_PIECES) | st.text(max_size=12), max_size=24),
+       add_special=st.booleans())
+def test_cached_tokenization_equals_llama_cpp(engine: LlamaEngine, parts: list[str],
+                                              add_special: bool) -> None:
+    """The engine splits prompts on special-token texts and caches the pieces'
+    tokens; the result must be llama.cpp's own tokenization of the whole text."""
+    text = "".join(parts)
+    assert engine._specials  # SmolLM2's BPE vocabulary takes the cached path
+    got = engine.tokenize(text, add_special)
+    assert got == list(engine._tokenize_llama(text.encode("utf-8", "surrogatepass"), add_special))
+    assert engine.tokenize(text, add_special) == got  # and again, from the cache
+
+
+def test_cached_tokenization_of_a_chat_prompt(engine: LlamaEngine) -> None:
+    text = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+            "Hugging Face<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
+            "<|im_start|>assistant\n")
+    toks = engine.tokenize(text, False)
+    assert toks == list(engine._tokenize_llama(text.encode(), False))
+    start = engine.tokenize("<|im_start|>", False)
+    assert len(start) == 1 and toks.count(start[0]) == 3  # special texts became tokens
