@@ -556,25 +556,36 @@ class Guard:
         self.limit = limit
         self.gateway = gateway
 
+    @staticmethod
+    async def _answer(send: Callable[[dict[str, Any]], Awaitable[None]], status: int,
+                      body: Callable[[], Awaitable[bytes]]) -> None:
+        """Send ``status`` and the JSON ``body()`` returns, or the standard error object
+        of the ApiError it raises (as the app's exception handler would)."""
+        headers = [(b"content-type", b"application/json")]
+        try:
+            out = await body()
+        except ApiError as exc:
+            status, out = exc.status, dumps(exc.body())
+            headers += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
+        headers.append((b"content-length", str(len(out)).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": out})
+
     async def _window_fast_path(self, scope: dict[str, Any], send: Callable[
             [dict[str, Any]], Awaitable[None]]) -> None:
         """GET /aotx/v1/requests/{id}: the hottest read, without the framework's layers."""
         assert self.gateway is not None
         g = self.gateway()
-        rid = scope["path"][len("/aotx/v1/requests/"):]
-        status, headers = 200, [(b"content-type", b"application/json")]
-        try:
+
+        async def window() -> bytes:
             principal = await g.authenticate(Request(scope))
             query = parse_qs(scope.get("query_string", b"").decode("latin-1"),
                              keep_blank_values=True)
             cursor = query.get("cursor", [None])[-1]
-            body = await g.window_body(principal, rid, cursor)
-        except ApiError as exc:
-            status, body = exc.status, dumps(exc.body())
-            headers += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
-        headers.append((b"content-length", str(len(body)).encode()))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+            return await g.window_body(principal, scope["path"][len("/aotx/v1/requests/"):],
+                                       cursor)
+
+        await self._answer(send, 200, window)
 
     async def _submit_fast_path(self, scope: dict[str, Any], body: bytes, send: Callable[
             [dict[str, Any]], Awaitable[None]]) -> bool:
@@ -591,16 +602,11 @@ class Guard:
         except (ValueError, RecursionError, ValidationError):
             return False
         g = self.gateway()
-        status, headers = 202, [(b"content-type", b"application/json")]
-        try:
-            principal = await g.authenticate(Request(scope))
-            out = await g.admission_body(chat, principal)
-        except ApiError as exc:
-            status, out = exc.status, dumps(exc.body())
-            headers += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
-        headers.append((b"content-length", str(len(out)).encode()))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": out})
+
+        async def admit() -> bytes:
+            return await g.admission_body(chat, await g.authenticate(Request(scope)))
+
+        await self._answer(send, 202, admit)
         return True
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
