@@ -142,11 +142,10 @@ class Broker:
             self._refuse(conn, data, 413, "packet exceeds 65536 bytes")
             return
         try:
-            wire.decode_packet(data)
+            header, _ = wire.decode_packet(data)
         except wire.WireError as exc:
             self._refuse(conn, data, exc.status, exc.message)
             return
-        header = wire.decode_header(data)
         if header.op == wire.Op.BROKER_STATS:
             stats = {**self.stats, **self.mailbox_counts(), "connections": len(self.connections),
                      "mailboxes": self.region.count}
