@@ -190,7 +190,7 @@ class LlamaEngine:
                    | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN)
         strip = llama_cpp.LLAMA_TOKEN_ATTR_LSTRIP | llama_cpp.LLAMA_TOKEN_ATTR_RSTRIP
         found = []
-        for t in range(int(llama_cpp.llama_vocab_n_tokens(self.vocab))):
+        for t in range(self.n_vocab):
             attr = int(llama_cpp.llama_vocab_get_attr(self.vocab, t))
             if attr & special:
                 if attr & strip:
