@@ -51,14 +51,38 @@ class _ThreadpoolParams(ctypes.Structure):
 _ggml: tuple[ctypes.CDLL, ctypes.CDLL] | None = None
 
 
+def _loaded_library(stem: str) -> str:
+    """The file of ``stem`` (``libggml-cpu.so``) that the process has already mapped
+    as a dependency of libllama, so that ``ctypes.CDLL`` returns that same library.
+
+    The wheel ships ``libggml-cpu.so``, ``.so.0`` and ``.so.0.25.3`` as separate
+    copies of one file, and libllama loads ``.so.0``: opening ``libggml-cpu.so`` by
+    name would map a second ggml whose globals ``ggml_cpu_init`` never set up, and
+    the thread pool's workers would run that copy's code.
+    """
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rstrip("\n").split(maxsplit=5)[-1]
+                name = os.path.basename(path)
+                if path.startswith("/") and (name == stem or name.startswith(stem + ".")):
+                    return path
+    except OSError:
+        pass
+    libdir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
+    for name in (stem + ".0", stem):
+        if os.path.exists(os.path.join(libdir, name)):
+            return os.path.join(libdir, name)
+    return stem
+
+
 def _ggml_libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     """(libggml-base, libggml-cpu) as llama-cpp-python loaded them, with the
     thread-pool functions it does not bind."""
     global _ggml
     if _ggml is None:
-        libdir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
-        base = ctypes.CDLL(os.path.join(libdir, "libggml-base.so"))
-        cpu = ctypes.CDLL(os.path.join(libdir, "libggml-cpu.so"))
+        base = ctypes.CDLL(_loaded_library("libggml-base.so"))
+        cpu = ctypes.CDLL(_loaded_library("libggml-cpu.so"))
         base.ggml_threadpool_params_init.argtypes = [ctypes.POINTER(_ThreadpoolParams),
                                                      ctypes.c_int]
         base.ggml_threadpool_params_init.restype = None

@@ -98,6 +98,21 @@ def test_the_persistent_thread_pool_gives_the_same_tokens(engine: LlamaEngine) -
         plain.close()
 
 
+def test_the_thread_pool_comes_from_the_ggml_llama_cpp_loaded(engine: LlamaEngine) -> None:
+    """The wheel ships ``libggml-cpu.so`` and ``libggml-cpu.so.0`` as separate files;
+    the pool must be made by the one libllama uses (a second copy's workers would
+    run code whose globals ``ggml_cpu_init`` never set up)."""
+    import os
+
+    assert engine.threadpool is not None or engine.threads == 1
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if len(line.split()) >= 6}
+    for stem in ("libggml-cpu.so", "libggml-base.so"):
+        mapped = {p for p in paths
+                  if os.path.basename(p) == stem or os.path.basename(p).startswith(stem + ".")}
+        assert len(mapped) == 1, mapped
+
+
 _PIECES = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<filename>", "<|im", "start|>",
            "<", "|", ">", "system", "user", "assistant", "\n", "\n\n", " ", "  ", "\t", "Hello",
            " world", "don't", "123", "4567", "é", "日本語", "🙂", "\u200b", "x" * 40, ".", "!?"]
