@@ -1,18 +1,22 @@
 """Serving benchmark: aotx against the raw engine limit (and a peer server, if given).
 
     .venv/bin/python bench/bench_serve.py [--clients 1,4,8,16] [--max-tokens 128]
-        [--requests 2] [--seconds 5]
+        [--requests 2] [--rounds 2] [--seconds 5]
     LLAMA_SERVER=/path/to/llama-server .venv/bin/python bench/bench_serve.py   # A B A B vs a peer
     LLAMA_SERVER=http://127.0.0.1:8080 ...                                      # a running peer
 
-For each N it prints aggregate completion tok/s of N concurrent streaming
-``/v1/chat/completions`` clients (temperature 0, distinct prompts, a fresh
-connection per request), TTFT p50/p95, inter-token p50/p95, the raw-engine
-limit (N sequences in one llama_decode batch, measured in the same run in a
-separate process, before the server starts) and the ratio aotx/limit, and
-beside it the engine alone doing the same requests (each client's first prompt
-after the cached template prefix, all in one batch, then the decode steps: the
-prompt work the limit leaves out) with the ratio against that.  Then
+For each N it runs rounds (``--rounds``, 2 by default); each round measures the
+raw-engine limit (N sequences in one llama_decode batch, in a separate process that
+stays loaded for the whole run), then N concurrent streaming
+``/v1/chat/completions`` clients against aotx (temperature 0, distinct prompts, a
+fresh connection per request), then the same load against the peer if one is given
+(one server at a time: A B A B).  It prints per N the aggregate completion tok/s,
+TTFT p50/p95, inter-token p50/p95, the limit and the ratio aotx/limit, and beside it
+the engine alone doing the same requests (each client's first prompt after the
+cached template prefix, all in one batch, then the decode steps: the prompt work
+the limit leaves out) with the ratio against that.  A ratio is the median of the
+rounds' ratios (each round's are printed in brackets): this VM's speed drifts, so
+each ratio compares figures measured within minutes of each other.  Then
 the native path (admission -> SSE until terminal), admission latency while 8
 streams decode, and window-read throughput on 2 keep-alive connections.  The
 admissions and the window reads use a minimal keep-alive HTTP/1.1 client
@@ -66,12 +70,15 @@ from aotx.device import Device
 from aotx.engine import BatchEntry, EngineConfig, LlamaEngine, Sampler
 from aotx.models import default_model_path
 from aotx.template import ChatTemplate
-ns = json.loads(sys.argv[1]); steps = int(sys.argv[2]); chats = json.loads(sys.argv[3])
-e = LlamaEngine(EngineConfig(path=default_model_path(), slots=max(ns), slot_context=1024, batch=512))
+slots = int(sys.argv[1])
+e = LlamaEngine(EngineConfig(path=default_model_path(), slots=slots, slot_context=1024, batch=512))
 t = ChatTemplate(e.metadata("tokenizer.chat_template"))
-out = {}
-for n in ns:
-    for q in range(max(ns)):
+prefix = Device._template_prefix(e, t)
+print("ready", flush=True)
+for line in sys.stdin:
+    job = json.loads(line)
+    n, steps, chats = job["n"], job["steps"], job["chats"]
+    for q in range(slots):
         e.clear_sequence(q)
     prompts = [e.tokenize(t.render([{"role": "user", "content": f"Write a short story about topic {q}."}]), False) for q in range(n)]
     ss = [Sampler(0.0, 1.0, 0) for _ in range(n)]
@@ -88,9 +95,8 @@ for n in ns:
     # The same requests as the benchmark's clients, done by the engine alone: the
     # template prefix cached in sequence 0 (as the service warms it) and copied to
     # the others, every prompt's rest evaluated in one batch, then the decode steps.
-    for q in range(max(ns)):
+    for q in range(slots):
         e.clear_sequence(q)
-    prefix = Device._template_prefix(e, t)
     assert e.decode([BatchEntry(tok, i, 0, False) for i, tok in enumerate(prefix)]) == 0
     prompts = [e.tokenize(t.render(chats[q]), False) for q in range(n)]
     t0 = time.perf_counter()
@@ -106,20 +112,46 @@ for n in ns:
     for s in range(steps - 1):
         assert e.decode([BatchEntry(cur[q], pos[q] + s, q, True) for q in range(n)]) == 0
         cur = [e.sample(ss[q], q) for q in range(n)]
-    out[n] = [decode_only, n * steps / (time.perf_counter() - t0)]
-print(json.dumps(out))
+    print(json.dumps([decode_only, n * steps / (time.perf_counter() - t0)]), flush=True)
 """
 
 
-def raw_engine_limit(ns: list[int], steps: int, per_client: int = 1) -> dict[int, tuple[float, float]]:
-    """Per N: (the limit: N sequences decoding together, tok/s; the engine alone
-    doing the clients' first requests: their prompts after the cached template
-    prefix in one batch, then the decode steps, completion tok/s)."""
-    chats = [prompt(k * per_client) for k in range(max(ns))]  # each client's first request
-    r = subprocess.run([sys.executable, "-c", RAW, json.dumps(ns), str(steps), json.dumps(chats)],
-                       capture_output=True, text=True, check=True)
-    return {int(k): (v[0], v[1])
-            for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
+class RawEngine:
+    """The engine alone, in a separate process that stays loaded for the whole run,
+    so that each round measures the limit right before the servers' loads (this VM's
+    speed drifts by 2 x within an hour: a limit measured once at the start is not
+    comparable with a load ten minutes later)."""
+
+    def __init__(self, slots: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", RAW, str(slots)], text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL)
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != "ready":
+            raise SystemExit("the raw engine process did not start")
+
+    def measure(self, n: int, steps: int, per_client: int = 1) -> tuple[float, float]:
+        """(the limit: n sequences decoding together, tok/s; the engine alone doing
+        the clients' first requests: their prompts after the cached template prefix
+        in one batch, then the decode steps, completion tok/s)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        chats = [prompt(k * per_client) for k in range(n)]  # each client's first request
+        self.proc.stdin.write(json.dumps({"n": n, "steps": steps, "chats": chats}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit("the raw engine process died")
+        decode_only, same_work = json.loads(line)
+        return float(decode_only), float(same_work)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
 
 
 _CLIENTS: dict[str, httpx.AsyncClient] = {}
@@ -162,7 +194,7 @@ async def stream_chat(base: str, headers: dict[str, str], model: str, i: int,
 
 
 async def run_load(base: str, headers: dict[str, str], model: str, n: int, per_client: int,
-                   max_tokens: int, offset: int) -> dict[str, float]:
+                   max_tokens: int, offset: int) -> dict:
     results: list[dict] = []
 
     async def client(k: int) -> None:
@@ -177,8 +209,7 @@ async def run_load(base: str, headers: dict[str, str], model: str, n: int, per_c
     ttft = [r["stamps"][0] - r["t0"] for r in results if r["stamps"]]
     itl = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:], strict=False)]
     tokens = sum(r["tokens"] or len(r["stamps"]) for r in results)
-    return {"tok_s": tokens / wall, "ttft_p50": pct(ttft, 50), "ttft_p95": pct(ttft, 95),
-            "itl_p50": pct(itl, 50), "itl_p95": pct(itl, 95), "tokens": tokens}
+    return {"tok_s": tokens / wall, "ttft": ttft, "itl": itl, "tokens": tokens}
 
 
 async def native_load(base: str, headers: dict[str, str], n: int, max_tokens: int) -> float:
@@ -349,57 +380,81 @@ def stop(proc: subprocess.Popen[bytes] | None) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def summary(rounds: list[dict], key: str) -> dict[str, float]:
+    """One server's loads over the rounds: mean tok/s, and the latency percentiles of
+    all its requests together."""
+    ttft = [x for r in rounds for x in r[key]["ttft"]]
+    itl = [x for r in rounds for x in r[key]["itl"]]
+    return {"tok_s": statistics.mean(r[key]["tok_s"] for r in rounds),
+            "ttft_p50": pct(ttft, 50), "ttft_p95": pct(ttft, 95),
+            "itl_p50": pct(itl, 50), "itl_p95": pct(itl, 95)}
+
+
+def ratios(rounds: list[dict], num: str, den: str) -> str:
+    """The median of the rounds' ratios num/den (each round's figures were measured
+    minutes apart at most), and each round's ratio."""
+    rs = [r[num]["tok_s"] / r[den]["tok_s"] for r in rounds]
+    each = "/".join(f"{x:.2f}" for x in rs)
+    return f"{statistics.median(rs):.2f}" + (f" [{each}]" if len(rs) > 1 else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--clients", default="1,4,8,16")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--requests", type=int, default=2, help="requests per client per round")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="rounds per N, each: the raw engine, aotx, then the peer (if given)")
     ap.add_argument("--seconds", type=float, default=5.0, help="window-read duration")
     args = ap.parse_args()
     ns = [int(x) for x in args.clients.split(",")]
     slots = max(16, max(ns))
 
     times0 = cpu_times()
-    print(f"raw engine limit ({args.max_tokens} decode steps per N) ...", flush=True)
-    limit = raw_engine_limit(ns, args.max_tokens, args.requests)
     peer_spec = os.environ.get("LLAMA_SERVER")
-    proc, base, headers, _ = start_aotx(slots)
+    raw = RawEngine(slots)
+    proc: subprocess.Popen[bytes] | None = None
     peer = None
     rows = []
     try:
+        proc, base, headers, _ = start_aotx(slots)
         for n in ns:
-            res = asyncio.run(run_load(base, headers, "smollm2", n, args.requests,
-                                       args.max_tokens, 0))
-            row = {"n": n, "aotx": res, "limit": limit[n][0], "same_work": limit[n][1]}
-            if peer_spec:
-                stop(proc)
-                peer, pbase, pmodel = start_peer(peer_spec, 8)
-                b1 = asyncio.run(run_load(pbase, {}, pmodel, n, args.requests, args.max_tokens, 0))
-                stop(peer)
-                proc, base, headers, _ = start_aotx(slots)
-                a2 = asyncio.run(run_load(base, headers, "smollm2", n, args.requests,
-                                          args.max_tokens, 0))
-                stop(proc)
-                peer, pbase, pmodel = start_peer(peer_spec, 8)
-                b2 = asyncio.run(run_load(pbase, {}, pmodel, n, args.requests, args.max_tokens, 0))
-                stop(peer)
-                peer = None
-                proc, base, headers, _ = start_aotx(slots)
-                row["peer"] = {"tok_s": (b1["tok_s"] + b2["tok_s"]) / 2,
-                               "ttft_p50": (b1["ttft_p50"] + b2["ttft_p50"]) / 2}
-                row["aotx"]["tok_s"] = (res["tok_s"] + a2["tok_s"]) / 2
+            rounds: list[dict] = []
+            for _ in range(args.rounds):
+                # The limit right before the load, in the same minute of this VM's speed.
+                decode_only, same_work = raw.measure(n, args.max_tokens, args.requests)
+                if proc is None:
+                    proc, base, headers, _ = start_aotx(slots)
+                rnd = {"limit": {"tok_s": decode_only}, "same_work": {"tok_s": same_work},
+                       "aotx": asyncio.run(run_load(base, headers, "smollm2", n, args.requests,
+                                                    args.max_tokens, 0))}
+                if peer_spec:  # one server at a time: A B A B
+                    stop(proc)
+                    proc = None
+                    peer, pbase, pmodel = start_peer(peer_spec, 8)
+                    rnd["peer"] = asyncio.run(run_load(pbase, {}, pmodel, n, args.requests,
+                                                       args.max_tokens, 0))
+                    stop(peer)
+                    peer = None
+                rounds.append(rnd)
+            a = summary(rounds, "aotx")
+            row = {"n": n, "aotx": a}
             rows.append(row)
-            a = row["aotx"]
-            line = (f"N={n:2d}  aotx {a['tok_s']:6.1f} tok/s  limit {row['limit']:6.1f}  "
-                    f"ratio {a['tok_s'] / row['limit']:.2f}  (engine alone on the same requests "
-                    f"{row['same_work']:6.1f}, ratio {a['tok_s'] / row['same_work']:.2f})  TTFT p50 {a['ttft_p50'] * 1e3:6.1f} ms "
-                    f"p95 {a['ttft_p95'] * 1e3:6.1f} ms  ITL p50 {a['itl_p50'] * 1e3:5.1f} ms "
-                    f"p95 {a['itl_p95'] * 1e3:5.1f} ms")
-            if "peer" in row:
-                line += (f"  peer {row['peer']['tok_s']:6.1f} tok/s "
-                         f"(aotx/peer {a['tok_s'] / row['peer']['tok_s']:.2f}) "
-                         f"peer TTFT p50 {row['peer']['ttft_p50'] * 1e3:6.1f} ms")
+            line = (f"N={n:2d}  aotx {a['tok_s']:6.1f} tok/s  "
+                    f"limit {statistics.mean(r['limit']['tok_s'] for r in rounds):6.1f}  "
+                    f"ratio {ratios(rounds, 'aotx', 'limit')}  (engine alone on the same requests "
+                    f"{statistics.mean(r['same_work']['tok_s'] for r in rounds):6.1f}, "
+                    f"ratio {ratios(rounds, 'aotx', 'same_work')})  "
+                    f"TTFT p50 {a['ttft_p50'] * 1e3:6.1f} ms p95 {a['ttft_p95'] * 1e3:6.1f} ms  "
+                    f"ITL p50 {a['itl_p50'] * 1e3:5.1f} ms p95 {a['itl_p95'] * 1e3:5.1f} ms")
+            if peer_spec:
+                b = summary(rounds, "peer")
+                line += (f"  peer {b['tok_s']:6.1f} tok/s (aotx/peer {ratios(rounds, 'aotx', 'peer')}) "
+                         f"peer TTFT p50 {b['ttft_p50'] * 1e3:6.1f} ms")
             print(line, flush=True)
+        raw.close()
+        if proc is None:
+            proc, base, headers, _ = start_aotx(slots)
         for n in (8,):
             print(f"native N={n}: admission -> SSE until terminal: "
                   f"{asyncio.run(native_load(base, headers, n, args.max_tokens)):.1f} tok/s",
@@ -419,6 +474,7 @@ def main() -> None:
             # figure above with it: compare runs only at a similar steal.
             print(f"CPU steal during the run: {100 * steal:.1f} % of the machine's CPU time")
     finally:
+        raw.close()
         stop(proc)
         stop(peer)
         for state in STATES:
