@@ -160,6 +160,7 @@ class Device:
         self.parked_mailboxes: set[int] = set()
         self.busy_mailboxes: set[int] = set()  # submissions whose media is being prepared
         self._media_jobs: queue.Queue[Any] | None = None  # the media worker's queue
+        self._media_thread: threading.Thread | None = None
         self.n_parked = 0
         self.counters = Counters()
         self.models: dict[int, LoadedModel] = {}
@@ -677,8 +678,16 @@ class Device:
                 if error:
                     reply = refuse(400, error)
                 else:
-                    reply = self._admit(h, grant, model, sub, prompt, prompt_text, segments,
-                                        leased, messages, memory_on, refuse)
+                    # The grant may have been replaced or revoked while the media was
+                    # prepared without the lock: admit under the one installed now.
+                    now, status, msg = self._grant_for(h, Action.SUBMIT)
+                    if now is None:
+                        reply = refuse(status, msg)
+                    elif not (now.model_mask >> h.role) & 1:
+                        reply = refuse(404, "no such model")
+                    else:
+                        reply = self._admit(h, now, model, sub, prompt, prompt_text, segments,
+                                            leased, messages, memory_on, refuse)
             finally:
                 if reply is None or reply[0].status != 202:  # refused: it will not run
                     release_all(segments)
@@ -847,7 +856,9 @@ class Device:
             t.start()
         if any(m.encoder is not None for m in self.models.values()):
             self._media_jobs = queue.Queue()
-            threading.Thread(target=self._media_worker, name="media", daemon=True).start()
+            self._media_thread = threading.Thread(target=self._media_worker, name="media",
+                                                  daemon=True)
+            self._media_thread.start()
         request_short_slice()  # after the engine and media threads started: not theirs
         log.info("event=device.ready epoch=%d models=%s mailboxes=%d", self.epoch,
                  ",".join(m.spec.alias for m in self.models.values()), self.region.count)
@@ -891,15 +902,24 @@ class Device:
             self._media_jobs.put(None)
         for m in self.models.values():
             m.scheduler.stop()
+        # The media worker may be inside an encoder (preprocessing an image) and then
+        # publishes its reply: wait for it before the encoders and the region go.
+        media_busy = False
+        if self._media_thread is not None:
+            self._media_thread.join(timeout=30)
+            media_busy = self._media_thread.is_alive()
         for m in self.models.values():
             if m.thread:
                 m.thread.join(timeout=30)
                 if m.thread.is_alive():
                     continue  # still inside llama.cpp: leave its memory to the exit
             if m.encoder is not None:
+                if media_busy:
+                    continue  # the worker still uses it (and the model): leave them to the exit
                 m.encoder.close()
             m.engine.close()
-        self.region.close()
+        if not media_busy:
+            self.region.close()
         log.info("event=device.stopped epoch=%d", self.epoch)
 
     def stop(self) -> None:

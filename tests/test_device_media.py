@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import secrets
 import shutil
+import threading
 import time
 
 import pytest
@@ -227,3 +228,85 @@ def test_media_is_checked_before_libmtmd_sees_it() -> None:
             check_media(kind, data, 0)
     check_media("image", png(2, 16), 0)
     check_media("image", jpeg, 0)
+
+
+class GatedEncoder(FakeEncoder):
+    """Holds each tokenize until released, as a large image's preprocessing does."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.closed_while_busy = False
+        self.busy = False
+
+    def tokenize(self, text: str, media: list[tuple[str, bytes]],
+                 add_special: bool) -> tuple[list[int], list[MediaSegment]]:
+        self.busy = True
+        self.entered.set()
+        assert self.release.wait(10)
+        try:
+            return super().tokenize(text, media, add_special)
+        finally:
+            self.busy = False
+
+    def close(self) -> None:
+        self.closed_while_busy |= self.busy
+
+
+def _submit_through_worker(dev: Device, encoder: GatedEncoder) -> tuple[bytes, threading.Thread]:
+    """Serve the device, put an image source, publish a SUBMIT that uses it; return
+    (the source's id, the serving thread) once the media worker is inside the encoder."""
+    from aotx.mailbox import REQUEST
+
+    dev.models[1].encoder = encoder  # type: ignore[assignment]
+    rh, body = call(dev, wire.Header(op=wire.Op.MEDIA_PUT, identity=b"w" * 16, role=1,
+                                     submit_flags=wire.MEDIA_FLAG_FINAL), png(5))
+    digest = wire.decode_media_meta(body[:64]).digest
+    serving = threading.Thread(target=dev.serve, daemon=True)
+    serving.start()
+    sub = wire.encode_submission(wire.Submission((wire.Message(wire.Role.USER, (
+        wire.Part(wire.PartKind.IMAGE_DIGEST, digest), wire.Part(wire.PartKind.TEXT, b"?"))),)))
+    h = wire.Header(op=wire.Op.SUBMIT, role=1, max_tokens=5, principal=7, epoch=dev.epoch, tag=9)
+    dev.region.publish(1, wire.encode_packet(h, sub), REQUEST)
+    dev.bell.ring_self(1)
+    assert encoder.entered.wait(5), "the media worker never started the request"
+    return rh.identity, serving
+
+
+def test_a_grant_revoked_while_media_is_prepared_refuses_the_request(device) -> None:
+    """The media worker prepares without the lock; the admission afterwards checks the
+    grant installed then, not the one seen when the packet arrived."""
+    from aotx.mailbox import REPLY
+
+    dev, _sched = device
+    encoder = GatedEncoder()
+    source_id, serving = _submit_through_worker(dev, encoder)
+    try:
+        with dev.lock:
+            dev.grants[7] = wire.Grant(principal=7, actions=0, model_mask=0, revision=2)
+        encoder.release.set()
+        deadline = time.monotonic() + 5
+        while dev.region.state(1) != REPLY:
+            assert time.monotonic() < deadline, "no reply"
+            time.sleep(0.02)
+        h, msg = wire.decode_packet(dev.region.read(1))
+        assert h.status == 403 and h.tag == 9, (h.status, msg)
+        assert not dev.requests
+        assert dev.media.sources[source_id].leases == 0  # the refusal gave the lease back
+    finally:
+        encoder.release.set()
+        dev.stop()
+        serving.join(10)
+
+
+def test_shutdown_waits_for_the_media_worker_before_closing_the_encoder(device) -> None:
+    """A stop while the worker is inside the encoder: the encoder is closed only after
+    the worker left it (libmtmd's context freed under a running preprocess would crash)."""
+    dev, _sched = device
+    encoder = GatedEncoder()
+    _, serving = _submit_through_worker(dev, encoder)
+    timer = threading.Timer(0.3, encoder.release.set)
+    timer.start()
+    dev.stop()
+    serving.join(10)
+    assert not serving.is_alive()
+    assert encoder.release.is_set() and not encoder.closed_while_busy
