@@ -123,6 +123,19 @@ class BatchEntry:
     logits: bool
 
 
+#: llama.cpp reads this 32-bit seed as "pick a random seed" (LLAMA_DEFAULT_SEED).
+_RANDOM_SEED = 0xFFFFFFFF
+
+
+def seed32(seed: int) -> int:
+    """A 64-bit request seed as llama.cpp's 32-bit sampler seed: the two halves
+    xor-ed (seeds below 2**32 are unchanged, and seeds that differ only in their
+    upper half stay apart), never the value llama.cpp takes for "random" (``seed``
+    -1, sent as 2**64 - 1, folds to 0)."""
+    s = (seed ^ (seed >> 32)) & 0xFFFFFFFF
+    return s if s != _RANDOM_SEED else _RANDOM_SEED - 1
+
+
 class Sampler:
     """A llama.cpp sampler chain for one sequence.
 
@@ -144,7 +157,7 @@ class Sampler:
             llama_cpp.llama_sampler_chain_add(self.ptr,
                                               llama_cpp.llama_sampler_init_temp(temperature))
             llama_cpp.llama_sampler_chain_add(self.ptr,
-                                              llama_cpp.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+                                              llama_cpp.llama_sampler_init_dist(seed32(seed)))
 
     def free(self) -> None:
         if self.ptr is not None:
@@ -186,6 +199,11 @@ class LlamaEngine:
             self._attach_threadpool(threads, config.poll)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.slot_context = int(llama_cpp.llama_n_ctx_seq(self.ctx))
+        if 0 < self.n_ctx_train < self.slot_context:
+            # Served as configured (llama.cpp does the same), but positions past the
+            # training context are outside what the model learned.
+            log.warning("event=engine.context_beyond_training context=%d n_ctx_train=%d",
+                        self.slot_context, self.n_ctx_train)
         self.batch = llama_cpp.llama_batch_init(config.batch, 0, 1)
         self._piece_cache: dict[int, bytes] = {}
         self._piece_buf = ctypes.create_string_buffer(256)
@@ -398,9 +416,11 @@ class LlamaEngine:
         milliseconds), far cheaper than evaluating a shared prompt prefix again."""
         llama_cpp.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
 
-    def trim_sequence(self, seq: int, keep: int) -> None:
-        """Drop the sequence's cells at positions >= keep."""
-        llama_cpp.llama_memory_seq_rm(self.memory, seq, keep, -1)
+    def trim_sequence(self, seq: int, keep: int) -> bool:
+        """Drop the sequence's cells at positions >= keep.  False when the memory
+        cannot (a recurrent or hybrid model's state cannot be cut back partway):
+        then nothing was removed."""
+        return bool(llama_cpp.llama_memory_seq_rm(self.memory, seq, keep, -1))
 
     def perf(self) -> tuple[int, int]:
         """(prompt tokens evaluated, tokens generated) since start."""

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aotx.engine import BatchEntry, EngineConfig, EngineError, LlamaEngine, Sampler
+from aotx.engine import BatchEntry, EngineConfig, EngineError, LlamaEngine, Sampler, seed32
 
 pytestmark = pytest.mark.skipif(os.environ.get("AOTX_SKIP_MODEL") == "1",
                                 reason="model tests disabled")
@@ -96,6 +96,31 @@ def test_the_persistent_thread_pool_gives_the_same_tokens(engine: LlamaEngine) -
         assert greedy_continuation(engine, text, 16) == greedy_continuation(plain, text, 16)
     finally:
         plain.close()
+
+
+def test_every_request_seed_is_a_fixed_sampler_seed(engine: LlamaEngine) -> None:
+    """llama.cpp takes the 32-bit seed 0xFFFFFFFF as "random"; no request seed may
+    reach it (``seed: -1`` arrives as 2**64 - 1), and a seed samples the same twice."""
+    assert seed32(5) == 5 and seed32((1 << 32) | 5) != 5
+    for seed in (0xFFFFFFFF, (1 << 64) - 1, 0xFFFFFFFF << 32):
+        assert seed32(seed) != 0xFFFFFFFF
+
+    def sampled(seed: int) -> list[int]:
+        engine.clear_sequence(0)
+        prompt = engine.tokenize("Once upon a time", False)
+        assert engine.decode([BatchEntry(t, i, 0, i == len(prompt) - 1)
+                              for i, t in enumerate(prompt)]) == 0
+        sampler, out = Sampler(1.5, 1.0, seed), []
+        try:
+            for step in range(24):
+                out.append(engine.sample(sampler, 0 if step else len(prompt) - 1))
+                assert engine.decode([BatchEntry(out[-1], len(prompt) + step, 0, True)]) == 0
+        finally:
+            sampler.free()
+        return out
+
+    for seed in (0xFFFFFFFF, (1 << 64) - 1):
+        assert sampled(seed) == sampled(seed)
 
 
 def test_the_thread_pool_comes_from_the_ggml_llama_cpp_loaded(engine: LlamaEngine) -> None:
