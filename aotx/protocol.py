@@ -23,6 +23,8 @@ from pydantic import (
     model_validator,
 )
 
+from .wire import MAX_STOP_BYTES
+
 MAX_STOP = 16
 MAX_INLINE_CHARS = 1 << 21  # longer than any body the gateway accepts (1 MiB)
 
@@ -143,6 +145,9 @@ class ChatRequest(BaseModel):
             raise ValueError(f"at most {MAX_STOP} stop sequences")
         if any(not s for s in items):
             raise ValueError("stop sequences must not be empty")
+        if any(len(s.encode("utf-8", "surrogatepass")) > MAX_STOP_BYTES for s in items):
+            raise ValueError(f"a stop sequence may have at most {MAX_STOP_BYTES} "
+                             f"bytes (UTF-8)")
         return v
 
     @model_validator(mode="after")

@@ -36,7 +36,7 @@ class Engine(Protocol):
     def clear_sequence(self, seq: int) -> None: ...
     def decode_embeddings(self, embd: Any, n_tokens: int, pos: int, seq: int,
                           non_causal: bool = False) -> int: ...
-    def trim_sequence(self, seq: int, keep: int) -> None: ...
+    def trim_sequence(self, seq: int, keep: int) -> bool: ...
     def copy_sequence(self, src: int, dst: int) -> None: ...
 
 
@@ -98,10 +98,15 @@ class OutputBuffer:
                 return out, True
         keep = 0
         for s in self.stops:
-            for j in range(min(len(s) - 1, len(self.held)), 0, -1):
-                if self.held.endswith(s[:j]):
-                    keep = max(keep, j)
+            # The longest tail of ``held`` that starts ``s``: tails begin only where
+            # ``s``'s first byte occurs, so jump between those (find) and compare each.
+            m = min(len(s) - 1, len(self.held))
+            i = len(self.held) - m
+            while (i := self.held.find(s[0], i)) >= 0:
+                if s.startswith(self.held[i:]):
+                    keep = max(keep, len(self.held) - i)
                     break
+                i += 1
         cut = len(self.held) - keep
         cut = utf8_complete_length(self.held[:cut])
         out = bytes(self.held[:cut])
@@ -303,7 +308,11 @@ class Scheduler:
                 self.copies += 1
             self.free_seqs.remove(seq)
             keep = min(have, len(req.prompt) - 1)
-            self.engine.trim_sequence(seq, keep)
+            if not self.engine.trim_sequence(seq, keep):
+                # The memory cannot be cut back to ``keep`` (a recurrent model):
+                # start the sequence empty and evaluate the whole prompt.
+                self.engine.clear_sequence(seq)
+                keep = 0
             self.cached[seq] = req.prompt[:keep]
             req.seq = seq
             req.n_past = keep

@@ -312,6 +312,9 @@ def decode_packet(data: bytes | memoryview) -> tuple[Header, bytes]:
 MAX_MESSAGES = 4096
 MAX_PARTS = 4096
 MAX_STOPS = 16
+#: Bytes in one stop string (UTF-8).  Output that could still be the start of a
+#: stop string is held back and searched on every token, so the length is bounded.
+MAX_STOP_BYTES = 1024
 _U32 = struct.Struct("<I")
 _U32x2 = struct.Struct("<II")
 
@@ -424,6 +427,8 @@ def decode_submission(data: bytes | memoryview) -> Submission:
         raw = r.take(r.u32())
         if not raw:
             raise WireError("empty stop string")
+        if len(raw) > MAX_STOP_BYTES:
+            raise WireError(f"stop string of {len(raw)} bytes exceeds {MAX_STOP_BYTES}")
         try:
             stops.append(raw.decode("utf-8"))
         except UnicodeDecodeError:

@@ -299,6 +299,8 @@ def test_models_routes(service: Service) -> None:
     (json.dumps({"model": "smollm2", "messages": RUSSIAN, "max_tokens": 0}).encode(), 400,
      "max_tokens"),
     (json.dumps({"model": "smollm2", "messages": RUSSIAN, "stop": [""]}).encode(), 400, "stop"),
+    (json.dumps({"model": "smollm2", "messages": RUSSIAN, "stop": "é" * 513}).encode(), 400,
+     "stop"),
     (json.dumps({"model": "smollm2", "messages": RUSSIAN, "max_tokens": 10**6}).encode(), 400,
      None),
     (json.dumps({"model": "smollm2", "messages": [

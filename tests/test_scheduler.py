@@ -33,6 +33,7 @@ class ScriptedEngine:
         self.media: list[tuple[int, int, int, object]] = []  # (seq, pos, n, embeddings)
         self.copies: list[tuple[int, int]] = []
         self.media_status = 0
+        self.trim_fails = False  # a memory that cannot be cut back (recurrent models)
 
     def decode(self, entries: list[BatchEntry]) -> int:
         self.steps.append(list(entries))
@@ -54,8 +55,9 @@ class ScriptedEngine:
     def clear_sequence(self, seq: int) -> None:
         self.cleared.append(seq)
 
-    def trim_sequence(self, seq: int, keep: int) -> None:
+    def trim_sequence(self, seq: int, keep: int) -> bool:
         self.trims.append((seq, keep))
+        return not self.trim_fails
 
     def copy_sequence(self, src: int, dst: int) -> None:
         self.copies.append((src, dst))
@@ -182,6 +184,26 @@ def test_prompt_prefix_is_reused_from_a_finished_sequence() -> None:
     assert sched.reused_tokens == 71
 
 
+def test_a_memory_that_cannot_be_trimmed_evaluates_the_whole_prompt() -> None:
+    """Where the memory refuses to cut a sequence back (llama.cpp's recurrent and
+    hybrid memories refuse a partial removal), the sequence is cleared and the whole
+    prompt is evaluated from position 0, instead of decoding after stale cells."""
+    sched, engine = make(slots=1)
+    a = req(1, [1, 1], prompt_len=40)
+    submit(sched, a)
+    run_until_idle(sched)
+    engine.trim_fails = True
+    b = req(2, [2, 2], prompt_len=40)
+    b.prompt = a.prompt[:30] + [7] * 12
+    submit(sched, b)
+    sched.step()
+    assert b.reused_tokens == 0 and b.seq in engine.cleared
+    assert [e.pos for e in engine.steps[-1]] == list(range(42))
+    run_until_idle(sched)
+    assert b.phase is Phase.COMPLETED and bytes(b.out) == b"bb"
+    assert sched.reused_tokens == 0
+
+
 def a_seq(engine: ScriptedEngine, r: Request) -> int:
     return engine.steps[0][0].seq
 
@@ -293,6 +315,34 @@ def test_output_buffer_equals_cut_at_first_stop(text: str, cuts: list[int], stop
         expected = data[:pos]  # stopped consuming before the stop was complete
         expected = expected[:utf8_complete_length(expected)]
     assert out == expected
+
+
+def _held_back_reference(held: bytes, stops: tuple[bytes, ...]) -> int:
+    """The longest tail of ``held`` that is a proper prefix of a stop (plainly)."""
+    keep = 0
+    for s in stops:
+        for j in range(min(len(s) - 1, len(held)), 0, -1):
+            if held.endswith(s[:j]):
+                keep = max(keep, j)
+                break
+    return keep
+
+
+@given(st.text(alphabet="ab", max_size=60), st.lists(st.integers(1, 4), max_size=40),
+       st.lists(st.text(alphabet="ab", min_size=1, max_size=7), min_size=1, max_size=3))
+def test_output_buffer_holds_back_exactly_a_possible_stop_start(
+        text: str, cuts: list[int], stops: list[str]) -> None:
+    """After every piece, what stays held is exactly the longest tail that could still
+    begin a stop string (ASCII here, so UTF-8 holds nothing back)."""
+    data, stop_bytes = text.encode(), tuple(s.encode() for s in stops)
+    buf, pos, seen = OutputBuffer(stop_bytes), 0, b""
+    for c in cuts + [len(data)]:
+        piece, pos = data[pos:pos + c], pos + c
+        seen += piece
+        _, stopped = buf.push(piece)
+        if stopped or pos >= len(data):
+            break
+        assert bytes(buf.held) == seen[len(seen) - _held_back_reference(seen, stop_bytes):]
 
 
 @pytest.mark.skipif(os.environ.get("AOTX_SKIP_MODEL") == "1", reason="model tests disabled")

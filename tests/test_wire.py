@@ -139,6 +139,7 @@ P = struct.Struct("<I").pack
     (P(1) + P(1) + P(0) + P(0) + b"junk", "trailing"),
     (P(1) + P(1) + P(0) + P(1) + P(0), "empty stop"),
     (P(1) + P(1) + P(0) + P(17), "stop count"),
+    (P(1) + P(1) + P(0) + P(1) + P(1025) + b"s" * 1025, "exceeds 1024"),
     (P(1) + P(1) + P(0) + P(1) + P(2) + b"\xff\xfe", "UTF-8"),
     (P(1) + P(1) + P(5000), "part count"),
 ])
