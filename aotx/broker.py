@@ -58,6 +58,9 @@ class Connection:
         self.id = Connection._next_id
         self.sock = sock
         self.open = True
+        # Packets waiting for a full socket, in order; while any wait, later ones
+        # queue behind them (one writer task drains the queue).
+        self.backlog: collections.deque[bytes] = collections.deque()
 
 
 class Broker:
@@ -109,19 +112,31 @@ class Broker:
                 log.info("event=broker.reply_dropped mailbox=%d", i)
 
     def _send(self, conn: Connection, packet: bytes) -> None:
+        if conn.backlog:  # earlier packets still wait for the socket: keep the order
+            conn.backlog.append(packet)
+            return
         try:
             conn.sock.send(packet)
         except BlockingIOError:
-            # The gateway is not reading; queue the send on the loop.
-            asyncio.get_running_loop().create_task(self._send_later(conn, packet))
+            # The gateway is not reading; queue the packet and drain on the loop.
+            conn.backlog.append(packet)
+            asyncio.get_running_loop().create_task(self._drain(conn))
         except OSError:
             self._close(conn)
 
-    async def _send_later(self, conn: Connection, packet: bytes) -> None:
+    async def _drain(self, conn: Connection) -> None:
+        """The connection's one writer while its socket is full (a second pending
+        ``sock_sendall`` on one socket would replace the first's writer)."""
+        loop = asyncio.get_running_loop()
         try:
-            await asyncio.get_running_loop().sock_sendall(conn.sock, packet)
+            while conn.backlog and conn.open:
+                await loop.sock_sendall(conn.sock, conn.backlog[0])
+                conn.backlog.popleft()
         except OSError:
             self._close(conn)
+        finally:
+            if not conn.open:
+                conn.backlog.clear()
 
     # -- gateway side ------------------------------------------------------
     def _refuse(self, conn: Connection, data: bytes, status: int, message: str) -> None:

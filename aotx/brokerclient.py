@@ -30,6 +30,10 @@ class BrokerClient:
         self._pending: dict[int, asyncio.Future[tuple[wire.Header, bytes]]] = {}
         self._tags = itertools.count(1)
         self._connect_lock = asyncio.Lock()
+        # One sender at a time: the event loop keeps one pending writer per socket,
+        # and a second ``sock_sendall`` waiting on a full socket would replace the
+        # first's (whose call then never completes).
+        self._send_lock = asyncio.Lock()
         self.packets_sent = 0
 
     async def _ensure(self) -> socket.socket:
@@ -88,7 +92,8 @@ class BrokerClient:
         fut: asyncio.Future[tuple[wire.Header, bytes]] = asyncio.get_running_loop().create_future()
         self._pending[tag] = fut
         try:
-            await asyncio.get_running_loop().sock_sendall(sock, packet)
+            async with self._send_lock:
+                await asyncio.get_running_loop().sock_sendall(sock, packet)
             self.packets_sent += 1
         except OSError as exc:
             self._pending.pop(tag, None)

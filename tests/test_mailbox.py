@@ -123,11 +123,12 @@ class FakeDevice:
             time.sleep(0.01)
         raise AssertionError(f"device holds {len(self.held)} requests, expected {n}")
 
-    def answer_all(self) -> None:
+    def answer_all(self, size: int = 0) -> None:
         with self.lock:
             held, self.held = self.held, {}
         for i, h in held.items():
-            self.region.publish(i, wire.encode_packet(h.reply(200), b"reply-%d" % h.tag), REPLY)
+            body = (b"reply-%d" % h.tag).ljust(size, b".")
+            self.region.publish(i, wire.encode_packet(h.reply(200), body), REPLY)
             self.bell.ring(i)
 
     def close(self) -> None:
@@ -218,6 +219,31 @@ def test_disconnected_mailbox_reply_never_reaches_a_new_connection(broker_env) -
     new.settimeout(5)
     assert sorted(_recv(new).tag for _ in range(count)) == list(range(100, 100 + count))
     new.close()
+
+
+def test_replies_to_a_gateway_that_does_not_read_all_arrive(broker_env) -> None:
+    """Large replies to a connection that is not reading fill its socket; the broker
+    queues the rest behind them and delivers every one, in one writer, once the
+    gateway reads (two pending sends on one socket would lose one)."""
+    paths, device, _proc, count = broker_env
+    s = _connect(paths.socket)
+    size = wire.MAX_PACKET - wire.HEADER_SIZE - 64
+    sent = []
+    for r in range(5):  # 5 x 4 replies of ~64 KiB: far more than a socket buffer holds
+        for k in range(count):
+            sent.append(r * count + k)
+            _send(s, sent[-1])
+        device.wait_held(count)
+        device.answer_all(size)
+        time.sleep(0.1)  # the broker meets the full socket before the next round
+    got = []
+    for _ in sent:
+        data = s.recv(wire.MAX_PACKET + 1)
+        h, body = wire.decode_packet(data)
+        assert h.status == 200 and len(body) == size and body.startswith(b"reply-%d" % h.tag)
+        got.append(h.tag)
+    assert sorted(got) == sent
+    s.close()
 
 
 def test_broker_rejects_malformed_packets_with_a_status(broker_env) -> None:
