@@ -11,12 +11,14 @@ Every change bumps ``meta.generation``; a running gateway polls that number
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import secrets
 import sqlite3
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from . import wire
@@ -140,12 +142,23 @@ class CredentialStore:
     def _bump(self) -> None:
         self.db.execute("UPDATE meta SET value = value + 1 WHERE key='generation'")
 
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """A change and its generation bump commit together or not at all: a running
+        gateway that saw the change without the bump would never reload it."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+
     def set_principal(self, name: str, actions: int, models: tuple[str, ...],
                       limits: dict[str, int], memory: bool = False) -> int:
         if not name or len(name) > 128:
             raise CredentialError("principal names are 1 to 128 characters")
-        self.db.execute("BEGIN IMMEDIATE")
-        try:
+        with self._transaction():
             row = self.db.execute("SELECT id, actions, models, limits, memory FROM principals "
                                   "WHERE name=?", (name,)).fetchone()
             enc = (actions, ",".join(models), json.dumps(limits, sort_keys=True), int(memory))
@@ -161,10 +174,6 @@ class CredentialStore:
                     self.db.execute("UPDATE principals SET actions=?, models=?, limits=?, "
                                     "memory=?, updated_at=? WHERE id=?", (*enc, time.time(), pid))
                     self._bump()
-            self.db.execute("COMMIT")
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
         return pid
 
     def create_token(self, principal: str, actions: int | None = None,
@@ -174,9 +183,10 @@ class CredentialStore:
         pid = self.set_principal(principal, parse_actions(",".join(DEFAULT_ACTIONS))
                                  if actions is None else actions, models, limits or {}, memory)
         token = token or TOKEN_PREFIX + secrets.token_urlsafe(32)  # 256 bits
-        cur = self.db.execute("INSERT INTO tokens (hash, principal_id, created_at) VALUES (?, ?, ?)",
-                              (token_hash(token), pid, time.time()))
-        self._bump()
+        with self._transaction():
+            cur = self.db.execute("INSERT INTO tokens (hash, principal_id, created_at) "
+                                  "VALUES (?, ?, ?)", (token_hash(token), pid, time.time()))
+            self._bump()
         return int(cur.lastrowid or 0), token
 
     def ensure_token(self, principal: str, token: str, actions: int) -> None:
@@ -187,10 +197,11 @@ class CredentialStore:
             self.create_token(principal, actions, ("*",), {}, False, token=token)
 
     def revoke(self, token_id: int) -> bool:
-        cur = self.db.execute("UPDATE tokens SET revoked_at=? WHERE id=? AND revoked_at IS NULL",
-                              (time.time(), token_id))
-        if cur.rowcount:
-            self._bump()
+        with self._transaction():
+            cur = self.db.execute("UPDATE tokens SET revoked_at=? WHERE id=? AND "
+                                  "revoked_at IS NULL", (time.time(), token_id))
+            if cur.rowcount:
+                self._bump()
         return bool(cur.rowcount)
 
     def tokens(self) -> list[dict[str, object]]:

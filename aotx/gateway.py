@@ -39,7 +39,7 @@ from . import wire
 from .brokerclient import BrokerClient, BrokerUnavailable
 from .credentials import CredentialStore, PrincipalGrant, token_hash
 from .errors import ApiError, error_body
-from .httpguard import BODY_IDLE_TIMEOUT, GuardedHttpToolsProtocol
+from .httpguard import BODY_IDLE_TIMEOUT, MAX_CONNECTIONS, GuardedHttpToolsProtocol
 from .media import CONTENT_TYPES
 from .paths import RuntimePaths
 from .protocol import (
@@ -118,6 +118,10 @@ class Gateway:
         self.principals: dict[int, PrincipalGrant] = {}
         self.installed: dict[int, wire.Grant] = {}  # what the device holds, less revisions
         self._sync_lock = asyncio.Lock()
+        # True from a credential change until its rows are on the device: a failed
+        # install (broker busy or restarting) is tried again, by the next request or
+        # the poll loop, and requests wait for it rather than run under old grants.
+        self.grants_dirty = False
         self._load_credentials()
 
     # -- authentication --------------------------------------------------------
@@ -127,6 +131,7 @@ class Gateway:
             return False
         self.tokens, self.principals = self.store.snapshot()
         self.generation = gen
+        self.grants_dirty = True
         return True
 
     async def authenticate(self, request: Request) -> Principal:
@@ -140,8 +145,12 @@ class Gateway:
         scheme, _, token = auth.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise ApiError(401, "missing bearer token", headers={"WWW-Authenticate": "Bearer"})
-        if self._load_credentials() and self.info is not None:
-            await self.sync_grants()
+        self._load_credentials()
+        if self.grants_dirty and self.info is not None:
+            try:
+                await self.sync_grants()
+            except BrokerUnavailable as exc:
+                raise ApiError(503, f"the device is not reachable: {exc}") from None
         # The lookup is keyed by SHA-256 of the presented token, never by the token:
         # timing can at most reveal something about a hash, which does not help
         # anyone forge a 256-bit token (the timing-safe design of hashed lookup).
@@ -165,8 +174,10 @@ class Gateway:
     async def sync_grants(self) -> None:
         """Install the grant rows that differ from what the device holds."""
         async with self._sync_lock:
+            generation = self.generation
             rows = [g for g in self.grants() if self.installed.get(g.principal) != g]
             if not rows:
+                self.grants_dirty = self.generation != generation
                 return
             for i in range(0, len(rows), 1000):
                 chunk = rows[i:i + 1000]
@@ -177,8 +188,10 @@ class Gateway:
                     raise BrokerUnavailable(f"grant installation refused: {gh.status}")
                 for g in chunk:
                     self.installed[g.principal] = g
+            # Clean unless the credentials changed again while these were installed.
+            self.grants_dirty = self.generation != generation
             log.info("event=gateway.grants_installed rows=%d generation=%d", len(rows),
-                     self.generation)
+                     generation)
 
     # -- device calls ------------------------------------------------------------
     async def refresh(self) -> None:
@@ -193,17 +206,24 @@ class Gateway:
                 raise BrokerUnavailable(f"device information refused: {h.status}")
             info = wire.decode_info(body)
             new_epoch = self.info is None or info.epoch != self.epoch
-            self.info = info
-            self.epoch = info.epoch
             self.models = {m.alias: m for m in info.models}
             self.by_role = {m.role: m for m in info.models}
             if new_epoch:
                 # Start from what the device already holds (a gateway restart must not
-                # bump revisions: that would hide every result admitted before it).
+                # bump revisions: that would hide every result admitted before it).  A
+                # refused read is not "nothing held": fail, and try the epoch again.
                 rh, rows = await self.broker.call(wire.Header(op=wire.Op.GRANT_READ))
-                held = wire.decode_grants(rows, rh.total) if rh.status == 200 else []
+                if rh.status != 200:
+                    raise BrokerUnavailable(f"grant read refused: {rh.status}")
+                held = wire.decode_grants(rows, rh.total)
                 self.installed = {g.principal: dataclasses.replace(g, revision=0) for g in held}
+                self.grants_dirty = True
                 await self.sync_grants()
+            # The epoch counts as known only once its grants are installed: a failure
+            # above leaves it new, so the next call or poll installs them again.
+            self.info = info
+            self.epoch = info.epoch
+            if new_epoch:
                 log.info("event=gateway.device_epoch epoch=%d models=%s", info.epoch,
                          ",".join(m.alias for m in info.models))
 
@@ -245,7 +265,7 @@ class Gateway:
                     h, _ = await self.broker.call(wire.Header(op=wire.Op.INFO), timeout=5)
                     if h.epoch != self.epoch:
                         await self.refresh()
-                    elif self._load_credentials():
+                    elif self._load_credentials() or self.grants_dirty:
                         await self.sync_grants()
             except (BrokerUnavailable, wire.WireError) as exc:
                 log.debug("event=gateway.device_unreachable error=%s", exc)
@@ -628,13 +648,20 @@ class Guard:
             except TimeoutError:
                 raise _BodyTimeout() from None
 
-        if (scope["method"] == "GET" and self.gateway is not None
+        streamed = (scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS")
+                    or scope["path"] == "/aotx/v1/media")
+        has_body = any(k == b"transfer-encoding" or (k == b"content-length" and v.strip(b" 0"))
+                       for k, v in scope["headers"])
+        if (scope["method"] == "GET" and self.gateway is not None and not has_body
                 and _WINDOW_PATH.match(scope["path"])):
             await self._window_fast_path(scope, send)
             return
-        if scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS") or scope["path"] == "/aotx/v1/media":
+        if streamed:
+            inner = paced if scope["method"] == "POST" else receive
+            if has_body:
+                inner, send = self._close_unless_read(inner, send)
             try:
-                await self.app(scope, paced if scope["method"] == "POST" else receive, send)
+                await self.app(scope, inner, send)
             except _BodyTimeout:
                 await self._refuse(send, 408, "the request body stalled")
             return
@@ -674,6 +701,32 @@ class Guard:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    @staticmethod
+    def _close_unless_read(
+            receive: Callable[[], Awaitable[dict[str, Any]]],
+            send: Callable[[dict[str, Any]], Awaitable[None]],
+    ) -> tuple[Callable[[], Awaitable[dict[str, Any]]], Callable[[dict[str, Any]], Awaitable[None]]]:
+        """For a request with a body the application may not read (a GET with a
+        Content-Length, an upload refused before its body): a response that starts
+        before the body ended says ``connection: close``.  Kept alive, the connection
+        would wait for the rest of that body with no timer running."""
+        done = False
+
+        async def tracked() -> dict[str, Any]:
+            nonlocal done
+            msg = await receive()
+            if msg["type"] != "http.request" or not msg.get("more_body"):
+                done = True
+            return msg
+
+        async def closing(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start" and not done:
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"connection", b"close")]}
+            await send(message)
+
+        return tracked, closing
 
     @staticmethod
     async def _refuse(send: Callable[[dict[str, Any]], Awaitable[None]], status: int,
@@ -839,8 +892,14 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
         if ctype not in CONTENT_TYPES:
             raise ApiError(415, f"unsupported media type {ctype or '(none)'}; use one of "
                                 f"{', '.join(sorted(CONTENT_TYPES))}", param="Content-Type")
-        status, obj = await MediaUpload(g, principal, CONTENT_TYPES[ctype][0]).run(
-            request.stream())
+        try:
+            status, obj = await MediaUpload(g, principal, CONTENT_TYPES[ctype][0]).run(
+                request.stream())
+        except _BodyTimeout:
+            # Answered here: raised through the app, Starlette's error middleware would
+            # answer 500 before the guard could answer 408.  The upload was aborted.
+            raise ApiError(408, f"no body bytes for {BODY_IDLE_TIMEOUT:.0f} s",
+                           headers={"Connection": "close"}) from None
         if obj["state"] == "refused":
             raise ApiError(400, f"media source {obj['id']} refused: {obj['reason']}",
                            code="media_refused")
@@ -1279,5 +1338,6 @@ def run(paths: RuntimePaths, host: str, port: int) -> None:
     request_short_slice()
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             loop="uvloop", http=GuardedHttpToolsProtocol,
+                            limit_concurrency=MAX_CONNECTIONS,
                             timeout_graceful_shutdown=3, server_header=False)
     uvicorn.Server(config).run()

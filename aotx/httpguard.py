@@ -27,6 +27,8 @@ log = logging.getLogger("aotx.gateway.http")
 HEADER_TIMEOUT = float(os.environ.get("AOTX_HEADER_TIMEOUT", "10"))
 MAX_HEADER_BYTES = 16 * 1024
 BODY_IDLE_TIMEOUT = float(os.environ.get("AOTX_BODY_TIMEOUT", "30"))
+#: Open connections (and tasks) uvicorn serves at once; beyond it new requests get 503.
+MAX_CONNECTIONS = int(os.environ.get("AOTX_MAX_CONNECTIONS", "512"))
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
@@ -36,14 +38,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     _header_bytes = 0
     _in_headers = True
     _refused = False
+    _tail = b""  # the last bytes of the previous read while in headers
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm()
 
     def _arm(self) -> None:
-        self._in_headers = True
-        self._header_bytes = 0
+        if not self._in_headers:
+            self._in_headers = True
+            self._header_bytes = 0
+            self._tail = b""
         if self._header_timer is None:
             self._header_timer = self.loop.call_later(HEADER_TIMEOUT, self._headers_too_slow)
 
@@ -72,10 +77,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._refused:
             return
         if self._in_headers:
-            # Count raw bytes up to the end of the headers (a body may share the chunk);
-            # this bounds what the parser buffers before it reports a header.
-            end = data.find(b"\r\n\r\n")
-            self._header_bytes += len(data) if end < 0 else end
+            # Count raw bytes up to the end of the headers (a body may share the chunk,
+            # and the blank line may be split across two reads); this bounds what the
+            # parser buffers before it reports a header.
+            end = (self._tail + data).find(b"\r\n\r\n")
+            if end < 0:
+                self._header_bytes += len(data)
+                self._tail = (self._tail + data)[-3:]
+            else:
+                self._header_bytes += max(0, end - len(self._tail))
+                self._in_headers = False  # until the next request begins
             if self._header_bytes > MAX_HEADER_BYTES:
                 self._refuse(431, f"request headers exceed {MAX_HEADER_BYTES} bytes")
                 return
@@ -107,6 +118,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         if not self._refused:
             super().on_message_complete()
+            # The next bytes on a kept-alive connection are the next request's head:
+            # count them from its first read (its header timer starts at its first byte).
+            self._in_headers = True
+            self._header_bytes = 0
+            self._tail = b""
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

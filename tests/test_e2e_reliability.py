@@ -83,6 +83,39 @@ def test_oversized_headers_answer_431(rsvc: Service) -> None:
     assert resp.startswith(b"HTTP/1.1 431")
 
 
+def test_header_limits_count_only_the_head(rsvc: Service) -> None:
+    """The blank line that ends the head, split across two writes, still ends it: a
+    large body after it is not counted as header bytes (no 431)."""
+    s = socket.create_connection(("127.0.0.1", rsvc.port))
+    s.settimeout(5)
+    body = b"[" + b" " * 30000 + b"]"
+    s.sendall(b"POST /aotx/v1/requests HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+              + rsvc.token.encode() + b"\r\nContent-Type: application/json\r\n"
+              + b"Content-Length: %d\r\n" % len(body))
+    time.sleep(0.2)
+    s.sendall(b"\r\n" + body)
+    head = s.recv(4096)
+    s.close()
+    assert head.startswith(b"HTTP/1.1 400") or head.startswith(b"HTTP/1.1 422"), head[:100]
+
+
+def test_a_body_the_route_does_not_read_closes_the_connection(rsvc: Service) -> None:
+    """A GET with a Content-Length (or an upload refused before its body): kept alive,
+    the connection would wait for the rest of that body with no timer running."""
+    for head in (b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 999999\r\n\r\nx",
+                 b"POST /aotx/v1/media HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+                 b"wrong\r\nContent-Type: image/png\r\nContent-Length: 999999\r\n\r\nx"):
+        s = socket.create_connection(("127.0.0.1", rsvc.port))
+        s.settimeout(5)
+        s.sendall(head)
+        out = b""
+        while chunk := s.recv(65536):  # the server closes: recv returns b"" (no timeout)
+            out += chunk
+        s.close()
+        assert out.split(b" ", 2)[1] in (b"200", b"401"), out[:100]
+        assert b"connection: close" in out.lower()
+
+
 def test_slow_clients_are_cut_off_and_do_not_pin_the_server(rsvc: Service) -> None:
     slow = []
     for _ in range(20):  # slow-loris: headers that never finish
@@ -105,6 +138,16 @@ def test_slow_clients_are_cut_off_and_do_not_pin_the_server(rsvc: Service) -> No
               b"Content-Length: 100\r\n\r\n{\"model\":")
     s.settimeout(6)
     assert s.recv(4096).startswith(b"HTTP/1.1 408")
+    s.close()
+    # a media upload (streamed to the device, not buffered) that stalls half way
+    s = socket.create_connection(("127.0.0.1", rsvc.port))
+    s.sendall(b"POST /aotx/v1/media HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+              + rsvc.token.encode() + b"\r\nContent-Type: image/png\r\n"
+              b"Content-Length: 100000\r\n\r\n\x89PNG\r\n\x1a\n")
+    s.settimeout(6)
+    head = s.recv(4096)
+    assert head.startswith(b"HTTP/1.1 408"), head[:200]
+    assert b'"error"' in head or b'"error"' in s.recv(4096)
     s.close()
 
 
