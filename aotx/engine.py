@@ -199,6 +199,7 @@ class LlamaEngine:
             self._attach_threadpool(threads, config.poll)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.slot_context = int(llama_cpp.llama_n_ctx_seq(self.ctx))
+        self.n_swa = int(llama_cpp.llama_model_n_swa(self.model))  # 0: no sliding window
         if 0 < self.n_ctx_train < self.slot_context:
             # Served as configured (llama.cpp does the same), but positions past the
             # training context are outside what the model learned.
@@ -417,10 +418,18 @@ class LlamaEngine:
         llama_cpp.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
 
     def trim_sequence(self, seq: int, keep: int) -> bool:
-        """Drop the sequence's cells at positions >= keep.  False when the memory
-        cannot (a recurrent or hybrid model's state cannot be cut back partway):
-        then nothing was removed."""
-        return bool(llama_cpp.llama_memory_seq_rm(self.memory, seq, keep, -1))
+        """Drop the sequence's cells at positions >= keep.  False when what is left
+        is not a usable prefix of ``keep`` tokens: a recurrent or hybrid model's state
+        cannot be cut back partway (nothing was removed), or a sliding-window model's
+        cache has already dropped cells that position ``keep`` still attends to
+        (llama-server's ``pos_min`` check).  The caller then clears the sequence."""
+        if not llama_cpp.llama_memory_seq_rm(self.memory, seq, keep, -1):
+            return False
+        if self.n_swa > 0 and keep > 0:
+            lowest = int(llama_cpp.llama_memory_seq_pos_min(self.memory, seq))
+            if lowest > max(0, keep - self.n_swa):
+                return False
+        return True
 
     def perf(self) -> tuple[int, int]:
         """(prompt tokens evaluated, tokens generated) since start."""

@@ -123,6 +123,22 @@ def test_every_request_seed_is_a_fixed_sampler_seed(engine: LlamaEngine) -> None
         assert sampled(seed) == sampled(seed)
 
 
+def test_trim_keeps_a_usable_prefix(engine: LlamaEngine) -> None:
+    """SmolLM2 has no sliding window: a trim succeeds, and decoding after the kept
+    prefix gives what decoding the prefix afresh gives."""
+    assert engine.n_swa == 0
+    text = "The capital of France is Paris. The capital of Italy is"
+    engine.clear_sequence(0)
+    prompt = engine.tokenize(text, False)
+    assert engine.decode([BatchEntry(t, i, 0, False) for i, t in enumerate(prompt)]) == 0
+    keep = len(prompt) - 3
+    assert engine.trim_sequence(0, keep)
+    assert engine.decode([BatchEntry(t, keep + i, 0, i == 2)
+                          for i, t in enumerate(prompt[keep:])]) == 0
+    again = engine.sample(Sampler(0.0, 1.0, 0), 2)
+    assert greedy_continuation(engine, text, 1) == [again]
+
+
 def test_the_thread_pool_comes_from_the_ggml_llama_cpp_loaded(engine: LlamaEngine) -> None:
     """The wheel ships ``libggml-cpu.so`` and ``libggml-cpu.so.0`` as separate files;
     the pool must be made by the one libllama uses (a second copy's workers would
