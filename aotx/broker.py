@@ -134,6 +134,9 @@ class Broker:
                 conn.backlog.popleft()
         except OSError:
             self._close(conn)
+        except Exception:  # never leave a backlog that no task drains
+            log.exception("event=broker.send_failed conn=%d", conn.id)
+            self._close(conn)
         finally:
             if not conn.open:
                 conn.backlog.clear()

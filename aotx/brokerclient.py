@@ -75,9 +75,10 @@ class BrokerClient:
             self._drop(sock)
 
     def _drop(self, sock: socket.socket) -> None:
-        if self._sock is sock:
-            self._sock = None
         sock.close()
+        if self._sock is not sock:
+            return  # an earlier connection: its calls failed when it was dropped
+        self._sock = None
         pending, self._pending = self._pending, {}
         for fut in pending.values():
             if not fut.done():
@@ -85,24 +86,27 @@ class BrokerClient:
 
     async def call(self, header: wire.Header, payload: bytes = b"",
                    timeout: float = 120.0) -> tuple[wire.Header, bytes]:
-        sock = await self._ensure()
         tag = next(self._tags)
         header.tag = tag
         packet = wire.encode_packet(header, payload)
         fut: asyncio.Future[tuple[wire.Header, bytes]] = asyncio.get_running_loop().create_future()
-        self._pending[tag] = fut
         try:
             async with self._send_lock:
-                await asyncio.get_running_loop().sock_sendall(sock, packet)
+                # The connection as it is now (it may have been re-made while this
+                # call waited for the lock); registered only now, so a reply can
+                # only come for a packet that was sent on it.
+                sock = await self._ensure()
+                self._pending[tag] = fut
+                try:
+                    await asyncio.get_running_loop().sock_sendall(sock, packet)
+                except OSError as exc:
+                    self._drop(sock)
+                    raise BrokerUnavailable(f"send to the broker failed: {exc}") from None
             self.packets_sent += 1
-        except OSError as exc:
-            self._pending.pop(tag, None)
-            self._drop(sock)
-            raise BrokerUnavailable(f"send to the broker failed: {exc}") from None
-        try:
-            return await asyncio.wait_for(fut, timeout)
-        except TimeoutError:
-            raise BrokerUnavailable("the device did not answer in time") from None
+            try:
+                return await asyncio.wait_for(fut, timeout)
+            except TimeoutError:
+                raise BrokerUnavailable("the device did not answer in time") from None
         finally:
             self._pending.pop(tag, None)
 
