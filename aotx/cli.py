@@ -152,12 +152,22 @@ def _grant_show(state_dir: str, socket_path: str) -> int:
         s.settimeout(5)
         try:
             s.connect(socket_path)
-            s.send(wire.encode_packet(wire.Header(op=wire.Op.GRANT_READ, tag=1)))
-            h, body = wire.decode_packet(s.recv(wire.MAX_PACKET))
-            print(f"\ndevice (epoch {h.epoch}):\nprincipal id\trevision\tactions\tmodel mask")
-            for g in wire.decode_grants(body, h.total):
-                print(f"{g.principal}\t{g.revision}\t{','.join(action_names(g.actions)) or '-'}"
-                      f"\t{g.model_mask:#x}")
+            cursor, first = 0, True
+            while True:  # a page (GRANT_PAGE rows) at a time
+                s.send(wire.encode_packet(wire.Header(op=wire.Op.GRANT_READ, tag=1,
+                                                      cursor=cursor)))
+                h, body = wire.decode_packet(s.recv(wire.MAX_PACKET))
+                if first:
+                    print(f"\ndevice (epoch {h.epoch}):\n"
+                          "principal id\trevision\tactions\tmodel mask")
+                    first = False
+                page = wire.decode_grants(body, h.total) if h.status == 200 else []
+                for g in page:
+                    print(f"{g.principal}\t{g.revision}\t"
+                          f"{','.join(action_names(g.actions)) or '-'}\t{g.model_mask:#x}")
+                if len(page) < wire.GRANT_PAGE:
+                    break
+                cursor = page[-1].principal + 1
         except OSError as exc:
             print(f"\ndevice not reachable: {exc}")
         finally:

@@ -84,6 +84,10 @@ def parse_limits(items: list[str]) -> dict[str, int]:
         key, sep, value = item.partition("=")
         if not sep or key not in LIMIT_KEYS or not value.isdigit():
             raise CredentialError(f"bad limit {item!r}; use KEY=N with KEY in {', '.join(LIMIT_KEYS)}")
+        # The device's grant row holds media_bytes in 64 bits and the others in 32.
+        bits = 64 if key == "media_bytes" else 32
+        if int(value) >= 1 << bits:
+            raise CredentialError(f"limit {key} must be below 2^{bits}")
         out[key] = int(value)
     return out
 

@@ -336,7 +336,9 @@ class Device:
         if op is Op.GRANT_INSTALL:
             return self._grant_install(h, payload)
         if op is Op.GRANT_READ:
-            rows = sorted(self.grants.values(), key=lambda g: g.principal)
+            # One page: the rows of principals >= cursor, in principal order.
+            rows = sorted((g for g in self.grants.values() if g.principal >= h.cursor),
+                          key=lambda g: g.principal)[:wire.GRANT_PAGE]
             return h.reply(200, epoch=self.epoch, total=len(rows)), wire.encode_grants(rows)
         if op is Op.SUBMIT:
             return self._submit(h, payload, mailbox)

@@ -39,7 +39,7 @@ from . import wire
 from .brokerclient import BrokerClient, BrokerUnavailable
 from .credentials import CredentialStore, PrincipalGrant, token_hash
 from .errors import ApiError, error_body
-from .httpguard import BODY_IDLE_TIMEOUT, MAX_CONNECTIONS, GuardedHttpToolsProtocol
+from .httpguard import BODY_IDLE_TIMEOUT, GuardedHttpToolsProtocol
 from .media import CONTENT_TYPES
 from .paths import RuntimePaths
 from .protocol import (
@@ -212,10 +212,7 @@ class Gateway:
                 # Start from what the device already holds (a gateway restart must not
                 # bump revisions: that would hide every result admitted before it).  A
                 # refused read is not "nothing held": fail, and try the epoch again.
-                rh, rows = await self.broker.call(wire.Header(op=wire.Op.GRANT_READ))
-                if rh.status != 200:
-                    raise BrokerUnavailable(f"grant read refused: {rh.status}")
-                held = wire.decode_grants(rows, rh.total)
+                held = await self.read_grants()
                 self.installed = {g.principal: dataclasses.replace(g, revision=0) for g in held}
                 self.grants_dirty = True
                 await self.sync_grants()
@@ -226,6 +223,19 @@ class Gateway:
             if new_epoch:
                 log.info("event=gateway.device_epoch epoch=%d models=%s", info.epoch,
                          ",".join(m.alias for m in info.models))
+
+    async def read_grants(self) -> list[wire.Grant]:
+        """Every row the device holds, a page (``GRANT_PAGE`` rows) at a time."""
+        held: list[wire.Grant] = []
+        while True:
+            start = held[-1].principal + 1 if held else 0
+            rh, rows = await self.broker.call(wire.Header(op=wire.Op.GRANT_READ, cursor=start))
+            if rh.status != 200:
+                raise BrokerUnavailable(f"grant read refused: {rh.status}")
+            page = wire.decode_grants(rows, rh.total)
+            held += page
+            if len(page) < wire.GRANT_PAGE:
+                return held
 
     async def ensure_ready(self) -> None:
         if self.info is None:
@@ -722,8 +732,9 @@ class Guard:
 
         async def closing(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start" and not done:
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  (b"connection", b"close")]}
+                headers = list(message.get("headers", []))
+                if not any(k.lower() == b"connection" for k, _ in headers):
+                    message = {**message, "headers": [*headers, (b"connection", b"close")]}
             await send(message)
 
         return tracked, closing
@@ -1338,6 +1349,5 @@ def run(paths: RuntimePaths, host: str, port: int) -> None:
     request_short_slice()
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             loop="uvloop", http=GuardedHttpToolsProtocol,
-                            limit_concurrency=MAX_CONNECTIONS,
                             timeout_graceful_shutdown=3, server_header=False)
     uvicorn.Server(config).run()

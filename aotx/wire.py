@@ -607,6 +607,10 @@ class Grant:
     rate_per_minute: int = 0
 
 
+#: Rows in one GRANT_READ reply; a full page means "ask again from the next principal".
+GRANT_PAGE = 1000
+
+
 def encode_grants(grants: list[Grant] | tuple[Grant, ...]) -> bytes:
     if len(grants) * GRANT_ROW.size > MAX_PAYLOAD:
         raise WireError("too many grant rows for one packet", 413)

@@ -310,3 +310,24 @@ def test_shutdown_waits_for_the_media_worker_before_closing_the_encoder(device) 
     serving.join(10)
     assert not serving.is_alive()
     assert encoder.release.is_set() and not encoder.closed_while_busy
+
+
+def test_grant_rows_are_read_a_page_at_a_time(device) -> None:
+    """GRANT_READ answers the rows of principals >= cursor, GRANT_PAGE at most."""
+    dev, _sched = device
+    rows = [wire.Grant(principal=pid, actions=1, model_mask=2) for pid in range(100, 1600)]
+    for i in range(0, len(rows), 1000):
+        chunk = rows[i:i + 1000]
+        h, _ = call(dev, wire.Header(op=wire.Op.GRANT_INSTALL, total=len(chunk)),
+                    wire.encode_grants(chunk))
+        assert h.status == 200
+    seen: list[int] = []
+    cursor = 0
+    while True:
+        h, body = call(dev, wire.Header(op=wire.Op.GRANT_READ, cursor=cursor))
+        page = wire.decode_grants(body, h.total)
+        seen += [g.principal for g in page]
+        if len(page) < wire.GRANT_PAGE:
+            break
+        cursor = page[-1].principal + 1
+    assert seen == [7] + list(range(100, 1600))  # the fixture's principal 7 first

@@ -38,7 +38,8 @@ class FlakyBroker:
         if h.op is wire.Op.INFO:
             return h.reply(200, epoch=INFO.epoch), wire.encode_info(INFO)
         if h.op is wire.Op.GRANT_READ:
-            rows = list(self.device.values())
+            rows = sorted((g for g in self.device.values() if g.principal >= h.cursor),
+                          key=lambda g: g.principal)[:wire.GRANT_PAGE]
             return h.reply(self.read_status, epoch=INFO.epoch, total=len(rows)), \
                 wire.encode_grants(rows) if self.read_status == 200 else b"busy"
         if h.op is wire.Op.GRANT_INSTALL:
@@ -105,3 +106,25 @@ def test_a_grant_change_that_failed_to_install_is_installed_later(gateway: Gatew
     principal = asyncio.run(gateway.authenticate(request(token)))
     assert principal.id == alice and broker.device[alice].actions == int(wire.Action.READ)
     assert not gateway.grants_dirty
+
+
+def test_more_rows_than_one_packet_are_read_a_page_at_a_time(gateway: Gateway) -> None:
+    """A device holding more grant rows than one reply packet carries (1022) is read
+    page by page, not taken for an empty device."""
+    broker: FlakyBroker = gateway.broker  # type: ignore[assignment]
+    for pid in range(1, 2501):
+        broker.device[pid] = wire.Grant(principal=pid, actions=1, model_mask=2, revision=3)
+    held = asyncio.run(gateway.read_grants())
+    assert [g.principal for g in held] == list(range(1, 2501))
+
+
+def test_limits_that_do_not_fit_the_device_row_are_refused() -> None:
+    """Every grant row goes to the device; a limit wider than its field would make the
+    whole installation fail."""
+    from aotx.credentials import CredentialError, parse_limits
+
+    assert parse_limits(["input_bytes=4294967295", "media_bytes=5000000000"]) == {
+        "input_bytes": 4294967295, "media_bytes": 5000000000}
+    for bad in ("input_bytes=4294967296", "rate=99999999999", "media_bytes=" + str(1 << 64)):
+        with pytest.raises(CredentialError, match="below 2"):
+            parse_limits([bad])
