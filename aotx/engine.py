@@ -65,7 +65,8 @@ def _loaded_library(stem: str) -> str:
             for line in f:
                 path = line.rstrip("\n").split(maxsplit=5)[-1]
                 name = os.path.basename(path)
-                if path.startswith("/") and (name == stem or name.startswith(stem + ".")):
+                if (path.startswith("/") and (name == stem or name.startswith(stem + "."))
+                        and os.path.exists(path)):
                     return path
     except OSError:
         pass

@@ -27,8 +27,6 @@ log = logging.getLogger("aotx.gateway.http")
 HEADER_TIMEOUT = float(os.environ.get("AOTX_HEADER_TIMEOUT", "10"))
 MAX_HEADER_BYTES = 16 * 1024
 BODY_IDLE_TIMEOUT = float(os.environ.get("AOTX_BODY_TIMEOUT", "30"))
-#: Open connections (and tasks) uvicorn serves at once; beyond it new requests get 503.
-MAX_CONNECTIONS = int(os.environ.get("AOTX_MAX_CONNECTIONS", "512"))
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
