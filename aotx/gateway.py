@@ -56,6 +56,11 @@ log = logging.getLogger("aotx.gateway")
 
 MAX_BODY = 1 << 20  # bytes of JSON accepted on any route
 WAIT_MS = 10_000  # a parked WAIT answers at least this often (keep-alive cadence)
+#: A principal's streams park at most this share of the mailboxes in WAITs; its
+#: streams beyond that poll (READ every WAIT_POLL_S) so that one principal's many open
+#: streams cannot leave every mailbox taken and the others' calls answered 503.
+WAIT_SHARE = 0.5
+WAIT_POLL_S = 0.05
 ADMIN_PRINCIPAL = 1
 _CURSOR_RE = re.compile(r"[0-9]{1,20}")  # ASCII digits only (str.isdigit takes "²")
 _PHASE_NAMES = {p: p.name.lower() for p in wire.Phase}
@@ -122,6 +127,7 @@ class Gateway:
         # install (broker busy or restarting) is tried again, by the next request or
         # the poll loop, and requests wait for it rather than run under old grants.
         self.grants_dirty = False
+        self.parked: dict[int, int] = {}  # principal id -> WAITs it has in flight
         self._load_credentials()
 
     # -- authentication --------------------------------------------------------
@@ -426,16 +432,41 @@ class Gateway:
     async def read(self, principal: Principal, epoch: int, identity: bytes, cursor: int,
                    op: wire.Op = wire.Op.READ, seen: wire.Header | None = None,
                    timeout_ms: int = WAIT_MS) -> tuple[wire.Header, bytes]:
-        h = wire.Header(op=op, principal=principal.id, epoch=epoch, identity=identity,
-                        cursor=cursor)
+        pid = principal.id
+        if op is wire.Op.WAIT and self._over_wait_share(pid):
+            # Over its share of parked WAITs: poll with READs (holding no mailbox
+            # between them) and answer as the WAIT would, on new bytes, a changed
+            # state, or the timeout; or park after all once its share has room.
+            deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
+            while self._over_wait_share(pid):
+                await asyncio.sleep(WAIT_POLL_S)
+                rh, body = await self.read(principal, epoch, identity, cursor)
+                if (body or rh.total > cursor or seen is None
+                        or (rh.phase, rh.cancel_requested) != (seen.phase, seen.cancel_requested)
+                        or asyncio.get_running_loop().time() >= deadline):
+                    return rh, body
+            timeout_ms = max(1, int((deadline - asyncio.get_running_loop().time()) * 1000))
+        h = wire.Header(op=op, principal=pid, epoch=epoch, identity=identity, cursor=cursor)
         if op is wire.Op.WAIT:
             h.max_tokens = timeout_ms
             if seen is not None:
                 h.phase = seen.phase
                 h.cancel_requested = seen.cancel_requested
-        rh, body = await self.call(h, timeout=timeout_ms / 1000 + 30)
+            self.parked[pid] = self.parked.get(pid, 0) + 1
+        try:
+            rh, body = await self.call(h, timeout=timeout_ms / 1000 + 30)
+        finally:
+            if op is wire.Op.WAIT:
+                self.parked[pid] -= 1
+                if not self.parked[pid]:
+                    del self.parked[pid]
         self.raise_for(rh, body)
         return rh, body
+
+    def _over_wait_share(self, pid: int) -> bool:
+        if self.info is None:
+            return False
+        return self.parked.get(pid, 0) >= max(1, int(self.info.mailboxes * WAIT_SHARE))
 
     async def follow(self, principal: Principal, epoch: int, identity: bytes, cursor: int,
                      first: tuple[wire.Header, bytes] | None = None,

@@ -128,3 +128,66 @@ def test_limits_that_do_not_fit_the_device_row_are_refused() -> None:
     for bad in ("input_bytes=4294967296", "rate=99999999999", "media_bytes=" + str(1 << 64)):
         with pytest.raises(CredentialError, match="below 2"):
             parse_limits([bad])
+
+
+class StreamingBroker(FlakyBroker):
+    """A request that produces no output until ``produce``; WAITs park until then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = b""
+        self.changed = asyncio.Event()
+        self.parked = self.most_parked = self.reads = 0
+        self.parked_by: dict[int, int] = {}
+
+    def state(self, h: wire.Header, data: bytes) -> tuple[wire.Header, bytes]:
+        return h.reply(200, epoch=INFO.epoch, phase=int(wire.Phase.RUNNING),
+                       total=len(self.out)), data
+
+    async def call(self, h: wire.Header, payload: bytes = b"",
+                   timeout: float = 120.0) -> tuple[wire.Header, bytes]:
+        if h.op is wire.Op.READ:
+            self.reads += 1
+            return self.state(h, self.out[h.cursor:])
+        if h.op is wire.Op.WAIT:
+            self.parked += 1
+            self.parked_by[h.principal] = self.parked_by.get(h.principal, 0) + 1
+            self.most_parked = max(self.most_parked, self.parked)
+            try:
+                await self.changed.wait()
+            finally:
+                self.parked -= 1
+            return self.state(h, self.out[h.cursor:])
+        return await super().call(h, payload, timeout)
+
+
+def test_one_principal_parks_at_most_its_share_of_the_mailboxes(gateway: Gateway) -> None:
+    """INFO says 8 mailboxes: one principal's streams park 4 WAITs at most, the rest
+    poll with READs (holding no mailbox) and see the output as soon as it comes;
+    another principal's stream still parks."""
+    from aotx.gateway import Principal
+
+    broker = StreamingBroker()
+    gateway.broker = broker  # type: ignore[assignment]
+    asyncio.run(gateway.refresh())
+    grant = gateway.principals[1]
+    alice, bob = Principal(1, "admin", grant), Principal(2, "bob", grant)
+    seen = wire.Header(op=wire.Op.WAIT, phase=int(wire.Phase.RUNNING))
+
+    async def main() -> list[bytes]:
+        waits = [asyncio.create_task(gateway.read(alice, INFO.epoch, bytes(16), 0,
+                                                  op=wire.Op.WAIT, seen=seen))
+                 for _ in range(10)]
+        await asyncio.sleep(0.3)
+        assert broker.parked_by == {1: 4} and broker.reads > 0  # 4 parked, 6 polling
+        other = asyncio.create_task(gateway.read(bob, INFO.epoch, bytes(16), 0,
+                                                 op=wire.Op.WAIT, seen=seen))
+        await asyncio.sleep(0.1)
+        assert broker.parked_by == {1: 4, 2: 1}
+        broker.out = b"hello"
+        broker.changed.set()
+        done = await asyncio.wait_for(asyncio.gather(*waits, other), 5)
+        return [body for _, body in done]
+
+    assert asyncio.run(main()) == [b"hello"] * 11
+    assert broker.most_parked == 5 and not gateway.parked
