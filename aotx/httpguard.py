@@ -59,6 +59,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _refuse(self, status: int, message: str) -> None:
         self._disarm()
         self._refused = True
+        cycle = getattr(self, "cycle", None)
+        if cycle is not None and not cycle.response_complete:
+            # A pipelined request refused while the previous response is still being
+            # written (an event stream): a raw answer would land inside that response.
+            self.transport.close()
+            return
         body = orjson.dumps(error_body(status, message))
         self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
                              b"content-length: %d\r\nconnection: close\r\n\r\n"

@@ -116,6 +116,30 @@ def test_a_body_the_route_does_not_read_closes_the_connection(rsvc: Service) -> 
         assert b"connection: close" in out.lower()
 
 
+def test_a_refused_pipelined_request_never_lands_inside_a_stream(rsvc: Service) -> None:
+    """An event stream is being written when the next request pipelined behind it on
+    the same connection is refused (oversized head): the connection closes, and no
+    raw 431 appears inside the stream's bytes."""
+    rid = httpx.post(rsvc.url + "/aotx/v1/requests", headers=rsvc.headers, json={
+        "model": "smollm2", "messages": LONG, "max_tokens": 400}).json()["id"]
+    auth = b"Authorization: Bearer " + rsvc.token.encode() + b"\r\n"
+    s = socket.create_connection(("127.0.0.1", rsvc.port))
+    s.settimeout(30)
+    s.sendall(b"GET /aotx/v1/requests/" + rid.encode() + b"/events HTTP/1.1\r\n"
+              b"Host: 127.0.0.1\r\n" + auth + b"\r\n")
+    out = s.recv(65536)  # the stream has begun
+    s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 40000 + b"\r\n\r\n")
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
+    s.close()
+    assert out.startswith(b"HTTP/1.1 200"), out[:100]
+    assert b"HTTP/1.1 431" not in out
+    httpx.post(f"{rsvc.url}/aotx/v1/requests/{rid}/cancel", headers=rsvc.headers)
+
+
 def test_slow_clients_are_cut_off_and_do_not_pin_the_server(rsvc: Service) -> None:
     slow = []
     for _ in range(20):  # slow-loris: headers that never finish
