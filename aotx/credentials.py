@@ -109,7 +109,10 @@ class PrincipalGrant:
             for alias in self.models:
                 if alias in roles:
                     mask |= 1 << roles[alias]
-        lim = self.limits
+        # Clamped to the row's fields (parse_limits refuses wider values; a database
+        # written before it checked may hold some): a wider value would fail the install.
+        lim = {k: min(v, (1 << (64 if k == "media_bytes" else 32)) - 1)
+               for k, v in self.limits.items()}
         return wire.Grant(principal=self.id, actions=self.actions, model_mask=mask,
                           flags=wire.GRANT_FLAG_MEMORY if self.memory else 0,
                           max_active=lim.get("active", 0),

@@ -128,6 +128,12 @@ def test_limits_that_do_not_fit_the_device_row_are_refused() -> None:
     for bad in ("input_bytes=4294967296", "rate=99999999999", "media_bytes=" + str(1 << 64)):
         with pytest.raises(CredentialError, match="below 2"):
             parse_limits([bad])
+    # A row stored before the check still encodes (clamped: as good as unlimited).
+    from aotx.credentials import PrincipalGrant
+
+    row = PrincipalGrant(5, "old", 1, ("*",), {"input_bytes": 1 << 40, "rate": 10}).row({})
+    assert row.max_input_bytes == (1 << 32) - 1 and row.rate_per_minute == 10
+    wire.encode_grants([row])
 
 
 class StreamingBroker(FlakyBroker):
