@@ -55,18 +55,24 @@ def image_size(data: bytes) -> tuple[str, int, int] | None:
         w, h = struct.unpack("<HH", data[6:10])
         return "gif", w, h
     if data.startswith(b"\xff\xd8"):
+        # The segments before the frame header, read as stb_image reads them: a marker
+        # is 0xFF, any number of 0xFF fill bytes, then its code.  Only the codes stb
+        # handles there are skipped; anything else is refused (stb would fail on it).
         i = 2
         while i + 9 <= len(data):
             if data[i] != 0xFF:
                 return None
+            while i + 1 < len(data) and data[i + 1] == 0xFF:
+                i += 1  # fill byte
+            if i + 9 > len(data):
+                return None
             marker = data[i + 1]
-            if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
-                i += 2
-                continue
             (length,) = struct.unpack(">H", data[i + 2:i + 4])
-            if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            if marker in (0xC0, 0xC1, 0xC2):  # the frame header stb decodes
                 h, w = struct.unpack(">HH", data[i + 5:i + 9])
                 return "jpeg", w, h
+            if not (marker in (0xC4, 0xDB, 0xDD, 0xFE) or 0xE0 <= marker <= 0xEF):
+                return None
             i += 2 + length
     return None
 
@@ -81,6 +87,37 @@ def audio_format(data: bytes) -> str | None:
     return None
 
 
+#: Audio is decoded whole, resampled to the projector's rate (16 kHz: 64 KB a second
+#: as float32); a header may claim any length or a sample rate of 1 Hz.
+MAX_AUDIO_SECONDS = 600
+AUDIO_RATES = (8000, 384000)
+
+
+def audio_header(data: bytes) -> tuple[int, float | None] | None:
+    """(sample rate, seconds or None where the header does not say) of a WAV or FLAC
+    file; None when its header cannot be read."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
+        rate = byte_rate = 0
+        i = 12
+        while i + 8 <= len(data):
+            cid, size = data[i:i + 4], struct.unpack("<I", data[i + 4:i + 8])[0]
+            if cid == b"fmt " and size >= 16 and i + 24 <= len(data):
+                _, _, rate, byte_rate = struct.unpack("<HHII", data[i + 8:i + 20])
+            elif cid == b"data":
+                if not rate or not byte_rate:
+                    return None
+                return rate, min(size, len(data) - i - 8) / byte_rate
+            i += 8 + size + (size & 1)
+        return None
+    if data.startswith(b"fLaC"):
+        if len(data) < 42 or data[4] & 0x7F != 0:  # STREAMINFO must come first
+            return None
+        x = int.from_bytes(data[18:26], "big")
+        rate, total = x >> 44, x & ((1 << 36) - 1)
+        return rate, (total / rate if total and rate else None)
+    return None
+
+
 def check_media(kind: str, data: bytes, n: int) -> None:
     """Refuse what the bundled decoders cannot read, or an image too large to decode."""
     if kind == "image":
@@ -92,9 +129,24 @@ def check_media(kind: str, data: bytes, n: int) -> None:
         if not w or not h or w * h > MAX_PIXELS:
             raise MediaInputError(f"media part {n} (image) is {w}x{h} {fmt}; at most "
                                   f"{MAX_PIXELS} pixels are decoded")
-    elif audio_format(data) is None:
-        raise MediaInputError(f"media part {n} (audio) could not be decoded: only WAV, MP3 "
-                              "and FLAC audio is read")
+    else:
+        fmt = audio_format(data)
+        if fmt is None:
+            raise MediaInputError(f"media part {n} (audio) could not be decoded: only WAV, "
+                                  "MP3 and FLAC audio is read")
+        if fmt == "mp3":
+            return  # no length in the header; an MP3 decodes to ~16 samples a byte at most
+        head = audio_header(data)
+        if head is None:
+            raise MediaInputError(f"media part {n} ({fmt}) has no readable header")
+        rate, seconds = head
+        if not AUDIO_RATES[0] <= rate <= AUDIO_RATES[1]:
+            raise MediaInputError(f"media part {n} ({fmt}) has a sample rate of {rate} Hz; "
+                                  f"{AUDIO_RATES[0]} to {AUDIO_RATES[1]} Hz are read")
+        if seconds is None or seconds > MAX_AUDIO_SECONDS:
+            raise MediaInputError(f"media part {n} ({fmt}) lasts "
+                                  f"{'an unstated time' if seconds is None else f'{seconds:.0f} s'}"
+                                  f"; at most {MAX_AUDIO_SECONDS} s of audio are decoded")
 
 
 def quiet_logs() -> None:

@@ -228,6 +228,46 @@ def test_media_is_checked_before_libmtmd_sees_it() -> None:
             check_media(kind, data, 0)
     check_media("image", png(2, 16), 0)
     check_media("image", jpeg, 0)
+    # stb_image reads 0xFF 0xFF as a fill byte before a marker, not as a marker: the
+    # frame header right after it is the real size (here far over the limit).
+    filled = (b"\xff\xd8\xff\xff\xc0" + st.pack(">HBHH", 17, 8, 26000, 26000) + b"\0" * 12
+              + b"\xff\xc0" + st.pack(">HBHH", 17, 8, 1, 1) + b"\0" * 12)
+    assert image_size(filled) == ("jpeg", 26000, 26000)
+    with pytest.raises(MediaInputError, match="pixels"):
+        check_media("image", filled, 0)
+
+
+def _wav(rate: int, data: bytes) -> bytes:
+    import struct as st
+
+    return (b"RIFF" + st.pack("<I", 36 + len(data)) + b"WAVEfmt "
+            + st.pack("<IHHIIHH", 16, 1, 1, rate, rate, 1, 8) + b"data"
+            + st.pack("<I", len(data)) + data)
+
+
+def _flac(rate: int, total: int) -> bytes:
+    x = (rate << 44) | (1 << 41) | (15 << 36) | total  # stereo, 16 bits
+    return (b"fLaC" + bytes([0x80, 0, 0, 34]) + bytes(10) + x.to_bytes(8, "big")
+            + bytes(16) + b"\xff\xf8" + bytes(30))
+
+
+def test_audio_headers_bound_what_is_decoded() -> None:
+    """Audio is decoded whole at the projector's rate: a 1 Hz WAV would grow 16,000-fold,
+    a FLAC header may claim 2^36 samples; both, and over-long audio, are refused."""
+    from aotx.multimodal import MAX_AUDIO_SECONDS, MediaInputError, check_media
+
+    check_media("audio", _wav(8000, bytes(8000)), 0)
+    check_media("audio", _flac(44100, 44100 * 30), 0)
+    for data, words in [
+        (_wav(1, bytes(100)), "sample rate of 1 Hz"),
+        (_wav(8000, bytes(8000 * (MAX_AUDIO_SECONDS + 1))), "at most"),
+        (_flac(44100, (1 << 36) - 1), "at most"),
+        (_flac(44100, 0), "unstated"),
+        (_flac(0, 100), "sample rate"),
+        (b"RIFF" + bytes(4) + b"WAVEjunk", "no readable header"),
+    ]:
+        with pytest.raises(MediaInputError, match=words):
+            check_media("audio", data, 0)
 
 
 class GatedEncoder(FakeEncoder):
