@@ -865,6 +865,7 @@ class Device:
         log.info("event=device.ready epoch=%d models=%s mailboxes=%d", self.epoch,
                  ",".join(m.spec.alias for m in self.models.values()), self.region.count)
         pending = list(range(self.region.count))  # start-up: look at every mailbox once
+        policy_failed_logged = -60.0
         last_sweep = 0.0
         last_scan = time.monotonic()
         while not self._stopping:
@@ -875,7 +876,12 @@ class Device:
                 now = time.monotonic()
                 for identity in list(self.parked):
                     self._settle(identity, now)
-                self._policy_tick()
+                try:
+                    self._policy_tick()
+                except Exception:  # a disk error in the policy must not end the epoch
+                    if now - policy_failed_logged >= 60:
+                        log.exception("event=policy.tick_failed")
+                        policy_failed_logged = now
                 if now - last_sweep >= 1.0:
                     self._reclaim(time.monotonic_ns())
                     self.media.sweep(now)

@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .paths import RuntimePaths
@@ -46,9 +47,10 @@ class Child:
         return self.proc is not None and self.proc.poll() is None
 
 
-def _wait_ready(url: str, children: list[Child], timeout: float) -> bool:
+def _wait_ready(url: str, children: list[Child], timeout: float,
+                stopping: Callable[[], bool] = lambda: False) -> bool:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not stopping():
         if any(c.proc is not None and c.proc.poll() is not None for c in children):
             return False
         try:
@@ -89,7 +91,8 @@ def serve(paths: RuntimePaths, host: str, port: int, models_file: str | None,
         c.start()
     url_host = f"[{host}]" if ":" in host else host
     url = f"http://{url_host}:{port}"
-    if _wait_ready(url + "/readyz", children, timeout=600) and not stopping:
+    if _wait_ready(url + "/readyz", children, timeout=600, stopping=lambda: stopping) \
+            and not stopping:
         token_path = paths.admin_token
         print(f"\naotx is ready on {url}\n"
               f"  state folder: {paths.state_dir}\n"

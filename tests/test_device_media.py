@@ -371,3 +371,32 @@ def test_grant_rows_are_read_a_page_at_a_time(device) -> None:
             break
         cursor = page[-1].principal + 1
     assert seen == [7] + list(range(100, 1600))  # the fixture's principal 7 first
+
+
+def test_a_failing_policy_tick_does_not_stop_the_device(device) -> None:
+    """The automatic-memory policy saves files from the control loop; a disk error
+    there is logged, and mailboxes are still answered."""
+    from aotx.mailbox import REPLY, REQUEST
+
+    dev, _sched = device
+    ticks = []
+
+    def failing_tick() -> None:
+        ticks.append(1)
+        raise OSError(28, "No space left on device")
+
+    dev._policy_tick = failing_tick  # type: ignore[method-assign]
+    serving = threading.Thread(target=dev.serve, daemon=True)
+    serving.start()
+    try:
+        dev.region.publish(1, wire.encode_packet(wire.Header(op=wire.Op.INFO, tag=3)), REQUEST)
+        dev.bell.ring_self(1)
+        deadline = time.monotonic() + 5
+        while dev.region.state(1) != REPLY:
+            assert time.monotonic() < deadline, "the device stopped answering"
+            time.sleep(0.02)
+        assert wire.decode_packet(dev.region.read(1))[0].status == 200 and ticks
+        assert serving.is_alive()
+    finally:
+        dev.stop()
+        serving.join(10)
