@@ -52,6 +52,25 @@ class _TimedSandbox(ImmutableSandboxedEnvironment):
         self._check()
         return super().getitem(obj, argument)
 
+    # Arithmetic that can build huge values in one step ("x" * 10**10, 10**10**8) is
+    # checked before it runs; every such operation also checks the deadline.
+    intercepted_binops = frozenset(["*", "**", "+"])
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        self._check()
+        if operator == "**" and isinstance(left, int) and isinstance(right, int):
+            if right > 0 and abs(left) > 1 and (abs(left).bit_length() - 1) * right > 4096:
+                raise TemplateError("chat template computed a power too large")
+        elif operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if (isinstance(seq, (str, list, tuple)) and isinstance(n, int)
+                        and len(seq) * n > MAX_RENDERED):
+                    raise TemplateError("chat template built a value too large")
+        elif operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(
+                right, (str, list, tuple)) and len(left) + len(right) > MAX_RENDERED:
+            raise TemplateError("chat template built a value too large")
+        return super().call_binop(context, operator, left, right)
+
 
 def _safe_range(*args: int) -> range:
     r = range(*args)
