@@ -36,6 +36,8 @@ CONTENT_TYPES["audio/x-flac"] = CONTENT_TYPES["audio/flac"]
 
 UPLOAD_IDLE_SECONDS = 60.0
 EPHEMERAL_SECONDS = 60.0  # an ephemeral source no request leased is removed after this
+#: Refused sources kept (for their reason) per principal; older ones are dropped.
+MAX_REFUSED = 64
 
 
 def magic_matches(code: int, data: bytes) -> bool:
@@ -114,10 +116,13 @@ class MediaTable:
         self.position = 0
         self.total_bytes = 0  # bytes of ready sources and uploads in progress
 
-    def _usage(self, principal: int) -> tuple[int, int]:
+    def _usage(self, principal: int, but: tuple[int, bytes] | None = None) -> tuple[int, int]:
+        """(sources, bytes) the principal holds: ready sources and uploads in progress
+        (other than ``but``), so that parallel uploads cannot each use the whole grant."""
         mine = [s for s in self.sources.values()
                 if s.principal == principal and s.state is wire.MediaState.READY]
-        return len(mine), sum(s.size for s in mine)
+        ups = [u for k, u in self.uploads.items() if k[0] == principal and k != but]
+        return len(mine) + len(ups), sum(s.size for s in mine) + sum(len(u.buf) for u in ups)
 
     def put(self, principal: int, upload_id: bytes, offset: int, content_type: int,
             chunk: bytes, final: bool, abort: bool, grant: wire.Grant,
@@ -135,14 +140,14 @@ class MediaTable:
                 raise MediaError(409, "no upload in progress at that offset")
             if content_type not in wire.MEDIA_TYPES:
                 raise MediaError(415, f"unsupported content type code {content_type}")
-            count, _ = self._usage(principal)
+            count, _ = self._usage(principal, but=key)
             if grant.max_media_sources and count >= grant.max_media_sources:
                 raise MediaError(413, f"the grant allows {grant.max_media_sources} media sources")
             up = Upload(principal, content_type)
             self.uploads[key] = up
         elif offset != len(up.buf) or content_type != up.content_type:
             raise MediaError(409, f"chunk at {offset} but {len(up.buf)} bytes were received")
-        _, used = self._usage(principal)
+        _, used = self._usage(principal, but=key)
         size = len(up.buf) + len(chunk)
         limit = min(self.max_source_bytes, (grant.max_media_bytes - used)
                     if grant.max_media_bytes else self.max_source_bytes)
@@ -181,6 +186,11 @@ class MediaTable:
             src.data = data
             self.total_bytes += len(data)
             self.by_digest[(principal, digest)] = src.id
+        else:
+            refused = [x for x in self.sources.values()
+                       if x.principal == principal and x.state is wire.MediaState.REFUSED]
+            for old in refused[:max(0, len(refused) - MAX_REFUSED + 1)]:
+                del self.sources[old.id]  # oldest first: a refused row holds no bytes
         self.sources[src.id] = src
         return 201, src
 

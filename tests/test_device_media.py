@@ -400,3 +400,27 @@ def test_a_failing_policy_tick_does_not_stop_the_device(device) -> None:
     finally:
         dev.stop()
         serving.join(10)
+
+
+def test_parallel_uploads_share_the_grant_and_refused_rows_are_bounded() -> None:
+    """Uploads in progress count against the grant's sources and bytes (started
+    together, each would otherwise get the whole allowance); refused sources (kept
+    for their reason) are bounded per principal."""
+    from aotx.media import MAX_REFUSED, MediaError, MediaTable
+
+    t = MediaTable(1 << 20, 1 << 24)
+    g = wire.Grant(principal=7, actions=int(wire.Action.all()), model_mask=2, revision=1,
+                   max_media_bytes=100)
+    assert t.put(7, b"a" * 16, 0, 1, b"\x89PNG" + bytes(56), False, False, g)[0] == 202
+    with pytest.raises(MediaError) as err:
+        t.put(7, b"b" * 16, 0, 1, b"\x89PNG" + bytes(56), False, False, g)
+    assert err.value.status == 413
+    one = wire.Grant(principal=8, actions=int(wire.Action.all()), model_mask=2, revision=1,
+                     max_media_sources=1)
+    assert t.put(8, b"c" * 16, 0, 1, b"\x89PNG", False, False, one)[0] == 202
+    with pytest.raises(MediaError, match="1 media sources"):
+        t.put(8, b"d" * 16, 0, 1, b"\x89PNG", False, False, one)
+    for i in range(3 * MAX_REFUSED):
+        status, src = t.put(9, secrets.token_bytes(16), 0, 1, b"", True, False, g)
+        assert status == 201 and src is not None and src.state is wire.MediaState.REFUSED
+    assert sum(s.principal == 9 for s in t.sources.values()) == MAX_REFUSED
