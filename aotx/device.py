@@ -433,7 +433,7 @@ class Device:
                 {"generation": gen, "facts": facts})
         if sub is wire.MemoryOp.ERASE:
             removed = core.lineage(h.principal).erase()
-            core.pending = [p for p in core.pending if p.principal != h.principal]
+            core.forget(h.principal)
             self.memory_cache.pop(h.principal, None)
             log.info("event=memory.erased principal=%d generations=%d", h.principal, removed)
             return h.reply(200, epoch=self.epoch), b""
@@ -503,6 +503,14 @@ class Device:
         core.last_ns = elapsed
         core.max_ns = max(core.max_ns, elapsed)
         held = core.state in (PolicyState.PAUSED, PolicyState.STOPPED)  # a control came first
+        if core.discard_active:  # its principal erased its memory meanwhile
+            core.discard_active = False
+            core.log[core.frontier].text = ""
+            core.frontier += 1
+            if not held:
+                core.state = PolicyState.RECORDING if core.pending else PolicyState.QUIET
+            log.info("event=policy.source_dropped frontier=%d", core.frontier)
+            return
         if req.preempted or req.phase is not Phase.COMPLETED:
             core.interrupted += 1
             if not held:
@@ -528,6 +536,7 @@ class Device:
         elif kept:
             core.save(source.principal, kept)
             self.memory_cache.pop(source.principal, None)
+        source.text = ""  # processed: the text is not needed any more
         core.frontier += 1
         core.completed += 1
         if not held:

@@ -240,6 +240,18 @@ class PolicyCore:
     next_pending: int = 1
     active: object = None  # the background extraction request, when one runs
     active_started: int = 0
+    # The principal of the running extraction's source erased its memory meanwhile:
+    # the extraction's result is dropped, not saved.
+    discard_active: bool = False
+
+    def forget(self, principal: int) -> None:
+        """Drop a principal's unprocessed sources and pending facts (memory erase), so
+        that nothing from before the erase is saved after it."""
+        start = self.frontier + (1 if self.active is not None else 0)
+        self.log[start:] = [s for s in self.log[start:] if s.principal != principal]
+        if self.active is not None and self.log[self.frontier].principal == principal:
+            self.discard_active = True
+        self.pending = [p for p in self.pending if p.principal != principal]
 
     def __post_init__(self) -> None:
         if not self.enabled:

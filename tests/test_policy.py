@@ -112,3 +112,23 @@ def test_models_file_poll_is_checked(tmp_path) -> None:
         (tmp_path / "models.toml").write_text(f"[default]\npoll = {bad}\n")
         with pytest.raises(ModelConfigError, match="poll must be"):
             load_specs(str(tmp_path))
+
+
+def test_forget_drops_a_principals_unprocessed_sources_and_its_running_extraction() -> None:
+    """A memory erase: the principal's sources not yet processed are dropped, as are its
+    pending facts, and an extraction running on one of its sources is marked to be
+    discarded, so that nothing said before the erase is saved after it."""
+    from aotx.policy import Pending, Source
+
+    core = PolicyCore(root="/nonexistent", enabled=True)
+    core.log = [Source(1, 1, "done"), Source(1, 1, "running"), Source(2, 1, "b"),
+                Source(1, 1, "later"), Source(2, 1, "c")]
+    core.frontier = 1
+    core.active = object()  # extracting log[1]
+    core.pending = [Pending(1, 1, "fact"), Pending(2, 2, "other")]
+    core.forget(1)
+    assert [s.text for s in core.log] == ["done", "running", "b", "c"]
+    assert core.discard_active and [p.principal for p in core.pending] == [2]
+    core.discard_active, core.active = False, None
+    core.forget(2)  # nothing running: every unprocessed source of 2 goes
+    assert [s.text for s in core.log] == ["done", "running"]
