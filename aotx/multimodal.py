@@ -87,6 +87,8 @@ def audio_format(data: bytes) -> str | None:
     return None
 
 
+_NO_FFMPEG_DIR = b"/dev/null/"  # not a directory: no ffprobe or ffmpeg can be found in it
+
 #: Audio is decoded whole, resampled to the projector's rate (16 kHz: 64 KB a second
 #: as float32); a header may claim any length or a sample rate of 1 Hz.
 MAX_AUDIO_SECONDS = 600
@@ -237,8 +239,13 @@ class MediaEncoder:
         try:
             for n, (kind, data) in enumerate(media):
                 buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+                opt = m.mtmd_helper_init_opt_default()
+                # Bytes stb_image cannot decode fall through to libmtmd's video path,
+                # which runs ffprobe/ffmpeg on them: point it at a "directory" that
+                # cannot hold them, so untrusted bytes never reach an ffmpeg.
+                opt.video_params.ffmpeg_bin_dir = _NO_FFMPEG_DIR
                 got = m.mtmd_helper_bitmap_init_from_buf_wrapper(
-                    self.ctx, buf, len(data), False, m.mtmd_helper_init_opt_default())
+                    self.ctx, buf, len(data), False, opt)
                 if got.video_ctx:  # never asked for; free it rather than leak it
                     m.mtmd_helper_video_free(got.video_ctx)
                     if got.bitmap:

@@ -420,7 +420,7 @@ def test_parallel_uploads_share_the_grant_and_refused_rows_are_bounded() -> None
     assert t.put(8, b"c" * 16, 0, 1, b"\x89PNG", False, False, one)[0] == 202
     with pytest.raises(MediaError, match="1 media sources"):
         t.put(8, b"d" * 16, 0, 1, b"\x89PNG", False, False, one)
-    for i in range(3 * MAX_REFUSED):
+    for _ in range(3 * MAX_REFUSED):
         status, src = t.put(9, secrets.token_bytes(16), 0, 1, b"", True, False, g)
         assert status == 201 and src is not None and src.state is wire.MediaState.REFUSED
     assert sum(s.principal == 9 for s in t.sources.values()) == MAX_REFUSED

@@ -50,6 +50,14 @@ def tone(seconds: float, hz: float = 440.0, rate: int = 16000) -> bytes:
 def vsvc() -> Iterator[Service]:
     folder = tempfile.mkdtemp(prefix="aotx-mmproj-")
     mmproj = os.path.join(folder, "tiny-av.gguf")
+    # An ffprobe/ffmpeg first on the device's PATH that records being run: libmtmd
+    # must never hand undecodable bytes to them.
+    bindir = os.path.join(folder, "bin")
+    os.mkdir(bindir)
+    for name in ("ffprobe", "ffmpeg"):
+        with open(os.path.join(bindir, name), "w") as f:
+            f.write(f"#!/bin/sh\ntouch {folder}/ran-{name}\nexit 1\n")
+        os.chmod(os.path.join(bindir, name), 0o755)
     build_mmproj([mmproj, "--audio"])
     models = f"""
 [default]
@@ -65,7 +73,10 @@ slots = 1
 context = 512
 """
     try:
-        with running_service(models=models) as svc:
+        with running_service(models=models,
+                             env={"PATH": bindir + os.pathsep + os.environ["PATH"]}) as svc:
+            svc.ffmpeg_marks = [os.path.join(folder, f"ran-{n}")  # type: ignore[attr-defined]
+                                for n in ("ffprobe", "ffmpeg")]
             yield svc
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -183,6 +194,7 @@ def test_refusals_name_the_model_and_the_modality(vsvc: Service) -> None:
         r = ask(c, [{"type": "input_image", "digest": broken["digest"]},
                     {"type": "text", "text": "hi"}])
         assert r.status_code == 400 and "could not be decoded" in r.json()["error"]["message"]
+        assert not any(os.path.exists(p) for p in vsvc.ffmpeg_marks)  # type: ignore[attr-defined]
         assert c.get(f"/aotx/v1/media/{broken['id']}").json()["leases"] == 0
         # text requests to the same model keep working
         assert finish(c, ask(c, [{"type": "text", "text": "hi"}]).json()["id"])["state"] == \
