@@ -31,6 +31,8 @@ ACTION_NAMES: dict[str, int] = {
 }
 DEFAULT_ACTIONS = ("submit", "read", "cancel", "media")
 LIMIT_KEYS = ("active", "output_tokens", "input_bytes", "media_sources", "media_bytes", "rate")
+#: The largest value each limit's field in the device's grant row holds.
+LIMIT_MAX = {k: (1 << (64 if k == "media_bytes" else 32)) - 1 for k in LIMIT_KEYS}
 TOKEN_PREFIX = "aotx-"
 
 _SCHEMA = """
@@ -84,10 +86,8 @@ def parse_limits(items: list[str]) -> dict[str, int]:
         key, sep, value = item.partition("=")
         if not sep or key not in LIMIT_KEYS or not value.isdigit():
             raise CredentialError(f"bad limit {item!r}; use KEY=N with KEY in {', '.join(LIMIT_KEYS)}")
-        # The device's grant row holds media_bytes in 64 bits and the others in 32.
-        bits = 64 if key == "media_bytes" else 32
-        if int(value) >= 1 << bits:
-            raise CredentialError(f"limit {key} must be below 2^{bits}")
+        if int(value) > LIMIT_MAX[key]:
+            raise CredentialError(f"limit {key} must be below 2^{LIMIT_MAX[key].bit_length()}")
         out[key] = int(value)
     return out
 
@@ -111,8 +111,7 @@ class PrincipalGrant:
                     mask |= 1 << roles[alias]
         # Clamped to the row's fields (parse_limits refuses wider values; a database
         # written before it checked may hold some): a wider value would fail the install.
-        lim = {k: min(v, (1 << (64 if k == "media_bytes" else 32)) - 1)
-               for k, v in self.limits.items()}
+        lim = {k: min(v, LIMIT_MAX.get(k, v)) for k, v in self.limits.items()}
         return wire.Grant(principal=self.id, actions=self.actions, model_mask=mask,
                           flags=wire.GRANT_FLAG_MEMORY if self.memory else 0,
                           max_active=lim.get("active", 0),
