@@ -302,6 +302,14 @@ class Device:
             return None, 403, f"the grant does not include the {Action(action).name.lower()} action"
         return grant, 0, ""
 
+    def _submit_grant(self, h: Header) -> tuple[wire.Grant | None, int, str]:
+        """The caller's grant if it may submit to the model named by ``h.role``."""
+        grant, status, msg = self._grant_for(h, Action.SUBMIT)
+        if grant is not None and (h.role not in self.models
+                                  or not (grant.model_mask >> h.role) & 1):
+            return None, 404, "no such model"
+        return grant, status, msg
+
     def _lookup(self, h: Header, action: int) -> tuple[Request | None, int, str]:
         """The request named by ``h`` if the caller may act on it, else (None, status, message).
 
@@ -594,12 +602,10 @@ class Device:
             self.counters.refused[status] += 1
             return h.reply(status, epoch=self.epoch, max_tokens=retry_after), msg.encode()
 
-        grant, status, msg = self._grant_for(h, Action.SUBMIT)
+        grant, status, msg = self._submit_grant(h)
         if grant is None:
             return refuse(status, msg)
-        model = self.models.get(h.role)
-        if model is None or not (grant.model_mask >> h.role) & 1:
-            return refuse(404, "no such model")
+        model = self.models[h.role]
         if grant.max_input_bytes and len(payload) > grant.max_input_bytes:
             return refuse(413, f"input of {len(payload)} bytes exceeds the grant's "
                                f"{grant.max_input_bytes}")
@@ -642,7 +648,7 @@ class Device:
         # cannot be removed meanwhile; a refusal gives the leases back.
         for src in leased:
             self.media.lease(src)
-        job = (h, grant, model, sub, prompt_text, leased, messages, bool(memory_on), refuse)
+        job = (h, model, sub, prompt_text, leased, messages, bool(memory_on), refuse)
         if self._media_jobs is None:  # no worker (unit tests drive handle() directly)
             return self._prepare_media(*job, locked=True)
         self.busy_mailboxes.add(mailbox)
@@ -662,8 +668,7 @@ class Device:
                 self.busy_mailboxes.discard(mailbox)
                 self._publish(mailbox, *reply)
 
-    def _prepare_media(self, h: Header, grant: wire.Grant, model: LoadedModel,
-                       sub: wire.Submission, prompt_text: str, leased: list[Any],
+    def _prepare_media(self, h: Header, model: LoadedModel, sub: wire.Submission, prompt_text: str, leased: list[Any],
                        messages: list[dict[str, str]], memory_on: bool,
                        refuse: Callable[..., tuple[Header, bytes]],
                        locked: bool) -> tuple[Header, bytes]:
@@ -691,14 +696,10 @@ class Device:
                 else:
                     # The grant may have been replaced or revoked while the media was
                     # prepared without the lock: admit under the one installed now.
-                    now, status, msg = self._grant_for(h, Action.SUBMIT)
-                    if now is None:
-                        reply = refuse(status, msg)
-                    elif not (now.model_mask >> h.role) & 1:
-                        reply = refuse(404, "no such model")
-                    else:
-                        reply = self._admit(h, now, model, sub, prompt, prompt_text, segments,
-                                            leased, messages, memory_on, refuse)
+                    grant, status, msg = self._submit_grant(h)
+                    reply = refuse(status, msg) if grant is None else self._admit(
+                        h, grant, model, sub, prompt, prompt_text, segments, leased, messages,
+                        memory_on, refuse)
             finally:
                 if reply is None or reply[0].status != 202:  # refused: it will not run
                     release_all(segments)
