@@ -182,11 +182,8 @@ class Gateway:
         async with self._sync_lock:
             generation = self.generation
             rows = [g for g in self.grants() if self.installed.get(g.principal) != g]
-            if not rows:
-                self.grants_dirty = self.generation != generation
-                return
-            for i in range(0, len(rows), 1000):
-                chunk = rows[i:i + 1000]
+            for i in range(0, len(rows), wire.GRANT_PAGE):
+                chunk = rows[i:i + wire.GRANT_PAGE]
                 gh, body = await self.broker.call(
                     wire.Header(op=wire.Op.GRANT_INSTALL, total=len(chunk)),
                     wire.encode_grants(chunk))
@@ -196,8 +193,9 @@ class Gateway:
                     self.installed[g.principal] = g
             # Clean unless the credentials changed again while these were installed.
             self.grants_dirty = self.generation != generation
-            log.info("event=gateway.grants_installed rows=%d generation=%d", len(rows),
-                     generation)
+            if rows:
+                log.info("event=gateway.grants_installed rows=%d generation=%d", len(rows),
+                         generation)
 
     # -- device calls ------------------------------------------------------------
     async def refresh(self) -> None:

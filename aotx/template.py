@@ -52,7 +52,7 @@ class _TimedSandbox(ImmutableSandboxedEnvironment):
         self._check()
         return super().getitem(obj, argument)
 
-    # Arithmetic that can build huge values in one step ("x" * 10**10, 10**10**8) is
+    # Arithmetic that can build huge values in one step ("x" * 10**10, 10**100000000) is
     # checked before it runs; every such operation also checks the deadline.
     intercepted_binops = frozenset(["*", "**", "+"])
 

@@ -607,7 +607,8 @@ class Grant:
     rate_per_minute: int = 0
 
 
-#: Rows in one GRANT_READ reply; a full page means "ask again from the next principal".
+#: Grant rows in one packet: one GRANT_INSTALL, or one GRANT_READ reply (a full page
+#: means "ask again from the next principal").
 GRANT_PAGE = 1000
 
 
