@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _token_command(args: argparse.Namespace, state_dir: str) -> int:
-    from .credentials import CredentialError, CredentialStore, parse_actions, parse_limits
+    from .gateway.credentials import CredentialError, CredentialStore, parse_actions, parse_limits
 
     store = CredentialStore(state_dir)
     try:
@@ -134,7 +134,7 @@ def _token_command(args: argparse.Namespace, state_dir: str) -> int:
 
 def _grant_show(state_dir: str, socket_path: str) -> int:
     from . import wire
-    from .credentials import CredentialStore, action_names
+    from .gateway.credentials import CredentialStore, action_names
 
     store = CredentialStore(state_dir)
     live, _ = store.snapshot()
@@ -364,23 +364,23 @@ def main(argv: list[str] | None = None) -> int:
                        "--window-bytes", str(args.window_bytes)]
         return serve(paths, args.host, args.port, args.models, args.mailboxes, device_args)
     if args.command == "device":
-        from . import device
+        from .device import runtime
 
-        limits = device.DeviceLimits(retention_seconds=args.retention_seconds,
+        limits = runtime.DeviceLimits(retention_seconds=args.retention_seconds,
                                      retention_requests=args.retention_requests,
                                      max_active=args.max_active,
                                      window_bytes=max(1, min(args.window_bytes, 65408)))
-        device.run(paths, args.mailboxes, args.models, limits)
+        runtime.run(paths, args.mailboxes, args.models, limits)
         return 0
     if args.command == "broker":
-        from . import broker
+        from .broker import server
 
-        broker.run(paths, args.mailboxes)
+        server.run(paths, args.mailboxes)
         return 0
     if args.command == "gateway":
-        from . import gateway
+        from .gateway import app
 
-        gateway.run(paths, args.host, args.port)
+        app.run(paths, args.host, args.port)
         return 0
     return 2
 

@@ -65,7 +65,7 @@ def _wait_ready(url: str, children: list[Child], timeout: float,
 
 def serve(paths: RuntimePaths, host: str, port: int, models_file: str | None,
           mailboxes: int, device_args: list[str] | None = None) -> int:
-    from .gateway import ensure_admin_token
+    from .gateway.credentials import ensure_admin_token
 
     paths.ensure()
     ensure_admin_token(paths.admin_token)

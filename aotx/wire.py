@@ -674,6 +674,18 @@ MEDIA_TYPES: dict[int, str] = {
 }
 
 
+#: content type -> (code in media metadata, kind)
+CONTENT_TYPES: dict[str, tuple[int, PartKind]] = {
+    ct: (code, PartKind.IMAGE_DIGEST if ct.startswith("image/") else PartKind.AUDIO_DIGEST)
+    for code, ct in MEDIA_TYPES.items()
+}
+#: aliases some clients send
+CONTENT_TYPES["audio/x-wav"] = CONTENT_TYPES["audio/wav"]
+CONTENT_TYPES["audio/wave"] = CONTENT_TYPES["audio/wav"]
+CONTENT_TYPES["audio/mp3"] = CONTENT_TYPES["audio/mpeg"]
+CONTENT_TYPES["audio/x-flac"] = CONTENT_TYPES["audio/flac"]
+
+
 @dataclass(frozen=True, slots=True)
 class MediaMeta:
     digest: bytes

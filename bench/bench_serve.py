@@ -66,10 +66,11 @@ def free_port() -> int:
 
 RAW = r"""
 import json, sys, time
-from aotx.device import Device
-from aotx.engine import BatchEntry, EngineConfig, LlamaEngine, Sampler
-from aotx.models import default_model_path
-from aotx.template import ChatTemplate
+from aotx.device.runtime import Device
+from aotx.engine.llama import BatchEntry, EngineConfig, LlamaEngine
+from aotx.engine.sampling import Sampler
+from aotx.device.models import default_model_path
+from aotx.device.template import ChatTemplate
 slots = int(sys.argv[1])
 e = LlamaEngine(EngineConfig(path=default_model_path(), slots=slots, slot_context=1024, batch=512))
 t = ChatTemplate(e.metadata("tokenizer.chat_template"))
@@ -359,7 +360,7 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout: float = 
 def start_peer(spec: str, slots: int) -> tuple[subprocess.Popen[bytes] | None, str, str]:
     if spec.startswith("http"):
         return None, spec.rstrip("/"), "default"
-    from aotx.models import default_model_path
+    from aotx.device.models import default_model_path
 
     port = free_port()
     proc = subprocess.Popen([spec, "-m", default_model_path(), "--parallel", str(slots),

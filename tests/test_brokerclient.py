@@ -10,7 +10,7 @@ import threading
 import time
 
 from aotx import wire
-from aotx.brokerclient import BrokerClient
+from aotx.gateway.broker_client import BrokerClient
 
 from .conftest import short_tmpdir
 

@@ -15,12 +15,12 @@ import time
 import pytest
 
 from aotx import wire
-from aotx.device import Device, LoadedModel
-from aotx.models import ModelSpec
-from aotx.multimodal import MARKER, MediaSegment
+from aotx.device.models import ModelSpec
+from aotx.device.runtime import Device, LoadedModel
+from aotx.device.template import ChatTemplate
+from aotx.engine.multimodal import MARKER, MediaSegment
+from aotx.engine.scheduler import Scheduler
 from aotx.paths import RuntimePaths
-from aotx.scheduler import Scheduler
-from aotx.template import ChatTemplate
 
 from .conftest import short_tmpdir
 from .test_e2e_media import png
@@ -173,7 +173,7 @@ def test_a_lost_doorbell_delays_a_packet_by_a_second_at_most(device) -> None:
 def test_ephemeral_sources_go_with_their_last_lease() -> None:
     """Inline media (MEDIA_FLAG_EPHEMERAL): leased like any source, never listed, removed
     when the last request holding it ends, or by the sweep if no request ever leased it."""
-    from aotx.media import EPHEMERAL_SECONDS, MediaTable
+    from aotx.device.media import EPHEMERAL_SECONDS, MediaTable
 
     t = MediaTable(1 << 20, 1 << 24)
     g = wire.Grant(principal=7, actions=int(wire.Action.all()), model_mask=2, revision=1)
@@ -207,7 +207,7 @@ def test_media_is_checked_before_libmtmd_sees_it() -> None:
     """Only formats the bundled decoders read, and images small enough to decode."""
     import struct as st
 
-    from aotx.multimodal import MAX_PIXELS, MediaInputError, check_media, image_size
+    from aotx.engine.multimodal import MAX_PIXELS, MediaInputError, check_media, image_size
 
     assert image_size(png(1, 24)) == ("png", 24, 24)
     assert image_size(b"GIF89a" + st.pack("<HH", 640, 480) + b"\0" * 8) == ("gif", 640, 480)
@@ -254,7 +254,7 @@ def _flac(rate: int, total: int) -> bytes:
 def test_audio_headers_bound_what_is_decoded() -> None:
     """Audio is decoded whole at the projector's rate: a 1 Hz WAV would grow 16,000-fold,
     a FLAC header may claim 2^36 samples; both, and over-long audio, are refused."""
-    from aotx.multimodal import MAX_AUDIO_SECONDS, MediaInputError, check_media
+    from aotx.engine.multimodal import MAX_AUDIO_SECONDS, MediaInputError, check_media
 
     check_media("audio", _wav(8000, bytes(8000)), 0)
     check_media("audio", _flac(44100, 44100 * 30), 0)
@@ -406,7 +406,7 @@ def test_parallel_uploads_share_the_grant_and_refused_rows_are_bounded() -> None
     """Uploads in progress count against the grant's sources and bytes (started
     together, each would otherwise get the whole allowance); refused sources (kept
     for their reason) are bounded per principal."""
-    from aotx.media import MAX_REFUSED, MediaError, MediaTable
+    from aotx.device.media import MAX_REFUSED, MediaError, MediaTable
 
     t = MediaTable(1 << 20, 1 << 24)
     g = wire.Grant(principal=7, actions=int(wire.Action.all()), model_mask=2, revision=1,

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from aotx import wire
-from aotx.credentials import token_hash
+from aotx.gateway.credentials import token_hash
 
 from .conftest import Service, eventually, running_service
 from .test_e2e_foundation import poll_until_terminal

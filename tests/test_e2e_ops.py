@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from aotx import wire
-from aotx.models import default_model_path
+from aotx.device.models import default_model_path
 
 from .conftest import Service, running_service
 from .test_e2e_foundation import poll_until_terminal

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from aotx.models import default_model_path
+from aotx.device.models import default_model_path
 
 from .conftest import Service, running_service
 from .test_e2e_grants import client, mint

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aotx.engine import BatchEntry, EngineConfig, EngineError, LlamaEngine, Sampler, seed32
+from aotx.engine.llama import BatchEntry, EngineConfig, EngineError, LlamaEngine
+from aotx.engine.sampling import Sampler, seed32
 
 pytestmark = pytest.mark.skipif(os.environ.get("AOTX_SKIP_MODEL") == "1",
                                 reason="model tests disabled")
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("AOTX_SKIP_MODEL") == "1",
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[LlamaEngine]:
-    from aotx.models import default_model_path
+    from aotx.device.models import default_model_path
 
     eng = LlamaEngine(EngineConfig(path=default_model_path(), slots=4, slot_context=256,
                                    batch=128))
@@ -85,7 +86,7 @@ def test_the_persistent_thread_pool_gives_the_same_tokens(engine: LlamaEngine) -
     """The default engine attaches a persistent ggml thread pool (when it has more
     than one thread); an engine without one (poll -1: ggml's per-graph threads)
     continues a prompt with exactly the same greedy tokens."""
-    from aotx.models import default_model_path
+    from aotx.device.models import default_model_path
 
     text = "The three primary colors are"
     assert (engine.threadpool is not None) == (engine.threads > 1)

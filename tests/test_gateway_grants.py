@@ -10,9 +10,9 @@ import pytest
 from starlette.requests import Request
 
 from aotx import wire
-from aotx.brokerclient import BrokerUnavailable
-from aotx.errors import ApiError
-from aotx.gateway import Gateway
+from aotx.gateway.app import Gateway
+from aotx.gateway.broker_client import BrokerUnavailable
+from aotx.gateway.errors import ApiError
 from aotx.paths import RuntimePaths
 
 from .conftest import short_tmpdir
@@ -121,7 +121,7 @@ def test_more_rows_than_one_packet_are_read_a_page_at_a_time(gateway: Gateway) -
 def test_limits_that_do_not_fit_the_device_row_are_refused() -> None:
     """Every grant row goes to the device; a limit wider than its field would make the
     whole installation fail."""
-    from aotx.credentials import CredentialError, parse_limits
+    from aotx.gateway.credentials import CredentialError, parse_limits
 
     assert parse_limits(["input_bytes=4294967295", "media_bytes=5000000000"]) == {
         "input_bytes": 4294967295, "media_bytes": 5000000000}
@@ -129,7 +129,7 @@ def test_limits_that_do_not_fit_the_device_row_are_refused() -> None:
         with pytest.raises(CredentialError, match="below 2"):
             parse_limits([bad])
     # A row stored before the check still encodes (clamped: as good as unlimited).
-    from aotx.credentials import PrincipalGrant
+    from aotx.gateway.credentials import PrincipalGrant
 
     row = PrincipalGrant(5, "old", 1, ("*",), {"input_bytes": 1 << 40, "rate": 10}).row({})
     assert row.max_input_bytes == (1 << 32) - 1 and row.rate_per_minute == 10
@@ -171,7 +171,7 @@ def test_one_principal_parks_at_most_its_share_of_the_mailboxes(gateway: Gateway
     """INFO says 8 mailboxes: one principal's streams park 4 WAITs at most, the rest
     poll with READs (holding no mailbox) and see the output as soon as it comes;
     another principal's stream still parks."""
-    from aotx.gateway import Principal
+    from aotx.gateway.app import Principal
 
     broker = StreamingBroker()
     gateway.broker = broker  # type: ignore[assignment]

@@ -6,7 +6,7 @@ import json
 import os
 
 from aotx import wire
-from aotx.policy import KEEP_GENERATIONS, Lineage, PolicyCore, decide, inject
+from aotx.device.policy import KEEP_GENERATIONS, Lineage, PolicyCore, decide, inject
 
 SRC = "User: My name is Alice and I live in Paris. I work as a nurse."
 
@@ -79,7 +79,7 @@ def test_controls_follow_the_revision() -> None:
 def test_models_file_paths_cannot_escape_the_state_folder(tmp_path) -> None:
     import pytest
 
-    from aotx.models import ModelConfigError, load_specs
+    from aotx.device.models import ModelConfigError, load_specs
 
     state = tmp_path / "state"
     (state / "models").mkdir(parents=True)
@@ -101,7 +101,7 @@ def test_models_file_paths_cannot_escape_the_state_folder(tmp_path) -> None:
 def test_models_file_poll_is_checked(tmp_path) -> None:
     import pytest
 
-    from aotx.models import ModelConfigError, load_specs
+    from aotx.device.models import ModelConfigError, load_specs
 
     (tmp_path / "models.toml").write_text("[default]\npoll = 0\n")
     (spec,) = load_specs(str(tmp_path))
@@ -118,7 +118,7 @@ def test_forget_drops_a_principals_unprocessed_sources_and_its_running_extractio
     """A memory erase: the principal's sources not yet processed are dropped, as are its
     pending facts, and an extraction running on one of its sources is marked to be
     discarded, so that nothing said before the erase is saved after it."""
-    from aotx.policy import Pending, Source
+    from aotx.device.policy import Pending, Source
 
     core = PolicyCore(root="/nonexistent", enabled=True)
     core.log = [Source(1, 1, "done"), Source(1, 1, "running"), Source(2, 1, "b"),

@@ -1,4 +1,4 @@
-"""Short scheduler slices for the latency-sensitive threads (aotx.sched)."""
+"""Short scheduler slices for the latency-sensitive threads (aotx.cpuslice)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from aotx.sched import SHORT_SLICE_NS, request_short_slice
+from aotx.cpuslice import SHORT_SLICE_NS, request_short_slice
 
 from .conftest import Service
 

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aotx.engine import BatchEntry
-from aotx.scheduler import OutputBuffer, Request, Scheduler, utf8_complete_length
+from aotx.engine.llama import BatchEntry
+from aotx.engine.scheduler import OutputBuffer, Request, Scheduler, utf8_complete_length
 from aotx.wire import Finish, Phase
 
 EOG = 0
@@ -347,9 +347,10 @@ def test_output_buffer_holds_back_exactly_a_possible_stop_start(
 
 @pytest.mark.skipif(os.environ.get("AOTX_SKIP_MODEL") == "1", reason="model tests disabled")
 def test_real_engine_batches_sequences_together() -> None:
-    from aotx.engine import EngineConfig, LlamaEngine, Sampler
-    from aotx.models import default_model_path
-    from aotx.template import ChatTemplate
+    from aotx.device.models import default_model_path
+    from aotx.device.template import ChatTemplate
+    from aotx.engine.llama import EngineConfig, LlamaEngine
+    from aotx.engine.sampling import Sampler
 
     engine = LlamaEngine(EngineConfig(path=default_model_path(), slots=4, slot_context=512,
                                       batch=256))
@@ -381,9 +382,10 @@ def test_real_engine_batches_sequences_together() -> None:
 
 @pytest.mark.skipif(os.environ.get("AOTX_SKIP_MODEL") == "1", reason="model tests disabled")
 def test_real_engine_prefix_reuse_evaluates_fewer_tokens_with_the_same_output() -> None:
-    from aotx.engine import EngineConfig, LlamaEngine, Sampler
-    from aotx.models import default_model_path
-    from aotx.template import ChatTemplate
+    from aotx.device.models import default_model_path
+    from aotx.device.template import ChatTemplate
+    from aotx.engine.llama import EngineConfig, LlamaEngine
+    from aotx.engine.sampling import Sampler
 
     def engine_and_scheduler(slots: int) -> tuple[LlamaEngine, Scheduler]:
         eng = LlamaEngine(EngineConfig(path=default_model_path(), slots=slots, slot_context=512,
@@ -426,7 +428,7 @@ def test_real_engine_prefix_reuse_evaluates_fewer_tokens_with_the_same_output() 
 
 def media_req(name: int, script: list[int], layout: list[int | str]) -> Request:
     """A request whose prompt is text tokens and media spans ("3" = an image of 3 positions)."""
-    from aotx.multimodal import MediaSegment
+    from aotx.engine.multimodal import MediaSegment
 
     r = req(name, script)
     r.prompt, r.segments = [], []
@@ -524,10 +526,11 @@ def test_warm_puts_the_template_prefix_in_sequence_zero() -> None:
 def test_real_engine_copied_prefix_gives_the_same_output() -> None:
     """Requests arriving together share the chat template's system prompt through the warm
     sequence and stream copies: fewer prompt tokens evaluated, identical greedy output."""
-    from aotx.device import Device
-    from aotx.engine import EngineConfig, LlamaEngine, Sampler
-    from aotx.models import default_model_path
-    from aotx.template import ChatTemplate
+    from aotx.device.models import default_model_path
+    from aotx.device.runtime import Device
+    from aotx.device.template import ChatTemplate
+    from aotx.engine.llama import EngineConfig, LlamaEngine
+    from aotx.engine.sampling import Sampler
 
     questions = ["Name a fruit.", "Name a color.", "Name a planet."]
 

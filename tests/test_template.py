@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from aotx.template import ChatTemplate, TemplateError
+from aotx.device.template import ChatTemplate, TemplateError
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -35,13 +35,17 @@ from typing import Any
 
 import orjson
 
-from . import wire
-from .engine import EngineConfig, LlamaEngine, Sampler
-from .mailbox import REQUEST, SCAN_ALL, WAKE, Bell, Region
+from .. import wire
+from ..cpuslice import request_short_slice
+from ..engine.llama import EngineConfig, LlamaEngine
+from ..engine.multimodal import MARKER, MediaEncoder, MediaInputError, MediaSegment, release_all
+from ..engine.sampling import Sampler
+from ..engine.scheduler import Request, Scheduler, common_prefix
+from ..mailbox import REQUEST, SCAN_ALL, WAKE, Bell, Region
+from ..paths import RuntimePaths
+from ..wire import Action, Header, Op, Phase, PolicyReason, PolicyState, WireError
 from .media import MediaError, MediaTable
 from .models import ModelSpec, file_sha256, load_specs
-from .multimodal import MARKER, MediaEncoder, MediaInputError, MediaSegment, release_all
-from .paths import RuntimePaths
 from .policy import (
     EXTRACTION_MAX_TOKENS,
     EXTRACTION_PROMPT,
@@ -53,10 +57,7 @@ from .policy import (
 )
 from .policy import Pending as PolicyPending
 from .policy import Source as PolicySource
-from .sched import request_short_slice
-from .scheduler import Request, Scheduler, common_prefix
 from .template import ChatTemplate, TemplateError
-from .wire import Action, Header, Op, Phase, PolicyReason, PolicyState, WireError
 
 log = logging.getLogger("aotx.device")
 

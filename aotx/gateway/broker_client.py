@@ -13,7 +13,7 @@ import itertools
 import logging
 import socket
 
-from . import wire
+from .. import wire
 
 log = logging.getLogger("aotx.gateway.broker")
 

@@ -34,15 +34,15 @@ from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import wire
+from ..cpuslice import request_short_slice
+from ..paths import RuntimePaths
 from . import schemas as S
-from . import wire
-from .brokerclient import BrokerClient, BrokerUnavailable
-from .credentials import CredentialStore, PrincipalGrant, token_hash
+from .broker_client import BrokerClient, BrokerUnavailable
+from .credentials import CredentialStore, PrincipalGrant, ensure_admin_token, token_hash
 from .errors import ApiError, error_body
-from .httpguard import BODY_IDLE_TIMEOUT, GuardedHttpToolsProtocol
-from .media import CONTENT_TYPES
-from .paths import RuntimePaths
-from .protocol import (
+from .guard import BODY_IDLE_TIMEOUT, GuardedHttpToolsProtocol
+from .requests import (
     ChatRequest,
     ImageUrlPart,
     InputAudioPart,
@@ -50,7 +50,6 @@ from .protocol import (
     PolicyControlBody,
     b64,
 )
-from .sched import request_short_slice
 
 log = logging.getLogger("aotx.gateway")
 
@@ -73,22 +72,6 @@ _FAILURES = {500: "the engine failed while decoding this request",
 
 def dumps(obj: Any) -> bytes:
     return orjson.dumps(obj)
-
-
-def ensure_admin_token(path: str) -> str:
-    """Create ``DIR/admin.token`` (0600) on first start; return the token."""
-    try:
-        with open(path) as f:
-            token = f.read().strip()
-        if token:
-            return token
-    except FileNotFoundError:
-        pass
-    token = "aotx-" + secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    return token
 
 
 @dataclass(frozen=True)
@@ -419,12 +402,12 @@ class Gateway:
             async def one(data: bytes = raw) -> AsyncIterator[bytes]:
                 yield data
 
-            _, obj = await MediaUpload(self, principal, CONTENT_TYPES[ctype][0],
+            _, obj = await MediaUpload(self, principal, wire.CONTENT_TYPES[ctype][0],
                                        ephemeral=True).run(one())
             if obj["state"] == "refused":
                 raise ApiError(400, f"inline {obj['kind']} refused: {obj['reason']}",
                                param="messages", code="media_refused")
-            out[id(part)] = wire.Part(CONTENT_TYPES[ctype][1], bytes.fromhex(obj["digest"][7:]))
+            out[id(part)] = wire.Part(wire.CONTENT_TYPES[ctype][1], bytes.fromhex(obj["digest"][7:]))
         return out
 
     async def read(self, principal: Principal, epoch: int, identity: bytes, cursor: int,
@@ -567,9 +550,9 @@ def inline_media(part: ImageUrlPart | InputAudioPart) -> tuple[str, bytes]:
             raise ApiError(400, "the image's data: URL must be base64 "
                                 "(data:image/png;base64,...)", param="messages")
         ctype = head[:-7].split(";")[0].strip().lower()  # parameters (name=...) ignored
-        if not ctype.startswith("image/") or ctype not in CONTENT_TYPES:
+        if not ctype.startswith("image/") or ctype not in wire.CONTENT_TYPES:
             raise ApiError(400, f"unsupported image type {ctype or '(none)'}; use one of "
-                                f"{', '.join(t for t in sorted(CONTENT_TYPES) if t.startswith('image/'))}",
+                                f"{', '.join(t for t in sorted(wire.CONTENT_TYPES) if t.startswith('image/'))}",
                            param="messages")
     else:
         ctype, data = _AUDIO_FORMATS[part.input_audio.format], part.input_audio.data
@@ -929,11 +912,11 @@ def create_app(paths: RuntimePaths, loopback_only: bool = True) -> FastAPI:
         g = gw()
         principal = await g.authenticate(request)
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if ctype not in CONTENT_TYPES:
+        if ctype not in wire.CONTENT_TYPES:
             raise ApiError(415, f"unsupported media type {ctype or '(none)'}; use one of "
-                                f"{', '.join(sorted(CONTENT_TYPES))}", param="Content-Type")
+                                f"{', '.join(sorted(wire.CONTENT_TYPES))}", param="Content-Type")
         try:
-            status, obj = await MediaUpload(g, principal, CONTENT_TYPES[ctype][0]).run(
+            status, obj = await MediaUpload(g, principal, wire.CONTENT_TYPES[ctype][0]).run(
                 request.stream())
         except _BodyTimeout:
             # Answered here: raised through the app, Starlette's error middleware would

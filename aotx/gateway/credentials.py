@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from . import wire
+from .. import wire
 
 ACTION_NAMES: dict[str, int] = {
     "submit": wire.Action.SUBMIT, "read": wire.Action.READ, "cancel": wire.Action.CANCEL,
@@ -232,3 +232,19 @@ class CredentialStore:
         holders = set(by_hash.values())
         grants = {p.id: p for p in self.principals() if p.id in holders}
         return by_hash, grants
+
+
+def ensure_admin_token(path: str) -> str:
+    """Create ``DIR/admin.token`` (0600) on first start; return the token."""
+    try:
+        with open(path) as f:
+            token = f.read().strip()
+        if token:
+            return token
+    except FileNotFoundError:
+        pass
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token

@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from .wire import MAX_STOP_BYTES
+from ..wire import MAX_STOP_BYTES
 
 MAX_STOP = 16
 MAX_INLINE_CHARS = 1 << 21  # longer than any body the gateway accepts (1 MiB)

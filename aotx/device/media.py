@@ -21,18 +21,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from . import wire
-
-#: content type -> (code in media metadata, kind)
-CONTENT_TYPES: dict[str, tuple[int, wire.PartKind]] = {
-    ct: (code, wire.PartKind.IMAGE_DIGEST if ct.startswith("image/") else wire.PartKind.AUDIO_DIGEST)
-    for code, ct in wire.MEDIA_TYPES.items()
-}
-#: aliases some clients send
-CONTENT_TYPES["audio/x-wav"] = CONTENT_TYPES["audio/wav"]
-CONTENT_TYPES["audio/wave"] = CONTENT_TYPES["audio/wav"]
-CONTENT_TYPES["audio/mp3"] = CONTENT_TYPES["audio/mpeg"]
-CONTENT_TYPES["audio/x-flac"] = CONTENT_TYPES["audio/flac"]
+from .. import wire
 
 UPLOAD_IDLE_SECONDS = 60.0
 EPHEMERAL_SECONDS = 60.0  # an ephemeral source no request leased is removed after this
@@ -82,7 +71,7 @@ class Source:
 
     @property
     def kind(self) -> wire.PartKind:
-        return CONTENT_TYPES[wire.MEDIA_TYPES[self.content_type]][1]
+        return wire.CONTENT_TYPES[wire.MEDIA_TYPES[self.content_type]][1]
 
     def meta(self) -> wire.MediaMeta:
         return wire.MediaMeta(self.digest, self.size, self.kind, self.state, self.leases,

@@ -43,8 +43,8 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from . import wire
-from .wire import PolicyReason, PolicyState
+from .. import wire
+from ..wire import PolicyReason, PolicyState
 
 log = logging.getLogger("aotx.policy")
 

@@ -27,10 +27,10 @@ import signal
 import socket
 import struct
 
-from . import wire
-from .mailbox import FREE, REPLY, REQUEST, SCAN_ALL, Bell, Region
-from .paths import RuntimePaths
-from .sched import request_short_slice
+from .. import wire
+from ..cpuslice import request_short_slice
+from ..mailbox import FREE, REPLY, REQUEST, SCAN_ALL, Bell, Region
+from ..paths import RuntimePaths
 
 log = logging.getLogger("aotx.broker")
 

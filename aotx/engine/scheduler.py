@@ -21,9 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .engine import BatchEntry
+from ..wire import Finish, Phase
+from .llama import BatchEntry
 from .multimodal import MediaInputError, MediaSegment, release_all
-from .wire import Finish, Phase
 
 
 class Engine(Protocol):
