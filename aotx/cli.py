@@ -6,12 +6,13 @@ import argparse
 import os
 import sys
 
+from .config import ConfigError, Settings
 from .mailbox import DEFAULT_MAILBOXES
-from .paths import PathError, for_state_dir
+from .paths import PathError, RuntimePaths, for_state_dir
 
 
-def _state_dir(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--state-dir", default=os.environ.get("AOTX_STATE_DIR", "./state"),
+def _state_dir(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--state-dir", default=default,
                    help="state folder (default: $AOTX_STATE_DIR or ./state)")
 
 
@@ -26,13 +27,15 @@ def _device_limits(p: argparse.ArgumentParser) -> None:
                    help="largest output window one read returns (default 32768)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(settings: Settings | None = None) -> argparse.ArgumentParser:
+    settings = settings or Settings()
     parser = argparse.ArgumentParser(prog="aotx", description="Local LLM inference service")
-    parser.add_argument("--log-level", default=os.environ.get("AOTX_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=settings.log_level)
     sub = parser.add_subparsers(dest="command", required=True)
+    state = settings.state_dir
 
     s = sub.add_parser("serve", help="start device, broker and gateway, supervised")
-    _state_dir(s)
+    _state_dir(s, state)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--models", help="models file (default: STATE_DIR/models.toml)")
@@ -40,23 +43,23 @@ def build_parser() -> argparse.ArgumentParser:
     _device_limits(s)
 
     d = sub.add_parser("device", help="run the device runtime alone")
-    _state_dir(d)
+    _state_dir(d, state)
     d.add_argument("--models", help="models file (default: STATE_DIR/models.toml)")
     d.add_argument("--mailboxes", type=int, default=DEFAULT_MAILBOXES)
     _device_limits(d)
 
     b = sub.add_parser("broker", help="run the broker alone")
-    _state_dir(b)
+    _state_dir(b, state)
     b.add_argument("--mailboxes", type=int, default=DEFAULT_MAILBOXES)
 
     g = sub.add_parser("gateway", help="run the HTTP gateway alone")
-    _state_dir(g)
+    _state_dir(g, state)
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     t = sub.add_parser("token", help="manage bearer tokens")
     tsub = t.add_subparsers(dest="token_command", required=True)
     tc = tsub.add_parser("create", help="create a token; prints it as the last line")
-    _state_dir(tc)
+    _state_dir(tc, state)
     tc.add_argument("--principal", required=True)
     tc.add_argument("--actions", default="submit,read,cancel,media",
                     help="comma list of: submit, read, cancel, media, telemetry, "
@@ -67,12 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     tc.add_argument("--memory", action="store_true",
                     help="enable automatic memory for this principal (off unless given)")
     tl = tsub.add_parser("list", help="list tokens (never their values)")
-    _state_dir(tl)
+    _state_dir(tl, state)
     tr = tsub.add_parser("revoke", help="revoke a token by id")
-    _state_dir(tr)
+    _state_dir(tr, state)
     tr.add_argument("id", type=int)
     sb = sub.add_parser("submit", help="submit a prompt; print its id (and follow it)")
-    _state_dir(sb)
+    _state_dir(sb, state)
     sb.add_argument("prompt")
     sb.add_argument("--model", default="smollm2")
     sb.add_argument("--max-tokens", type=int)
@@ -81,26 +84,26 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--url")
     sb.add_argument("--token")
     fo = sub.add_parser("follow", help="stream a request's output (re-attach by id)")
-    _state_dir(fo)
+    _state_dir(fo, state)
     fo.add_argument("id")
     fo.add_argument("--cursor", type=int, default=0)
     fo.add_argument("--url")
     fo.add_argument("--token")
     ch = sub.add_parser("chat", help="interactive chat (history kept for the session)")
-    _state_dir(ch)
+    _state_dir(ch, state)
     ch.add_argument("--model", default="smollm2")
     ch.add_argument("--max-tokens", type=int, default=256)
     ch.add_argument("--system", help="a system message for the whole session")
     ch.add_argument("--url")
     ch.add_argument("--token")
     st = sub.add_parser("status", help="print a summary of a running service")
-    _state_dir(st)
+    _state_dir(st, state)
     st.add_argument("--url", help="gateway URL (default: STATE_DIR/run/gateway.url)")
     st.add_argument("--token", help="bearer token (default: STATE_DIR/admin.token)")
     gr = sub.add_parser("grant", help="grants")
     gsub = gr.add_subparsers(dest="grant_command", required=True)
     gs = gsub.add_parser("show", help="show grant definitions and what the device holds")
-    _state_dir(gs)
+    _state_dir(gs, state)
     return parser
 
 
@@ -335,7 +338,12 @@ def _status(args: argparse.Namespace, state_dir: str, run_dir: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        settings = Settings.from_env()  # the one read of the environment
+    except ConfigError as exc:
+        print(f"aotx: {exc}", file=sys.stderr)
+        return 2
+    args = build_parser(settings).parse_args(argv)
     from .supervise import configure_logging
 
     configure_logging(args.log_level)
@@ -355,6 +363,11 @@ def main(argv: list[str] | None = None) -> int:
         return _status(args, paths.state_dir, paths.run_dir)
     if args.command == "grant":
         return _grant_show(paths.state_dir, paths.socket)
+    return _component(args, paths, settings)
+
+
+def _component(args: argparse.Namespace, paths: RuntimePaths, settings: Settings) -> int:
+    """``serve`` (the supervisor) or one of the processes it starts."""
     if args.command == "serve":
         from .supervise import serve
 
@@ -362,27 +375,28 @@ def main(argv: list[str] | None = None) -> int:
                        "--retention-requests", str(args.retention_requests),
                        "--max-active", str(args.max_active),
                        "--window-bytes", str(args.window_bytes)]
-        return serve(paths, args.host, args.port, args.models, args.mailboxes, device_args)
+        return serve(paths, args.host, args.port, args.models, args.mailboxes, device_args,
+                     log_level=args.log_level)
     if args.command == "device":
         from .device import runtime
+        from .device.state import DeviceLimits
 
-        limits = runtime.DeviceLimits(retention_seconds=args.retention_seconds,
-                                     retention_requests=args.retention_requests,
-                                     max_active=args.max_active,
-                                     window_bytes=max(1, min(args.window_bytes, 65408)))
-        runtime.run(paths, args.mailboxes, args.models, limits)
-        return 0
-    if args.command == "broker":
+        limits = DeviceLimits(retention_seconds=args.retention_seconds,
+                              retention_requests=args.retention_requests,
+                              max_active=args.max_active,
+                              window_bytes=max(1, min(args.window_bytes, 65408)))
+        runtime.run(paths, args.mailboxes, args.models, limits, settings)
+    elif args.command == "broker":
         from .broker import server
 
-        server.run(paths, args.mailboxes)
-        return 0
-    if args.command == "gateway":
+        server.run(paths, args.mailboxes, settings.short_slice)
+    elif args.command == "gateway":
         from .gateway import app
 
-        app.run(paths, args.host, args.port)
-        return 0
-    return 2
+        app.run(paths, args.host, args.port, settings)
+    else:
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

@@ -26,12 +26,12 @@ _SYS_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}
 SHORT_SLICE_NS = 100_000
 
 
-def request_short_slice(slice_ns: int = SHORT_SLICE_NS) -> bool:
-    """Ask for a short time slice for the calling thread (its policy, normal or
-    batch, and its nice value kept).  Threads it starts afterwards inherit it.  Returns False where
-    the kernel or the platform does not support it (nothing changes then), or
-    where ``AOTX_SHORT_SLICE=0`` turns it off."""
-    if os.environ.get("AOTX_SHORT_SLICE", "1") == "0":
+def request_short_slice(enabled: bool = True, slice_ns: int = SHORT_SLICE_NS) -> bool:
+    """Ask for a short time slice for the calling thread (its policy, normal or batch,
+    and its nice value kept).  Threads it starts afterwards inherit it.  Returns False
+    where the kernel or the platform does not support it (nothing changes then), or
+    where it is not ``enabled`` (``AOTX_SHORT_SLICE=0``, read by :mod:`aotx.config`)."""
+    if not enabled:
         return False
     nr = _SYS_SCHED_SETATTR.get(platform.machine())
     if nr is None or not hasattr(os, "sched_getscheduler"):

@@ -10,7 +10,6 @@ in reverse order (SIGTERM, then SIGKILL after a grace period).
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -64,12 +63,12 @@ def _wait_ready(url: str, children: list[Child], timeout: float,
 
 
 def serve(paths: RuntimePaths, host: str, port: int, models_file: str | None,
-          mailboxes: int, device_args: list[str] | None = None) -> int:
+          mailboxes: int, device_args: list[str] | None = None, log_level: str = "INFO") -> int:
     from .gateway.credentials import ensure_admin_token
 
     paths.ensure()
     ensure_admin_token(paths.admin_token)
-    base = [sys.executable, "-m", "aotx"]
+    base = [sys.executable, "-m", "aotx", "--log-level", log_level]
     common = ["--state-dir", paths.state_dir]
     dev = base + ["device", *common, "--mailboxes", str(mailboxes), *(device_args or [])]
     if models_file:
@@ -143,6 +142,5 @@ def configure_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s",
                         stream=sys.stderr)
-    os.environ.setdefault("AOTX_LOG_LEVEL", level)
     for noisy in ("httpx", "httpcore"):  # one line per HTTP call is not an event
         logging.getLogger(noisy).setLevel(logging.WARNING)

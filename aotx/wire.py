@@ -1,30 +1,24 @@
-"""The aotx broker wire protocol: a sans-I/O codec.
+"""The aotx broker wire protocol: a sans-I/O codec, read top to bottom.
 
-Theory of operation
--------------------
-Every packet between the gateway, the broker and the device is at most
-``MAX_PACKET`` (65536) bytes: a 128-byte little-endian header followed by a
-payload of ``header.payload_length`` bytes.  The same header serves requests
-(gateway -> device) and replies (device -> gateway); fields that a direction
-does not use are zero, and a decoder rejects non-zero reserved bytes.
+Every packet between the gateway, the broker and the device is at most ``MAX_PACKET``
+(65536) bytes: a 128-byte little-endian header, then ``payload_length`` payload bytes.
+The same header serves requests (gateway -> device) and replies; the fields an
+operation's request does not use are zero (``check_request``).  Each fixed layout (the
+header, the information head and rows, grant rows, media metadata, the policy status,
+telemetry) is one table: a NamedTuple whose fields carry their rows (format, offset,
+who fixed it, meaning); the ``struct``, the codec and the tables of docs/protocol.md
+come from those rows.  The seed (``shared/seeds``) fixes the offsets marked so.
 
-Offsets fixed by the seed (``shared/seeds``): reply status 8, phase 12,
-runtime epoch 40, cursor 64, role 72, total output bytes 76 (grant row count
-for grant operations), prompt tokens 80, sampled tokens 84, payload length 88,
-finish 92, failure status 96, cancel requested 100.  Everything else is our
-choice and is documented in ``docs/protocol.md``; this module is the single
-source of truth for both.
-
-Nothing here does I/O.  Decoders take ``bytes``/``memoryview`` and either
-return a value or raise :class:`WireError`, whose ``status`` is the protocol
-status to answer with.  No other exception escapes a decoder.
+Nothing here does I/O.  Decoders take ``bytes``/``memoryview`` and return a value or
+raise :class:`WireError`, whose status and :class:`Reason` are what to answer with.
 """
 
 from __future__ import annotations
 
 import enum
+import operator
 import struct
-from dataclasses import dataclass, field
+from typing import Annotated, Any, Generic, NamedTuple, TypeVar, get_type_hints
 
 MAGIC = 0x58544F41  # b"AOTX" read little endian
 VERSION = 1
@@ -33,68 +27,41 @@ HEADER_SIZE = 128
 MAX_PAYLOAD = MAX_PACKET - HEADER_SIZE
 DIGEST_SIZE = 32
 IDENTITY_SIZE = 16
-
-
-class WireError(Exception):
-    """A packet or payload that cannot be accepted.
-
-    ``status`` is the HTTP-like protocol status the peer should receive
-    (400 for malformed input, 413 for oversize, 505 for a version mismatch).
-    """
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
+ZERO_IDENTITY = bytes(IDENTITY_SIZE)
+T = TypeVar("T")
 
 
 class Op(enum.IntEnum):
     """Operation codes (header offset 6)."""
 
-    #: Read the information payload (models and limits).
-    INFO = 1
-    #: Admit a request (submission payload).
-    SUBMIT = 2
-    #: Read one output window of a request at ``cursor``.
-    READ = 3
-    #: Request cancellation of a request by identity.
-    CANCEL = 4
-    #: Install grant rows (row count at offset 76).
-    GRANT_INSTALL = 5
-    #: Read installed grant rows.
-    GRANT_READ = 6
-    #: Wait until a request has bytes past ``cursor`` or changes state.
-    WAIT = 7
-    #: Media source upload chunk.
-    MEDIA_PUT = 8
-    #: Media list page (80-byte rows).
-    MEDIA_LIST = 9
-    #: Shared conversation operations (reserved by the seed, not provided).
-    SHARED_SAVE = 10
+    INFO = 1  #: Read the information payload (models and limits).
+    SUBMIT = 2  #: Admit a request (submission payload).
+    READ = 3  #: Read one output window of a request at ``cursor``.
+    CANCEL = 4  #: Request cancellation of a request by identity.
+    GRANT_INSTALL = 5  #: Install grant rows (row count at offset 76).
+    GRANT_READ = 6  #: Read installed grant rows.
+    WAIT = 7  #: Wait until a request has bytes past ``cursor`` or changes state.
+    MEDIA_PUT = 8  #: Media source upload chunk.
+    MEDIA_LIST = 9  #: Media list page (80-byte rows).
+    SHARED_SAVE = 10  #: Shared conversation operations (reserved by the seed, not provided).
     SHARED_LOAD = 11
-    #: Resident policy read/control.
-    POLICY = 12
-    #: Telemetry sample.
-    TELEMETRY = 13
-    #: Media source read (metadata) and removal.
-    MEDIA_READ = 14
+    POLICY = 12  #: Resident policy read/control.
+    TELEMETRY = 13  #: Telemetry sample.
+    MEDIA_READ = 14  #: Media source read (metadata) and removal.
     MEDIA_DELETE = 15
-    #: Device counters for /metrics (payload: UTF-8 JSON; not a hot path).
-    METRICS = 16
-    #: Broker counters, answered by the broker itself (payload: UTF-8 JSON).
-    BROKER_STATS = 17
-    #: The caller's automatic memory (sub-operation at offset 72, payload UTF-8 JSON).
-    MEMORY = 18
+    METRICS = 16  #: Device counters for /metrics (payload: UTF-8 JSON; not a hot path).
+    BROKER_STATS = 17  #: Broker counters, answered by the broker itself (payload: UTF-8 JSON).
+    MEMORY = 18  #: The caller's automatic memory (sub-operation at offset 72, payload UTF-8 JSON).
 
 
 class MemoryOp(enum.IntEnum):
-    """Sub-operations of Op.MEMORY (header offset 72)."""
+    """Sub-operations of Op.MEMORY (``memory_op``; approve and reject name ``pending_id``)."""
 
     READ = 1
     ERASE = 2
     PENDING = 3
-    APPROVE = 4  # pending decision id at offset 64
-    REJECT = 5  # pending decision id at offset 64
+    APPROVE = 4
+    REJECT = 5
 
 
 class Phase(enum.IntEnum):
@@ -156,141 +123,253 @@ MEDIA_FLAG_ABORT = 2  # drop the upload in progress
 MEDIA_FLAG_EPHEMERAL = 4  # a request's inline media: removed when its last lease ends
 MEDIA_LIST_MAX_ROWS = MAX_PACKET // 80 - 2  # 817 rows fit one reply
 
+#: What the media decoders take (the device refuses the rest before decoding).
+MAX_IMAGE_PIXELS = 16 * 1024 * 1024  # decoded at 3 bytes a pixel: 48 MiB at most
+AUDIO_RATES = (8000, 384000)  # sample rates (Hz); a header may claim 1 Hz and grow 16000-fold
+MAX_AUDIO_SECONDS = 600  # decoded as float32 at the projector's rate
+
 #: Header flags for SUBMIT (offset 116).
 SUBMIT_FLAG_SEED = 1  # the seed field at 120 is meaningful
 SUBMIT_FLAG_MEMORY_OFF = 2  # the request opts out of automatic memory
 
 
+class Reason(enum.IntEnum):
+    """Why a reply refuses, a request failed (codes from 60) or a source was refused: offset
+    28 of a reply.  No text crosses the wire: the gateway words the code (gateway/errors.py)
+    with the number at offset 120 (``detail``) that a member names."""
+
+    NONE = 0
+    MALFORMED = 1  #: the codec refused a header or payload (a peer's bug; the receiver logs which)
+    VERSION = 2  #: the header's version is not ``VERSION`` (505)
+    TOO_LARGE = 3  #: the packet or a payload does not fit ``MAX_PACKET`` (413)
+    NONZERO_FIELD = 4  #: a field this operation does not use is not zero; detail: its header offset
+    NOT_SUPPORTED = 5  #: the operation is not provided here (501), as ops 10 and 11
+    NO_MAILBOX = 6  #: the broker has no free mailbox (503)
+    INTERNAL = 7  #: the device failed (500); its log says why
+    NO_GRANT = 10  #: no grant row is installed for the principal
+    ACTION = 11  #: the grant lacks an action; detail: the action bit(s) needed
+    NO_MODEL = 12  #: no such model role, or not in the grant's model mask
+    NO_REQUEST = 13  #: unknown, foreign, reclaimed or revoked-revision request
+    EPOCH_ENDED = 14  #: the handle's runtime epoch has ended (410)
+    EPOCH_MISMATCH = 15  #: a mutation's frame epoch is not the device's
+    CURSOR = 16  #: the cursor (offset 64) is past the bytes produced (offset 76)
+    INPUT_BYTES = 20  #: the submission is larger than the grant allows; detail: the grant's bytes
+    PROMPT_LENGTH = 21  #: the prompt (offset 80 tokens) leaves no room; detail: the most the model takes
+    OUTPUT_TOKENS = 22  #: max_tokens is over the limit; detail: the limit
+    DEVICE_BUSY = 23  #: the device holds its maximum of active requests (429)
+    ACTIVE_LIMIT = 24  #: the principal holds the grant's active requests; detail: that limit (429)
+    RATE_LIMIT = 25  #: the principal used its admissions a minute; detail: that rate (429)
+    TEMPLATE = 26  #: the model's chat template refused the messages (raise_exception)
+    TEMPLATE_FAILED = 27  #: the chat template failed, or ran past its time or output bounds
+    MODALITY = 28  #: the model takes no such input; detail: the PartKind
+    NO_SOURCE = 29  #: a digest names no ready source of the principal; detail: the media part's index
+    NO_PROJECTOR = 30  #: the model has no projector for media input
+    IMAGE_UNREADABLE = 31  #: media part (detail) is an image the decoder cannot read
+    IMAGE_PIXELS = 32  #: media part (detail) is an image of more than ``MAX_IMAGE_PIXELS``
+    AUDIO_UNREADABLE = 33  #: media part (detail) is audio the decoder cannot read
+    AUDIO_RATE = 34  #: media part (detail) has a sample rate outside ``AUDIO_RATES``
+    AUDIO_LENGTH = 35  #: media part (detail) lasts longer than ``MAX_AUDIO_SECONDS``, or does not say
+    MEDIA_LAST = 36  #: the prompt must end with text after its last media part
+    MEDIA_PREPARE = 37  #: the projector could not preprocess the media
+    NO_SOURCE_ID = 40  #: no such source of the principal
+    UPLOAD_OFFSET = 41  #: no upload in progress at that offset, or the chunk does not follow the last
+    CONTENT_TYPE = 42  #: unknown content type code (415)
+    SOURCE_COUNT = 43  #: the grant's media sources are all used; detail: that count
+    SOURCE_BYTES = 44  #: the source exceeds the bytes allowed; detail: those bytes
+    LEASED = 45  #: the source is leased by requests; detail: how many
+    EMPTY = 46  #: a refused source: it is empty
+    MAGIC = 47  #: a refused source: its bytes are not its declared content type
+    POLICY_OFF = 50  #: the resident policy is off (no qualified model)
+    STALE_REVISION = 51  #: the control revision is stale; the 160-byte status says the current one
+    NO_DECISION = 52  #: no such pending memory decision
+    MEMORY_OP = 53  #: unknown memory sub-operation
+    KV_FULL = 60  #: the engine ran out of KV cache (503)
+    DECODE = 61  #: llama_decode failed (500)
+    MEDIA_ENCODE = 62  #: encoding a media part failed (500)
+
+
+class WireError(Exception):
+    """A packet or payload that cannot be accepted: the peer gets ``status`` and ``reason``
+    (and ``detail``); ``message`` stays in this process's log."""
+
+    def __init__(self, message: str, status: int = 400, reason: Reason = Reason.MALFORMED,
+                 detail: int = 0) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.reason = reason
+        self.detail = detail
+
+
 def _check_enum(enum_type: type[enum.IntEnum], value: int, what: str) -> None:
-    # A dict lookup, not enum_type(value): constructing an enum costs microseconds,
-    # and every packet's header is checked in the gateway, the broker and the device.
+    # A dict lookup, not enum_type(value): an enum costs microseconds, on every packet.
     if value not in enum_type._value2member_map_:
         raise WireError(f"unknown {what} {value}")
 
 
-# --------------------------------------------------------------------------
-# The 128-byte header
-#
-#   off size field                 notes
-#     0   4  magic                 0x58544F41 ("AOTX")
-#     4   2  version               1
-#     6   2  op                    Op
-#     8   4  status                reply: HTTP-like status; request: 0
-#    12   4  phase                 reply: Phase of the request
-#    16   8  tag                   chosen by the sender of a request, echoed in its reply
-#    24   4  principal             principal id, relayed by the gateway
-#    28   4  flags                 reserved, zero
-#    32   8  revision              reply: grant revision the request was admitted under
-#    40   8  epoch                 runtime epoch
-#    48  16  identity              request identity (16 bytes) or source id
-#    64   8  cursor                byte cursor (request: wanted; reply: the same value)
-#    72   4  role                  model role
-#    76   4  total                 total output bytes; grant row count for grant ops
-#    80   4  prompt_tokens
-#    84   4  sampled_tokens
-#    88   4  payload_length
-#    92   4  finish                Finish
-#    96   4  failure               failure status (HTTP-like) of a failed request
-#   100   4  cancel_requested      0 or 1
-#   104   4  max_tokens            SUBMIT: output token limit; WAIT: timeout ms
-#   108   4  temperature           SUBMIT: float32
-#   112   4  top_p                 SUBMIT: float32
-#   116   4  submit_flags          SUBMIT: SUBMIT_FLAG_*
-#   120   8  seed                  SUBMIT: sampling seed when SUBMIT_FLAG_SEED
-# --------------------------------------------------------------------------
-
-_HEADER = struct.Struct("<IHHIIQIIQQ16sQIIIIIIIIIffIQ")
-assert _HEADER.size == HEADER_SIZE
+# -- Layouts, the 128-byte header first
 
 
-@dataclass(slots=True)
-class Header:
-    op: int
-    status: int = 0
-    phase: int = 0
-    tag: int = 0
-    principal: int = 0
-    flags: int = 0
-    revision: int = 0
-    epoch: int = 0
-    identity: bytes = b"\x00" * IDENTITY_SIZE
-    cursor: int = 0
-    role: int = 0
-    total: int = 0
-    prompt_tokens: int = 0
-    sampled_tokens: int = 0
-    payload_length: int = 0
-    finish: int = 0
-    failure: int = 0
-    cancel_requested: int = 0
-    max_tokens: int = 0
-    temperature: float = 0.0
-    top_p: float = 0.0
-    submit_flags: int = 0
-    seed: int = 0
-    version: int = VERSION
+class F(NamedTuple):
+    """One field's row of a layout table, carried by its annotation: a layout is described
+    once, and its ``struct``, its codec and its table in docs/protocol.md come from it."""
 
-    def pack(self) -> bytes:
-        try:
-            return _HEADER.pack(
-                MAGIC, self.version, self.op, self.status, self.phase, self.tag,
-                self.principal, self.flags, self.revision, self.epoch, self.identity,
-                self.cursor, self.role, self.total, self.prompt_tokens,
-                self.sampled_tokens, self.payload_length, self.finish, self.failure,
-                self.cancel_requested, self.max_tokens, self.temperature, self.top_p,
-                self.submit_flags, self.seed,
-            )
-        except struct.error as exc:
-            raise WireError(f"header field out of range: {exc}") from None
+    fmt: str  #: struct format character(s)
+    offset: int
+    seed: bool  #: the seed fixes this offset
+    meaning: str
 
-    def reply(self, status: int, **fields: object) -> Header:
-        """A reply header for this request: same op, tag, principal, epoch, identity, cursor."""
-        h = Header(op=self.op, status=status, tag=self.tag, principal=self.principal,
-                   epoch=self.epoch, identity=self.identity, cursor=self.cursor)
-        for k, v in fields.items():
-            setattr(h, k, v)
-        return h
+
+class _View(Generic[T]):
+    """A named accessor: one meaning of a field that means different things per operation
+    (``when`` says which; the header table in docs/protocol.md lists them)."""
+
+    def __init__(self, field: str, when: str) -> None:
+        self.field, self.when = field, when
+
+    def __get__(self, header: _Fields, owner: object = None) -> T:
+        return getattr(header, self.field)
+
+
+class _Fields(NamedTuple):
+    """The header's fields in wire order; :class:`Header` adds the accessors."""
+
+    magic: Annotated[int, F("I", 0, False, "0x58544F41, the bytes AOTX")] = MAGIC
+    version: Annotated[int, F("H", 4, False, "1")] = VERSION
+    op: Annotated[int, F("H", 6, False, "`Op`")] = 0
+    status: Annotated[int, F("I", 8, True, "Reply: HTTP-like status. Request: 0.")] = 0
+    phase: Annotated[int, F("I", 12, True, "Reply: the request's `Phase`. WAIT: the phase last seen.")] = 0
+    tag: Annotated[int, F("Q", 16, False, "Chosen by the requester, echoed in its reply")] = 0
+    principal: Annotated[int, F("I", 24, False, "The principal id, relayed by the gateway (0 reserved)")] = 0
+    reason: Annotated[int, F("I", 28, False, "Reply: `Reason` of a refusal, a failed request or a refused source. Request: 0.")] = 0
+    revision: Annotated[int, F("Q", 32, False, "Reply: the grant revision the request was admitted under")] = 0
+    epoch: Annotated[int, F("Q", 40, True, "Runtime epoch. Request: the handle's. Reply: the device's.")] = 0
+    identity: Annotated[bytes, F("16s", 48, False, "Request identity; a source or upload id for media operations")] = ZERO_IDENTITY
+    cursor: Annotated[int, F("Q", 64, True, "Byte cursor: the wanted offset, echoed in the reply")] = 0
+    role: Annotated[int, F("I", 72, True, "Model role")] = 0
+    total: Annotated[int, F("I", 76, True, "Total output bytes so far")] = 0
+    prompt_tokens: Annotated[int, F("I", 80, True, "Prompt tokens")] = 0
+    sampled_tokens: Annotated[int, F("I", 84, True, "Tokens sampled so far, end of generation included")] = 0
+    payload_length: Annotated[int, F("I", 88, True, "Exact payload size")] = 0
+    finish: Annotated[int, F("I", 92, True, "`Finish`")] = 0
+    failure: Annotated[int, F("I", 96, True, "HTTP-like status of a failed request")] = 0
+    cancel_requested: Annotated[int, F("I", 100, True, "0 or 1. WAIT: the value last seen.")] = 0
+    limit: Annotated[int, F("I", 104, False, "A per-operation limit")] = 0
+    temperature: Annotated[float, F("f", 108, False, "SUBMIT: temperature (<= 0: greedy)")] = 0.0
+    top_p: Annotated[float, F("f", 112, False, "SUBMIT: top-p (outside (0, 1]: 1.0)")] = 0.0
+    flags: Annotated[int, F("I", 116, False, "Per-operation flags")] = 0
+    value: Annotated[int, F("Q", 120, False, "A per-operation number")] = 0
+
+class Header(_Fields):
+    """An immutable header value: build a request with :meth:`request`, a reply with
+    :meth:`reply` or :meth:`refuse`; a field with per-operation meanings is set and read by
+    the named accessor of the meaning at hand (a WAIT timeout is ``wait_ms``, not ``limit``)."""
+
+    __slots__ = ()
+
+    # -- named accessors: (field, when) ------------------------------------------------
+    source_id = _View[bytes]("identity", "MEDIA_READ, MEDIA_DELETE; MEDIA_PUT reply")
+    upload_id = _View[bytes]("identity", "MEDIA_PUT request")
+    first_principal = _View[int]("cursor", "GRANT_READ")
+    next_position = _View[int]("cursor", "MEDIA_LIST reply")
+    pending_id = _View[int]("cursor", "MEMORY approve, reject")
+    content_type = _View[int]("role", "MEDIA_PUT; its reply; MEDIA_READ reply")
+    memory_op = _View[int]("role", "MEMORY")
+    row_count = _View[int]("total", "GRANT_INSTALL, GRANT_READ; MEDIA_LIST reply")
+    max_tokens = _View[int]("limit", "SUBMIT: output tokens, 0 = as many as fit")
+    wait_ms = _View[int]("limit", "WAIT: timeout")
+    max_rows = _View[int]("limit", "MEDIA_LIST")
+    retry_after = _View[int]("limit", "429 reply: seconds")
+    submit_flags = _View[int]("flags", "SUBMIT: SUBMIT_FLAG_*")
+    media_flags = _View[int]("flags", "MEDIA_PUT: MEDIA_FLAG_*")
+    seed = _View[int]("value", "SUBMIT, with SUBMIT_FLAG_SEED")
+    detail = _View[int]("value", "refusal: the number its reason names")
+
+    # -- requests and replies ------------------------------------------------------------
+    @classmethod
+    def request(cls, op: Op, **fields: Any) -> Header:
+        """A request of ``op``; a field may be named by its accessor (``wait_ms=`` sets limit)."""
+        return cls(op=op, **{_VIEWS.get(k, k): v for k, v in fields.items()})
+
+    def reply(self, status: int, **fields: Any) -> Header:
+        """A reply to this request: its op, tag, principal, epoch, identity and cursor."""
+        base = {"op": self.op, "tag": self.tag, "principal": self.principal, "epoch": self.epoch,
+                "identity": self.identity, "cursor": self.cursor}
+        return Header(status=status, **{**base, **fields})
+
+    def refuse(self, status: int, reason: Reason, detail: int = 0, retry_after: int = 0, /,
+               **fields: Any) -> Header:
+        """A refusal: status, reason, its number; ``fields`` (a 409's state) never replace them."""
+        return self.reply(status, **{**fields, "reason": int(reason), "value": detail,
+                                     "limit": retry_after})
+
+
+def layout(record: type[tuple[Any, ...]], size: int) -> struct.Struct:
+    """The ``struct`` of a record annotated with rows (``F``): offsets checked, ``size`` bytes."""
+    at = 0
+    for name, row in rows(record):
+        if row.offset != at:
+            raise AssertionError(f"{record.__name__}.{name} is at {at}, its row says {row.offset}")
+        at += struct.calcsize("<" + row.fmt)
+    packed = struct.Struct("<" + "".join(row.fmt for _, row in rows(record)))
+    if packed.size != size:
+        raise AssertionError(f"{record.__name__} is {packed.size} bytes, not {size}")
+    return packed
+
+
+def rows(record: type[tuple[Any, ...]]) -> tuple[tuple[str, F], ...]:
+    """(field name, its row) of a record annotated with rows, in offset order."""
+    hints = get_type_hints(record, include_extras=True)
+    return tuple((name, hints[name].__metadata__[0]) for name in record._fields  # type: ignore[attr-defined]
+                 if hasattr(hints[name], "__metadata__"))
+
+
+#: The header table: (field name, its row), in offset order.
+HEADER_FIELDS = rows(_Fields)
+#: Named accessor -> the field it reads.
+_VIEWS = {name: v.field for name, v in vars(Header).items() if isinstance(v, _View)}
+_HEADER = layout(_Fields, HEADER_SIZE)
+_PAYLOAD_LENGTH = Header._fields.index("payload_length")
 
 
 def decode_header(data: bytes | memoryview) -> Header:
     if len(data) < HEADER_SIZE:
         raise WireError(f"packet of {len(data)} bytes is shorter than the header")
-    (magic, version, op, status, phase, tag, principal, flags, revision, epoch, identity,
-     cursor, role, total, prompt_tokens, sampled_tokens, payload_length, finish, failure,
-     cancel_requested, max_tokens, temperature, top_p, submit_flags, seed) = _HEADER.unpack_from(data)
-    if magic != MAGIC:
+    h = Header._make(_HEADER.unpack_from(data))
+    if h.magic != MAGIC:
         raise WireError("bad magic")
-    if version != VERSION:
-        raise WireError(f"unsupported protocol version {version}", 505)
-    _check_enum(Op, op, "operation")
-    _check_enum(Phase, phase, "phase")
-    _check_enum(Finish, finish, "finish")
-    if flags != 0:
-        raise WireError("reserved header flags are not zero")
-    if cancel_requested not in (0, 1):
+    if h.version != VERSION:
+        raise WireError(f"unsupported protocol version {h.version}", 505, Reason.VERSION)
+    _check_enum(Op, h.op, "operation")
+    _check_enum(Phase, h.phase, "phase")
+    _check_enum(Finish, h.finish, "finish")
+    _check_enum(Reason, h.reason, "reason")
+    if h.cancel_requested not in (0, 1):
         raise WireError("cancel_requested must be 0 or 1")
-    if payload_length > MAX_PAYLOAD:
-        raise WireError(f"payload length {payload_length} exceeds {MAX_PAYLOAD}", 413)
-    return Header(op=op, status=status, phase=phase, tag=tag, principal=principal, flags=flags,
-                  revision=revision, epoch=epoch, identity=bytes(identity), cursor=cursor,
-                  role=role, total=total, prompt_tokens=prompt_tokens,
-                  sampled_tokens=sampled_tokens, payload_length=payload_length, finish=finish,
-                  failure=failure, cancel_requested=cancel_requested, max_tokens=max_tokens,
-                  temperature=temperature, top_p=top_p, submit_flags=submit_flags, seed=seed,
-                  version=version)
+    if h.payload_length > MAX_PAYLOAD:
+        raise WireError(f"payload length {h.payload_length} exceeds {MAX_PAYLOAD}", 413,
+                        Reason.TOO_LARGE)
+    return h
 
 
 def encode_packet(header: Header, payload: bytes = b"") -> bytes:
+    """The header, its payload_length set to the payload's (``header`` stays as it is)."""
     if len(payload) > MAX_PAYLOAD:
-        raise WireError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}", 413)
-    header.payload_length = len(payload)
-    return header.pack() + payload
+        raise WireError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}", 413,
+                        Reason.TOO_LARGE)
+    values = list(header)
+    values[_PAYLOAD_LENGTH] = len(payload)
+    try:
+        return _HEADER.pack(*values) + payload
+    except struct.error as exc:
+        raise WireError(f"header field out of range: {exc}") from None
 
 
 def decode_packet(data: bytes | memoryview) -> tuple[Header, bytes]:
     """Split one packet into its header and exact payload."""
     if len(data) > MAX_PACKET:
-        raise WireError(f"packet of {len(data)} bytes exceeds {MAX_PACKET}", 413)
+        raise WireError(f"packet of {len(data)} bytes exceeds {MAX_PACKET}", 413,
+                        Reason.TOO_LARGE)
     header = decode_header(data)
     end = HEADER_SIZE + header.payload_length
     if len(data) != end:
@@ -299,15 +378,55 @@ def decode_packet(data: bytes | memoryview) -> tuple[Header, bytes]:
     return header, bytes(data[HEADER_SIZE:end])
 
 
-# --------------------------------------------------------------------------
-# Submission payload
+# -- Unused request fields are zero (the seed): a request that sets a field other than its
+# operation's (and magic, version, op, tag, payload length) gets 400 NONZERO_FIELD.
+
+REQUEST_FIELDS: dict[Op, tuple[str, ...]] = {
+    Op.INFO: (), Op.BROKER_STATS: (), Op.SHARED_SAVE: (), Op.SHARED_LOAD: (),
+    Op.SUBMIT: ("principal", "role", "limit", "temperature", "top_p", "flags", "value"),
+    Op.READ: ("principal", "epoch", "identity", "cursor"),
+    Op.WAIT: ("principal", "epoch", "identity", "cursor", "phase", "cancel_requested", "limit"),
+    Op.CANCEL: ("principal", "epoch", "identity"),
+    Op.GRANT_INSTALL: ("total",), Op.GRANT_READ: ("cursor",),
+    Op.MEDIA_PUT: ("principal", "identity", "cursor", "role", "flags"),
+    Op.MEDIA_LIST: ("principal", "cursor", "limit"),
+    Op.MEDIA_READ: ("principal", "identity"), Op.MEDIA_DELETE: ("principal", "identity"),
+    Op.POLICY: ("principal", "epoch"), Op.TELEMETRY: ("principal",),
+    Op.METRICS: ("principal",), Op.MEMORY: ("principal", "role", "cursor"),
+}
+#: The flag bits each operation defines; other bits are unused, so zero.
+REQUEST_FLAGS = {Op.SUBMIT: SUBMIT_FLAG_SEED | SUBMIT_FLAG_MEMORY_OFF,
+                 Op.MEDIA_PUT: MEDIA_FLAG_FINAL | MEDIA_FLAG_ABORT | MEDIA_FLAG_EPHEMERAL}
+_ZERO = Header(magic=0, version=0)
+_UNUSED = {op: [i for i, name in enumerate(Header._fields) if name not in (
+    "magic", "version", "op", "tag", "payload_length", *used)] for op, used in REQUEST_FIELDS.items()}
+_UNUSED_GET = {op: (operator.itemgetter(*idx), tuple(_ZERO[i] for i in idx))
+               for op, idx in _UNUSED.items()}
+
+
+def check_request(h: Header) -> None:
+    """Refuse (WireError 400, NONZERO_FIELD) a request that sets a field its operation
+    does not use, a flag bit it does not define, or a SUBMIT seed without its flag."""
+    get, zeros = _UNUSED_GET[Op(h.op)]
+    if get(h) != zeros:
+        i = next(i for i in _UNUSED[Op(h.op)] if h[i] != _ZERO[i])
+        name, row = HEADER_FIELDS[i]
+        raise WireError(f"{name} is not zero in a {Op(h.op).name} request", 400,
+                        Reason.NONZERO_FIELD, row.offset)
+    if h.flags & ~REQUEST_FLAGS.get(Op(h.op), 0):
+        raise WireError(f"unknown flag bits {h.flags:#x} in a {Op(h.op).name} request", 400,
+                        Reason.NONZERO_FIELD, 116)
+    if h.op == Op.SUBMIT and h.value and not h.flags & SUBMIT_FLAG_SEED:
+        raise WireError("a seed without SUBMIT_FLAG_SEED", 400, Reason.NONZERO_FIELD, 120)
+
+
+# -- Submission payload: the seed's layout, then our optional extension
 #
 #   u32 message_count
 #   message_count x { u32 role, u32 part_count,
 #                     part_count x { u32 kind, u32 byte_count, bytes[byte_count] } }
-#   u32 stop_count                       (our extension: stop strings)
-#   stop_count x { u32 byte_count, bytes[byte_count] }   UTF-8, non-empty
-# --------------------------------------------------------------------------
+#   (extension, only when there are stop strings; a payload may end after the messages)
+#   u32 stop_count, stop_count x { u32 byte_count, bytes[byte_count] }  UTF-8, non-empty
 
 MAX_MESSAGES = 4096
 MAX_PARTS = 4096
@@ -319,8 +438,7 @@ _U32 = struct.Struct("<I")
 _U32x2 = struct.Struct("<II")
 
 
-@dataclass(frozen=True, slots=True)
-class Part:
+class Part(NamedTuple):
     kind: PartKind
     data: bytes  # UTF-8 text, or a 32-byte digest
 
@@ -329,29 +447,26 @@ class Part:
         return self.data.decode("utf-8")
 
 
-@dataclass(frozen=True, slots=True)
-class Message:
+class Message(NamedTuple):
     role: Role
     parts: tuple[Part, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class Submission:
+class Submission(NamedTuple):
     messages: tuple[Message, ...]
-    stop: tuple[str, ...] = field(default=())
+    stop: tuple[str, ...] = ()
 
 
-def _validate_part(kind: int, data: bytes) -> Part:
+def _part(kind: int, data: bytes) -> Part:
     _check_enum(PartKind, kind, "part kind")
-    pk = PartKind(kind)
-    if pk is PartKind.TEXT:
+    if kind == PartKind.TEXT:
         try:
             data.decode("utf-8")
         except UnicodeDecodeError:
             raise WireError("text part is not valid UTF-8") from None
     elif len(data) != DIGEST_SIZE:
         raise WireError(f"digest part must be exactly {DIGEST_SIZE} bytes, got {len(data)}")
-    return Part(pk, data)
+    return Part(PartKind(kind), data)
 
 
 def encode_submission(sub: Submission) -> bytes:
@@ -359,109 +474,73 @@ def encode_submission(sub: Submission) -> bytes:
     for msg in sub.messages:
         out += _U32x2.pack(int(msg.role), len(msg.parts))
         for part in msg.parts:
-            _validate_part(int(part.kind), part.data)
-            out += _U32x2.pack(int(part.kind), len(part.data))
-            out += part.data
-    out += _U32.pack(len(sub.stop))
-    for s in sub.stop:
-        b = s.encode("utf-8")
-        out += _U32.pack(len(b)) + b
+            _part(int(part.kind), part.data)
+            out += _U32x2.pack(int(part.kind), len(part.data)) + part.data
+    if sub.stop:  # the seed's layout exactly when there are none
+        out += _U32.pack(len(sub.stop))
+        for s in sub.stop:
+            b = s.encode("utf-8")
+            out += _U32.pack(len(b)) + b
     if len(out) > MAX_PAYLOAD:
-        raise WireError(f"submission of {len(out)} bytes exceeds one packet", 413)
+        raise WireError(f"submission of {len(out)} bytes exceeds one packet", 413,
+                        Reason.TOO_LARGE)
     return bytes(out)
 
 
 class _Reader:
     """Bounds-checked reader over a payload: never reads past its end."""
 
-    __slots__ = ("data", "pos")
-
     def __init__(self, data: bytes | memoryview) -> None:
-        self.data = bytes(data)
-        self.pos = 0
+        self.data, self.pos = bytes(data), 0
 
     def u32(self) -> int:
         if self.pos + 4 > len(self.data):
             raise WireError("payload ends inside a 32-bit field")
-        (v,) = _U32.unpack_from(self.data, self.pos)
         self.pos += 4
-        return int(v)
+        return int.from_bytes(self.data[self.pos - 4:self.pos], "little")
 
     def take(self, n: int) -> bytes:
         if n > len(self.data) - self.pos:
             raise WireError(f"count {n} overruns the payload")
-        b = self.data[self.pos:self.pos + n]
         self.pos += n
-        return b
+        return self.data[self.pos - n:self.pos]
 
-    def end(self) -> None:
-        if self.pos != len(self.data):
-            raise WireError(f"{len(self.data) - self.pos} trailing bytes after the payload")
+    def bounded(self, what: str, limit: int) -> int:
+        n = self.u32()
+        if n > limit:
+            raise WireError(f"{what} {n} exceeds {limit}")
+        return n
 
 
 def decode_submission(data: bytes | memoryview) -> Submission:
     r = _Reader(data)
-    n_messages = r.u32()
-    if n_messages == 0:
-        raise WireError("a submission needs at least one message")
-    if n_messages > MAX_MESSAGES:
-        raise WireError(f"message count {n_messages} exceeds {MAX_MESSAGES}")
     messages = []
+    n_messages = r.bounded("message count", MAX_MESSAGES)
+    if not n_messages:
+        raise WireError("a submission needs at least one message")
     for _ in range(n_messages):
         role = r.u32()
         _check_enum(Role, role, "message role")
-        n_parts = r.u32()
-        if n_parts > MAX_PARTS:
-            raise WireError(f"part count {n_parts} exceeds {MAX_PARTS}")
-        parts = []
-        for _ in range(n_parts):
-            kind = r.u32()
-            size = r.u32()
-            parts.append(_validate_part(kind, r.take(size)))
+        parts = [_part(r.u32(), r.take(r.u32()))
+                 for _ in range(r.bounded("part count", MAX_PARTS))]
         messages.append(Message(Role(role), tuple(parts)))
-    n_stop = r.u32()
-    if n_stop > MAX_STOPS:
-        raise WireError(f"stop count {n_stop} exceeds {MAX_STOPS}")
     stops = []
-    for _ in range(n_stop):
-        raw = r.take(r.u32())
-        if not raw:
-            raise WireError("empty stop string")
-        if len(raw) > MAX_STOP_BYTES:
-            raise WireError(f"stop string of {len(raw)} bytes exceeds {MAX_STOP_BYTES}")
-        try:
-            stops.append(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise WireError("stop string is not valid UTF-8") from None
-    r.end()
+    if r.pos < len(r.data):  # the stop-string extension
+        for _ in range(r.bounded("stop count", MAX_STOPS)):
+            raw = r.take(r.bounded("stop string bytes", MAX_STOP_BYTES))
+            if not raw:
+                raise WireError("empty stop string")
+            try:
+                stops.append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise WireError("stop string is not valid UTF-8") from None
+        if r.pos != len(r.data):
+            raise WireError(f"{len(r.data) - r.pos} trailing bytes after the payload")
     return Submission(tuple(messages), tuple(stops))
 
 
-# --------------------------------------------------------------------------
-# Information payload: 192-byte header, then model_count 40-byte rows, then a
-# string area (aliases and digests) that rows point into by offset.
-#
-# Header:
-#     0 u32 schema (1)          4 u32 abi (1)
-#     8 u64 epoch              16 u32 model_count
-#    20 u32 max_packet         24 u32 max_payload       28 u32 window_bytes
-#    32 u32 context_tokens     36 u32 output_tokens     40 u32 active_requests
-#    44 u32 slots              48 u64 media_bytes       56 u32 retention_seconds
-#    60 u32 retention_requests 64 u32 mailboxes         68 u32 kv_cells
-#    72 u64 started_unix_ns    80..155 reserved zero
-#   156 u32 automatic-memory role bits (bit r = role r qualified)
-#   160..191 reserved zero
-# Model row (40 bytes):
-#     0 u32 role               4 u32 input modality bits (1 text, 2 image, 4 audio)
-#     8 u64 published_at (unix seconds)
-#    16 u32 context_tokens    20 u32 alias offset   24 u32 alias length
-#    28 u32 digest offset (32 bytes of SHA-256)     32 u64 reserved zero
-# Offsets are relative to the start of the string area.
-# --------------------------------------------------------------------------
-
-INFO_HEADER = struct.Struct("<IIQIIIIIIIIQIIIIQ76sI32s")
-INFO_ROW = struct.Struct("<IIQIIIIQ")
-assert INFO_HEADER.size == 192 and INFO_ROW.size == 40
+# -- Information payload: a 192-byte head, ``model_count`` 40-byte rows, then a string
+# area (aliases and digests) that rows point into, by offset from its start.
 
 MOD_TEXT, MOD_IMAGE, MOD_AUDIO = 1, 2, 4
 MODALITY_BITS = {"text": MOD_TEXT, "image": MOD_IMAGE, "audio": MOD_AUDIO}
@@ -472,8 +551,7 @@ def modality_names(mods: int) -> list[str]:
     return [name for name, bit in MODALITY_BITS.items() if mods & bit]
 
 
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
+class ModelInfo(NamedTuple):
     role: int
     alias: str
     sha256: bytes
@@ -483,144 +561,130 @@ class ModelInfo:
     automatic_memory: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Info:
-    epoch: int
-    models: tuple[ModelInfo, ...]
-    window_bytes: int
-    context_tokens: int
-    output_tokens: int
-    active_requests: int
-    slots: int
-    media_bytes: int
-    retention_seconds: int
-    retention_requests: int
-    mailboxes: int
-    kv_cells: int
-    started_unix_ns: int
-    max_packet: int = MAX_PACKET
-    max_payload: int = MAX_PAYLOAD
+class ModelRow(NamedTuple):
+    role: Annotated[int, F("I", 0, False, "model role, 0..31")]
+    modalities: Annotated[int, F("I", 4, False, "input modality bits: 1 text, 2 image, 4 audio")]
+    published_at: Annotated[int, F("Q", 8, False, "unix seconds")]
+    context_tokens: Annotated[int, F("I", 16, False, "KV cells per sequence")]
+    alias_offset: Annotated[int, F("I", 20, False, "in the string area")]
+    alias_length: Annotated[int, F("I", 24, False, "UTF-8 bytes")]
+    digest_offset: Annotated[int, F("I", 28, False, "32 bytes of SHA-256, in the string area")]
+    reserved: Annotated[int, F("Q", 32, False, "zero")] = 0
+
+
+class Info(NamedTuple):
+    """The information payload: the 192-byte head (the seed's), then ``models``' rows."""
+
+    schema: Annotated[int, F("I", 0, False, "1")] = 1
+    abi: Annotated[int, F("I", 4, False, "1")] = 1
+    epoch: Annotated[int, F("Q", 8, False, "runtime epoch")] = 0
+    model_count: Annotated[int, F("I", 16, False, "rows that follow")] = 0
+    max_packet: Annotated[int, F("I", 20, False, "MAX_PACKET")] = MAX_PACKET
+    max_payload: Annotated[int, F("I", 24, False, "MAX_PAYLOAD")] = MAX_PAYLOAD
+    window_bytes: Annotated[int, F("I", 28, False, "largest output window")] = 0
+    context_tokens: Annotated[int, F("I", 32, False, "the first model's context")] = 0
+    output_tokens: Annotated[int, F("I", 36, False, "output tokens a request may ask")] = 0
+    active_requests: Annotated[int, F("I", 40, False, "queued + running, device-wide")] = 0
+    slots: Annotated[int, F("I", 44, False, "sequences decoded together, all models")] = 0
+    media_bytes: Annotated[int, F("Q", 48, False, "largest media source")] = 0
+    retention_seconds: Annotated[int, F("I", 56, False, "terminal results kept")] = 0
+    retention_requests: Annotated[int, F("I", 60, False, "terminal results kept, at most")] = 0
+    mailboxes: Annotated[int, F("I", 64, False, "mapped mailboxes")] = 0
+    kv_cells: Annotated[int, F("I", 68, False, "KV cells, all models")] = 0
+    started_unix_ns: Annotated[int, F("Q", 72, False, "when the epoch started")] = 0
+    reserved_80: Annotated[bytes, F("76s", 80, True, "zero")] = bytes(76)
+    memory_roles: Annotated[int, F("I", 156, True, "bit r: role r qualified")] = 0
+    reserved_160: Annotated[bytes, F("32s", 160, True, "zero")] = bytes(32)
+    models: tuple[ModelInfo, ...] = ()
+
+
+INFO_HEADER, INFO_ROW = layout(Info, 192), layout(ModelRow, 40)
 
 
 def encode_info(info: Info) -> bytes:
-    strings = bytearray()
-    rows = bytearray()
-    am_bits = 0
+    strings, table, roles = bytearray(), bytearray(), 0
     for m in info.models:
         if not 0 <= m.role < 32:
             raise WireError(f"model role {m.role} outside 0..31")
         if len(m.sha256) != DIGEST_SIZE:
             raise WireError("model digest must be 32 bytes")
         alias = m.alias.encode("utf-8")
-        a_off = len(strings)
-        strings += alias
-        d_off = len(strings)
-        strings += m.sha256
-        rows += INFO_ROW.pack(m.role, m.modalities, m.published_at, m.context_tokens,
-                              a_off, len(alias), d_off, 0)
-        if m.automatic_memory:
-            am_bits |= 1 << m.role
-    head = INFO_HEADER.pack(1, 1, info.epoch, len(info.models), info.max_packet,
-                            info.max_payload, info.window_bytes, info.context_tokens,
-                            info.output_tokens, info.active_requests, info.slots,
-                            info.media_bytes, info.retention_seconds,
-                            info.retention_requests, info.mailboxes, info.kv_cells,
-                            info.started_unix_ns, bytes(76), am_bits, bytes(32))
-    return head + bytes(rows) + bytes(strings)
+        row = ModelRow(m.role, m.modalities, m.published_at, m.context_tokens, len(strings),
+                       len(alias), len(strings) + len(alias))
+        strings += alias + m.sha256
+        table += INFO_ROW.pack(*row)
+        roles |= int(m.automatic_memory) << m.role
+    head = info._replace(model_count=len(info.models), memory_roles=roles)
+    return INFO_HEADER.pack(*head[:-1]) + bytes(table) + bytes(strings)  # all but models
 
 
 def decode_info(data: bytes | memoryview) -> Info:
     data = bytes(data)
     if len(data) < INFO_HEADER.size:
         raise WireError("information payload shorter than its 192-byte header")
-    (schema, abi, epoch, count, max_packet, max_payload, window, ctx, out_tokens, active,
-     slots, media, ret_s, ret_n, mailboxes, kv_cells, started, res1, am_bits,
-     res2) = INFO_HEADER.unpack_from(data)
-    if schema != 1 or abi != 1:
-        raise WireError(f"unsupported information schema {schema}/{abi}")
-    if any(res1) or any(res2):
+    info = Info._make((*INFO_HEADER.unpack_from(data), ()))
+    if info.schema != 1 or info.abi != 1:
+        raise WireError(f"unsupported information schema {info.schema}/{info.abi}")
+    if any(info.reserved_80) or any(info.reserved_160):
         raise WireError("reserved information header bytes are not zero")
-    rows_end = INFO_HEADER.size + count * INFO_ROW.size
+    rows_end = INFO_HEADER.size + info.model_count * INFO_ROW.size
     if rows_end > len(data):
-        raise WireError(f"model count {count} overruns the payload")
-    strings = data[rows_end:]
-    models = []
-    roles = set()
-    for i in range(count):
-        role, mods, pub, mctx, a_off, a_len, d_off, res = INFO_ROW.unpack_from(
-            data, INFO_HEADER.size + i * INFO_ROW.size)
-        if res:
+        raise WireError(f"model count {info.model_count} overruns the payload")
+    strings, models, visible = data[rows_end:], [], 0
+    for i in range(info.model_count):
+        r = ModelRow._make(INFO_ROW.unpack_from(data, INFO_HEADER.size + i * INFO_ROW.size))
+        if r.reserved:
             raise WireError("reserved model row bytes are not zero")
-        if role >= 32 or role in roles:
-            raise WireError(f"bad or repeated model role {role}")
-        roles.add(role)
-        if a_off + a_len > len(strings) or d_off + DIGEST_SIZE > len(strings):
+        if r.role >= 32 or visible >> r.role & 1:
+            raise WireError(f"bad or repeated model role {r.role}")
+        visible |= 1 << r.role
+        raw, digest = (strings[r.alias_offset:r.alias_offset + r.alias_length],
+                       strings[r.digest_offset:r.digest_offset + DIGEST_SIZE])
+        if len(raw) != r.alias_length or len(digest) != DIGEST_SIZE:
             raise WireError("model row string offsets overrun the payload")
         try:
-            alias = strings[a_off:a_off + a_len].decode("utf-8")
+            alias = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise WireError("model alias is not valid UTF-8") from None
-        models.append(ModelInfo(role, alias, strings[d_off:d_off + DIGEST_SIZE], mods, pub,
-                                mctx, bool(am_bits >> role & 1)))
-    visible = 0
-    for r in roles:
-        visible |= 1 << r
-    if am_bits & ~visible:
+        models.append(ModelInfo(r.role, alias, digest, r.modalities, r.published_at,
+                                r.context_tokens, bool(info.memory_roles >> r.role & 1)))
+    if info.memory_roles & ~visible:
         raise WireError("automatic-memory bits set for roles that are not visible")
-    return Info(epoch, tuple(models), window, ctx, out_tokens, active, slots, media, ret_s,
-                ret_n, mailboxes, kv_cells, started, max_packet, max_payload)
+    return info._replace(models=tuple(models))
 
 
-# --------------------------------------------------------------------------
-# Grant rows (64 bytes each; the header's offset 76 holds the row count)
-#
-#     0 u32 principal          4 u32 flags (bit 0: automatic memory enabled)
-#     8 u64 revision (assigned by the device on install; 0 in install requests)
-#    16 u32 action mask       20 u32 reserved zero
-#    24 u64 model mask (bit r = model role r)
-#    32 u32 max active requests (0 = device default)
-#    36 u32 max output tokens per request (0 = device default)
-#    40 u32 max input bytes per request (0 = device default)
-#    44 u32 max media sources (0 = device default)
-#    48 u64 max media bytes (0 = device default)
-#    56 u32 admissions per minute (0 = unlimited)
-#    60 u32 reserved zero
-# --------------------------------------------------------------------------
+# -- Grant rows: 64 bytes each, the header's ``total`` (row_count) holds how many.  A
+# limit of 0 means the device's own.
 
-GRANT_ROW = struct.Struct("<IIQIIQIIIIQII")
-assert GRANT_ROW.size == 64
 GRANT_FLAG_MEMORY = 1
 
 
-@dataclass(frozen=True, slots=True)
-class Grant:
-    principal: int
-    actions: int
-    model_mask: int
-    revision: int = 0
-    flags: int = 0
-    max_active: int = 0
-    max_output_tokens: int = 0
-    max_input_bytes: int = 0
-    max_media_sources: int = 0
-    max_media_bytes: int = 0
-    rate_per_minute: int = 0
+class Grant(NamedTuple):
+    principal: Annotated[int, F("I", 0, False, "principal id (0 is reserved)")] = 0
+    flags: Annotated[int, F("I", 4, False, "bit 0 (GRANT_FLAG_MEMORY): automatic memory on")] = 0
+    revision: Annotated[int, F("Q", 8, False, "assigned by the device on install; 0 to install")] = 0
+    actions: Annotated[int, F("I", 16, False, "`Action` bits")] = 0
+    reserved_20: Annotated[int, F("I", 20, False, "zero")] = 0
+    model_mask: Annotated[int, F("Q", 24, False, "bit r: model role r")] = 0
+    max_active: Annotated[int, F("I", 32, False, "queued + running requests")] = 0
+    max_output_tokens: Annotated[int, F("I", 36, False, "output tokens per request")] = 0
+    max_input_bytes: Annotated[int, F("I", 40, False, "submission bytes per request")] = 0
+    max_media_sources: Annotated[int, F("I", 44, False, "media sources held")] = 0
+    max_media_bytes: Annotated[int, F("Q", 48, False, "media bytes held")] = 0
+    rate_per_minute: Annotated[int, F("I", 56, False, "admissions a minute (0: unlimited)")] = 0
+    reserved_60: Annotated[int, F("I", 60, False, "zero")] = 0
 
 
-#: Grant rows in one packet: one GRANT_INSTALL, or one GRANT_READ reply (a full page
-#: means "ask again from the next principal").
+GRANT_ROW = layout(Grant, 64)
+#: Rows in a GRANT_INSTALL, or a GRANT_READ reply (a full page: ask from the next principal).
 GRANT_PAGE = 1000
 
 
 def encode_grants(grants: list[Grant] | tuple[Grant, ...]) -> bytes:
     if len(grants) * GRANT_ROW.size > MAX_PAYLOAD:
-        raise WireError("too many grant rows for one packet", 413)
+        raise WireError("too many grant rows for one packet", 413, Reason.TOO_LARGE)
     try:
-        return b"".join(
-            GRANT_ROW.pack(g.principal, g.flags, g.revision, g.actions, 0, g.model_mask,
-                           g.max_active, g.max_output_tokens, g.max_input_bytes,
-                           g.max_media_sources, g.max_media_bytes, g.rate_per_minute, 0)
-            for g in grants)
+        return b"".join(GRANT_ROW.pack(*g) for g in grants)
     except struct.error as exc:
         raise WireError(f"grant field out of range: {exc}") from None
 
@@ -628,37 +692,23 @@ def encode_grants(grants: list[Grant] | tuple[Grant, ...]) -> bytes:
 def decode_grants(data: bytes | memoryview, count: int) -> list[Grant]:
     if len(data) != count * GRANT_ROW.size:
         raise WireError(f"{count} grant rows need {count * GRANT_ROW.size} bytes, got {len(data)}")
-    out = []
-    for i in range(count):
-        (principal, flags, revision, actions, res1, models, active, out_tokens, in_bytes,
-         media_n, media_b, rate, res2) = GRANT_ROW.unpack_from(data, i * GRANT_ROW.size)
-        if res1 or res2:
+    out = [Grant._make(GRANT_ROW.unpack_from(data, i * GRANT_ROW.size)) for i in range(count)]
+    for g in out:
+        if g.reserved_20 or g.reserved_60:
             raise WireError("reserved grant row bytes are not zero")
-        if actions & ~0xFF:
-            raise WireError(f"unknown action bits {actions & ~0xFF:#x}")
-        if flags & ~GRANT_FLAG_MEMORY:
+        if g.actions & ~0xFF:
+            raise WireError(f"unknown action bits {g.actions & ~0xFF:#x}")
+        if g.flags & ~GRANT_FLAG_MEMORY:
             raise WireError("unknown grant flags")
-        if principal == 0:
+        if g.principal == 0:
             raise WireError("principal 0 is reserved")
-        out.append(Grant(principal, actions, models, revision, flags, active, out_tokens,
-                         in_bytes, media_n, media_b, rate))
     return out
 
 
-# --------------------------------------------------------------------------
-# Media list rows: 80 bytes = 16-byte source id + 64-byte media-read metadata.
-#
-# Media-read metadata (64 bytes):
-#     0 32s sha256 digest      32 u64 byte count
-#    40 u32 kind (PartKind: 1 image, 2 audio)
-#    44 u32 state (1 receiving, 2 ready, 3 refused)
-#    48 u32 leases            52 u32 content type code (see MEDIA_TYPES)
-#    56 u64 created (unix milliseconds)
-# --------------------------------------------------------------------------
+# -- Media list rows: 80 bytes = 16-byte source id + the 64-byte media-read metadata
+# (MEDIA_READ's and MEDIA_PUT's reply payload).
 
-MEDIA_META = struct.Struct("<32sQIIIIQ")
 MEDIA_ROW_SIZE = 80
-assert MEDIA_META.size == 64
 
 
 class MediaState(enum.IntEnum):
@@ -667,53 +717,46 @@ class MediaState(enum.IntEnum):
     REFUSED = 3
 
 
-#: Content type codes carried in media metadata.
+#: Content type codes carried in media metadata (1-15 images, 16-31 audio).
 MEDIA_TYPES: dict[int, str] = {
     1: "image/png", 2: "image/jpeg", 3: "image/webp", 4: "image/gif",
     16: "audio/wav", 17: "audio/mpeg", 18: "audio/flac", 19: "audio/ogg",
 }
 
 
-#: content type -> (code in media metadata, kind)
-CONTENT_TYPES: dict[str, tuple[int, PartKind]] = {
-    ct: (code, PartKind.IMAGE_DIGEST if ct.startswith("image/") else PartKind.AUDIO_DIGEST)
-    for code, ct in MEDIA_TYPES.items()
-}
-#: aliases some clients send
-CONTENT_TYPES["audio/x-wav"] = CONTENT_TYPES["audio/wav"]
-CONTENT_TYPES["audio/wave"] = CONTENT_TYPES["audio/wav"]
-CONTENT_TYPES["audio/mp3"] = CONTENT_TYPES["audio/mpeg"]
-CONTENT_TYPES["audio/x-flac"] = CONTENT_TYPES["audio/flac"]
+def media_kind(content_type: int) -> PartKind:
+    """The part kind that names a source of this content type code."""
+    return PartKind.IMAGE_DIGEST if content_type < 16 else PartKind.AUDIO_DIGEST
 
 
-@dataclass(frozen=True, slots=True)
-class MediaMeta:
-    digest: bytes
-    size: int
-    kind: PartKind
-    state: MediaState
-    leases: int
-    content_type: int
-    created_ms: int
+class MediaMeta(NamedTuple):
+    digest: Annotated[bytes, F("32s", 0, False, "SHA-256 of the bytes")]
+    size: Annotated[int, F("Q", 32, False, "byte count")]
+    kind: Annotated[PartKind, F("I", 40, False, "`PartKind`: 1 image, 2 audio")]
+    state: Annotated[MediaState, F("I", 44, False, "`MediaState`")]
+    leases: Annotated[int, F("I", 48, False, "requests holding it")]
+    content_type: Annotated[int, F("I", 52, False, "code in `MEDIA_TYPES`")]
+    created_ms: Annotated[int, F("Q", 56, False, "unix milliseconds")]
+
+
+MEDIA_META = layout(MediaMeta, 64)
 
 
 def encode_media_meta(m: MediaMeta) -> bytes:
-    return MEDIA_META.pack(m.digest, m.size, int(m.kind), int(m.state), m.leases,
-                           m.content_type, m.created_ms)
+    return MEDIA_META.pack(*m)
 
 
 def decode_media_meta(data: bytes | memoryview) -> MediaMeta:
     if len(data) != MEDIA_META.size:
         raise WireError("media metadata must be 64 bytes")
-    digest, size, kind, state, leases, ctype, created = MEDIA_META.unpack_from(data)
-    _check_enum(PartKind, kind, "media kind")
-    if kind == PartKind.TEXT:
+    m = MediaMeta._make(MEDIA_META.unpack_from(data))
+    _check_enum(PartKind, m.kind, "media kind")
+    if m.kind == PartKind.TEXT:
         raise WireError("media kind cannot be text")
-    _check_enum(MediaState, state, "media state")
-    if ctype not in MEDIA_TYPES:
-        raise WireError(f"unknown content type code {ctype}")
-    return MediaMeta(bytes(digest), size, PartKind(kind), MediaState(state), leases, ctype,
-                     created)
+    _check_enum(MediaState, m.state, "media state")
+    if m.content_type not in MEDIA_TYPES:
+        raise WireError(f"unknown content type code {m.content_type}")
+    return m._replace(digest=bytes(m.digest), kind=PartKind(m.kind), state=MediaState(m.state))
 
 
 def encode_media_rows(rows: list[tuple[bytes, MediaMeta]]) -> bytes:
@@ -733,20 +776,7 @@ def decode_media_rows(data: bytes | memoryview) -> list[tuple[bytes, MediaMeta]]
             for i in range(0, len(data), MEDIA_ROW_SIZE)]
 
 
-# --------------------------------------------------------------------------
-# Policy (operation 12)
-#
-# Control payload (16 bytes): u32 schema (1), u32 action, u64 expected revision.
-# Status (160 bytes): eight u32 words (schema, abi, mode, state, review_enabled,
-# pending, active_rows, result_status), eleven u64 from byte 32 (control_revision,
-# source_frontier, completed, interrupted, refused, decision, saved_generation,
-# max_ns, last_ns, written_bytes, result_bytes), u32 reason at 120, zero to 159.
-# --------------------------------------------------------------------------
-
-POLICY_CONTROL = struct.Struct("<IIQ")
-POLICY_STATUS = struct.Struct("<8I11QI36s")
-assert POLICY_CONTROL.size == 16 and POLICY_STATUS.size == 160
-
+# -- Policy (operation 12): a 16-byte control payload; the 160-byte status reply.
 
 class PolicyAction(enum.IntEnum):
     PAUSE = 1
@@ -775,118 +805,93 @@ class PolicyReason(enum.IntEnum):
     DISABLED = 5
 
 
-@dataclass(frozen=True, slots=True)
-class PolicyControl:
-    action: PolicyAction
-    expected_revision: int
+class PolicyControl(NamedTuple):
+    schema: Annotated[int, F("I", 0, True, "1")] = 1
+    action: Annotated[PolicyAction, F("I", 4, True, "`PolicyAction`")] = PolicyAction.PAUSE
+    expected_revision: Annotated[int, F("Q", 8, True, "the control revision it expects")] = 0
+
+
+POLICY_CONTROL = layout(PolicyControl, 16)
 
 
 def encode_policy_control(c: PolicyControl) -> bytes:
-    return POLICY_CONTROL.pack(1, int(c.action), c.expected_revision)
+    return POLICY_CONTROL.pack(*c)
 
 
 def decode_policy_control(data: bytes | memoryview) -> PolicyControl:
     if len(data) != POLICY_CONTROL.size:
         raise WireError("policy control payload must be 16 bytes")
-    schema, action, rev = POLICY_CONTROL.unpack_from(data)
-    if schema != 1:
-        raise WireError(f"unsupported policy control schema {schema}")
-    _check_enum(PolicyAction, action, "policy action")
-    return PolicyControl(PolicyAction(action), rev)
+    c = PolicyControl._make(POLICY_CONTROL.unpack_from(data))
+    if c.schema != 1:
+        raise WireError(f"unsupported policy control schema {c.schema}")
+    _check_enum(PolicyAction, c.action, "policy action")
+    return c._replace(action=PolicyAction(c.action))
 
 
-@dataclass(frozen=True, slots=True)
-class PolicyStatus:
-    mode: int = 0
-    state: PolicyState = PolicyState.OFF
-    review_enabled: int = 0
-    pending: int = 0
-    active_rows: int = 0
-    result_status: int = 0
-    control_revision: int = 0
-    source_frontier: int = 0
-    completed: int = 0
-    interrupted: int = 0
-    refused: int = 0
-    decision: int = 0
-    saved_generation: int = 0
-    max_ns: int = 0
-    last_ns: int = 0
-    written_bytes: int = 0
-    result_bytes: int = 0
-    reason: PolicyReason = PolicyReason.QUIET
-    schema: int = 1
-    abi: int = 1
+class PolicyStatus(NamedTuple):
+    """The seed's 160-byte status: 8 u32, 11 u64 from byte 32, the reason at 120, zeros."""
+
+    schema: Annotated[int, F("I", 0, True, "1")] = 1
+    abi: Annotated[int, F("I", 4, True, "1")] = 1
+    mode: Annotated[int, F("I", 8, True, "1: automatic memory")] = 0
+    state: Annotated[PolicyState, F("I", 12, True, "`PolicyState`")] = PolicyState.OFF
+    review_enabled: Annotated[int, F("I", 16, True, "0 or 1")] = 0
+    pending: Annotated[int, F("I", 20, True, "decisions waiting for review")] = 0
+    active_rows: Annotated[int, F("I", 24, True, "extractions running")] = 0
+    result_status: Annotated[int, F("I", 28, True, "HTTP-like status of the last save")] = 0
+    control_revision: Annotated[int, F("Q", 32, True, "the next control's expected revision")] = 0
+    source_frontier: Annotated[int, F("Q", 40, True, "sources finished with")] = 0
+    completed: Annotated[int, F("Q", 48, True, "extractions completed")] = 0
+    interrupted: Annotated[int, F("Q", 56, True, "extractions preempted")] = 0
+    refused: Annotated[int, F("Q", 64, True, "saves refused (lineage full)")] = 0
+    decision: Annotated[int, F("Q", 72, True, "candidate facts decided")] = 0
+    saved_generation: Annotated[int, F("Q", 80, True, "generations saved")] = 0
+    max_ns: Annotated[int, F("Q", 88, True, "longest extraction")] = 0
+    last_ns: Annotated[int, F("Q", 96, True, "last extraction")] = 0
+    written_bytes: Annotated[int, F("Q", 104, True, "bytes saved")] = 0
+    result_bytes: Annotated[int, F("Q", 112, True, "bytes the extractions produced")] = 0
+    reason: Annotated[PolicyReason, F("I", 120, True, "`PolicyReason`")] = PolicyReason.QUIET
+    reserved: Annotated[bytes, F("36s", 124, True, "zero")] = bytes(36)
+
+
+POLICY_STATUS = layout(PolicyStatus, 160)
 
 
 def encode_policy_status(s: PolicyStatus) -> bytes:
-    return POLICY_STATUS.pack(
-        s.schema, s.abi, s.mode, int(s.state), s.review_enabled, s.pending, s.active_rows,
-        s.result_status, s.control_revision, s.source_frontier, s.completed, s.interrupted,
-        s.refused, s.decision, s.saved_generation, s.max_ns, s.last_ns, s.written_bytes,
-        s.result_bytes, int(s.reason), bytes(36))
+    return POLICY_STATUS.pack(*s)
 
 
 def decode_policy_status(data: bytes | memoryview) -> PolicyStatus:
     if len(data) != POLICY_STATUS.size:
         raise WireError("policy status must be 160 bytes")
-    v = POLICY_STATUS.unpack_from(data)
-    if any(v[20]):
+    s = PolicyStatus._make(POLICY_STATUS.unpack_from(data))
+    if any(s.reserved):
         raise WireError("policy status bytes 124..159 are not zero")
-    _check_enum(PolicyState, v[3], "policy state")
-    _check_enum(PolicyReason, v[19], "policy reason")
-    return PolicyStatus(
-        schema=v[0], abi=v[1], mode=v[2], state=PolicyState(v[3]), review_enabled=v[4],
-        pending=v[5], active_rows=v[6], result_status=v[7], control_revision=v[8],
-        source_frontier=v[9], completed=v[10], interrupted=v[11], refused=v[12], decision=v[13],
-        saved_generation=v[14], max_ns=v[15], last_ns=v[16], written_bytes=v[17],
-        result_bytes=v[18], reason=PolicyReason(v[19]))
+    _check_enum(PolicyState, s.state, "policy state")
+    _check_enum(PolicyReason, s.reason, "policy reason")
+    return s._replace(state=PolicyState(s.state), reason=PolicyReason(s.reason))
 
 
-# --------------------------------------------------------------------------
-# Telemetry payload (operation 13): four u64
-#   0 service allocation bytes   8 device tick   16 device clock ns   24 reserved zero
-# --------------------------------------------------------------------------
+class Telemetry(NamedTuple):
+    """The telemetry payload (operation 13)."""
 
-TELEMETRY = struct.Struct("<QQQQ")
+    allocation_bytes: Annotated[int, F("Q", 0, False, "service allocation bytes")]
+    tick: Annotated[int, F("Q", 8, False, "device tick (decode steps)")]
+    clock_ns: Annotated[int, F("Q", 16, False, "device clock, this epoch")]
+    reserved: Annotated[int, F("Q", 24, False, "zero")] = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Telemetry:
-    allocation_bytes: int
-    tick: int
-    clock_ns: int
+TELEMETRY = layout(Telemetry, 32)
 
 
 def encode_telemetry(t: Telemetry) -> bytes:
-    return TELEMETRY.pack(t.allocation_bytes, t.tick, t.clock_ns, 0)
+    return TELEMETRY.pack(*t)
 
 
 def decode_telemetry(data: bytes | memoryview) -> Telemetry:
     if len(data) != TELEMETRY.size:
         raise WireError("telemetry payload must be 32 bytes")
-    a, t, c, res = TELEMETRY.unpack_from(data)
-    if res:
+    t = Telemetry._make(TELEMETRY.unpack_from(data))
+    if t.reserved:
         raise WireError("reserved telemetry bytes are not zero")
-    return Telemetry(a, t, c)
-
-
-# --------------------------------------------------------------------------
-# Request ids: req-<16 hex epoch>-<32 hex identity>
-# --------------------------------------------------------------------------
-
-_HEX = frozenset("0123456789abcdef")
-
-
-def format_request_id(epoch: int, identity: bytes) -> str:
-    return f"req-{epoch:016x}-{identity.hex()}"
-
-
-def parse_request_id(text: str) -> tuple[int, bytes] | None:
-    """Parse a request id; ``None`` when malformed (callers answer 404)."""
-    if len(text) != 53 or not text.startswith("req-") or text[20] != "-":
-        return None
-    e, ident = text[4:20], text[21:]
-    if not (set(e) <= _HEX and set(ident) <= _HEX):
-        return None
-    return int(e, 16), bytes.fromhex(ident)
+    return t

@@ -66,7 +66,7 @@ def free_port() -> int:
 
 RAW = r"""
 import json, sys, time
-from aotx.device.runtime import Device
+from aotx.device.loading import template_prefix
 from aotx.engine.llama import BatchEntry, EngineConfig, LlamaEngine
 from aotx.engine.sampling import Sampler
 from aotx.device.models import default_model_path
@@ -74,7 +74,7 @@ from aotx.device.template import ChatTemplate
 slots = int(sys.argv[1])
 e = LlamaEngine(EngineConfig(path=default_model_path(), slots=slots, slot_context=1024, batch=512))
 t = ChatTemplate(e.metadata("tokenizer.chat_template"))
-prefix = Device._template_prefix(e, t)
+prefix = template_prefix(e, t)
 print("ready", flush=True)
 for line in sys.stdin:
     job = json.loads(line)

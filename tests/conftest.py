@@ -1,153 +1,24 @@
-"""Shared fixtures: a real ``aotx serve`` on a free port with a temporary state folder."""
+"""Fixtures: one shared service for the end-to-end tests, a service of its own for tests
+that restart it, and the ``e2e`` marker on every test under ``tests/e2e`` (the tests that
+load the real model), so that ``pytest -m "not e2e"`` runs without one."""
 
 from __future__ import annotations
 
-import contextlib
-import os
+import pathlib
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import TypeVar
+from collections.abc import Iterator
 
-import httpx
 import pytest
 
-T = TypeVar("T")
+from .helpers import Service, make_service, running_service
 
-SMALL_MODELS = """
-[default]
-alias = "smollm2"
-slots = 4
-context = 2048
-"""
+E2E = pathlib.Path(__file__).parent / "e2e"
 
 
-def eventually(probe: Callable[[], T | None], timeout: float, interval: float = 0.2,
-               ignore: tuple[type[BaseException], ...] = (httpx.HTTPError,)) -> T:
-    """Call ``probe`` until it returns something truthy (a component restarting may
-    refuse connections meanwhile: ``ignore`` those errors); fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            value = probe()
-            if value:
-                return value
-        except ignore:
-            pass
-        assert time.monotonic() < deadline, f"not within {timeout} s"
-        time.sleep(interval)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def short_tmpdir(prefix: str = "aotx-") -> str:
-    # Unix socket paths are limited to 107 bytes: keep state folders short.
-    return tempfile.mkdtemp(prefix=prefix, dir="/tmp")
-
-
-@dataclass
-class Service:
-    state_dir: str
-    port: int
-    proc: subprocess.Popen[bytes] | None = None
-    log_path: str = ""
-    extra_args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def token(self) -> str:
-        with open(os.path.join(self.state_dir, "admin.token")) as f:
-            return f.read().strip()
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"}
-
-    def client(self, **kw: object) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers=self.headers, timeout=120, **kw)  # type: ignore[arg-type]
-
-    def start(self, timeout: float = 180) -> None:
-        self.log_path = os.path.join(self.state_dir, "serve.log")
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "aotx", "serve", "--state-dir", self.state_dir,
-             "--port", str(self.port), *self.extra_args],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, env={**os.environ, **self.env})
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"aotx serve exited early:\n{self.read_log()}")
-            try:
-                r = httpx.get(self.url + "/readyz", timeout=2)
-                if r.status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"aotx serve not ready in {timeout}s:\n{self.read_log()}")
-
-    def read_log(self) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return f.read()[-8000:]
-        except OSError:
-            return ""
-
-    def children(self) -> dict[str, int]:
-        """component name -> pid, from the supervisor's log."""
-        out: dict[str, int] = {}
-        for line in self.read_log().splitlines():
-            if "event=serve.started" in line:
-                parts = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
-                out[parts["component"]] = int(parts["pid"])
-        return out
-
-    def stop(self, timeout: float = 30) -> int:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-            raise
-
-
-def make_service(models: str = SMALL_MODELS, extra_args: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> Service:
-    state = short_tmpdir()
-    with open(os.path.join(state, "models.toml"), "w") as f:
-        f.write(models)
-    return Service(state_dir=state, port=free_port(), extra_args=extra_args or [],
-                   env=env or {})
-
-
-@contextlib.contextmanager
-def running_service(**kw: object) -> Iterator[Service]:
-    """A started service (``make_service`` arguments), stopped and removed afterwards."""
-    svc = make_service(**kw)  # type: ignore[arg-type]
-    try:
-        svc.start()
-        yield svc
-    finally:
-        svc.stop()
-        shutil.rmtree(svc.state_dir, ignore_errors=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if E2E in pathlib.Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture(scope="session")

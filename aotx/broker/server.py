@@ -142,36 +142,43 @@ class Broker:
                 conn.backlog.clear()
 
     # -- gateway side ------------------------------------------------------
-    def _refuse(self, conn: Connection, data: bytes, status: int, message: str) -> None:
-        """Answer a packet from the broker itself (bad packet or no mailbox)."""
+    def _refuse(self, conn: Connection, data: bytes, status: int, reason: wire.Reason,
+                message: str) -> None:
+        """Answer a packet from the broker itself (bad packet or no mailbox): the status
+        and reason in the header; the message stays in the log."""
+        log.debug("event=broker.refused status=%d reason=%s error=%s", status, reason.name,
+                  message)
         try:
-            header = wire.decode_header(data)
-            reply = header.reply(status)
+            reply = wire.decode_header(data).refuse(status, reason)
         except wire.WireError:
             # Undecodable: still echo the tag so the sender can match the refusal.
             tag = struct.unpack_from("<Q", data, 16)[0] if len(data) >= 24 else 0
-            reply = wire.Header(op=wire.Op.INFO, status=status, tag=tag)
-        body = message.encode()[: wire.MAX_PAYLOAD]
-        self._send(conn, wire.encode_packet(reply, body))
+            reply = wire.Header(op=wire.Op.INFO, status=status, tag=tag, reason=int(reason))
+        self._send(conn, wire.encode_packet(reply))
 
     def _relay(self, conn: Connection, data: bytes) -> None:
         self.stats["packets"] += 1
         if len(data) > wire.MAX_PACKET:
-            self._refuse(conn, data, 413, "packet exceeds 65536 bytes")
+            self._refuse(conn, data, 413, wire.Reason.TOO_LARGE, "packet exceeds 65536 bytes")
             return
         try:
             header, _ = wire.decode_packet(data)
         except wire.WireError as exc:
-            self._refuse(conn, data, exc.status, exc.message)
+            self._refuse(conn, data, exc.status, exc.reason, exc.message)
             return
         if header.op == wire.Op.BROKER_STATS:
+            try:
+                wire.check_request(header)
+            except wire.WireError as exc:
+                self._refuse(conn, data, exc.status, exc.reason, exc.message)
+                return
             stats = {**self.stats, **self.mailbox_counts(), "connections": len(self.connections),
                      "mailboxes": self.region.count}
             self._send(conn, wire.encode_packet(header.reply(200), json.dumps(stats).encode()))
             return
         if not self.free:
             self.stats["busy"] += 1
-            self._refuse(conn, data, 503, "no free mailbox")
+            self._refuse(conn, data, 503, wire.Reason.NO_MAILBOX, "no free mailbox")
             return
         i = self.free.popleft()
         self.owner[i] = conn
@@ -274,9 +281,9 @@ class Broker:
         return counts
 
 
-def run(paths: RuntimePaths, mailboxes: int) -> None:
+def run(paths: RuntimePaths, mailboxes: int, short_slice: bool = True) -> None:
     paths.ensure()
-    request_short_slice()
+    request_short_slice(short_slice)
     broker = Broker(paths, mailboxes)
 
     async def main() -> None:

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 
 from .. import wire
+from ..wire import Reason
+from .errors import DeviceError
 
 UPLOAD_IDLE_SECONDS = 60.0
 EPHEMERAL_SECONDS = 60.0  # an ephemeral source no request leased is removed after this
@@ -62,7 +64,7 @@ class Source:
     state: wire.MediaState
     position: int  # source-table position (for pagination), increasing
     created_ms: int
-    reason: str = ""
+    reason: Reason = Reason.NONE  # why a refused source was refused
     leases: int = 0
     data: bytes = b""
     ephemeral: bool = False
@@ -71,7 +73,7 @@ class Source:
 
     @property
     def kind(self) -> wire.PartKind:
-        return wire.CONTENT_TYPES[wire.MEDIA_TYPES[self.content_type]][1]
+        return wire.media_kind(self.content_type)
 
     def meta(self) -> wire.MediaMeta:
         return wire.MediaMeta(self.digest, self.size, self.kind, self.state, self.leases,
@@ -84,13 +86,6 @@ class Upload:
     content_type: int
     buf: bytearray = field(default_factory=bytearray)
     touched: float = field(default_factory=time.monotonic)
-
-
-class MediaError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 class MediaTable:
@@ -126,16 +121,16 @@ class MediaTable:
         up = self.uploads.get(key)
         if up is None:
             if offset != 0:
-                raise MediaError(409, "no upload in progress at that offset")
+                raise DeviceError(409, Reason.UPLOAD_OFFSET)
             if content_type not in wire.MEDIA_TYPES:
-                raise MediaError(415, f"unsupported content type code {content_type}")
+                raise DeviceError(415, Reason.CONTENT_TYPE)
             count, _ = self._usage(principal, but=key)
             if grant.max_media_sources and count >= grant.max_media_sources:
-                raise MediaError(413, f"the grant allows {grant.max_media_sources} media sources")
+                raise DeviceError(413, Reason.SOURCE_COUNT, grant.max_media_sources)
             up = Upload(principal, content_type)
             self.uploads[key] = up
         elif offset != len(up.buf) or content_type != up.content_type:
-            raise MediaError(409, f"chunk at {offset} but {len(up.buf)} bytes were received")
+            raise DeviceError(409, Reason.UPLOAD_OFFSET)
         _, used = self._usage(principal, but=key)
         size = len(up.buf) + len(chunk)
         limit = min(self.max_source_bytes, (grant.max_media_bytes - used)
@@ -143,7 +138,7 @@ class MediaTable:
         if size > limit or self.total_bytes + len(chunk) > self.max_total_bytes:
             self.total_bytes -= len(up.buf)
             del self.uploads[key]
-            raise MediaError(413, f"the source exceeds the {max(limit, 0)} bytes allowed")
+            raise DeviceError(413, Reason.SOURCE_BYTES, max(limit, 0))
         up.buf += chunk
         up.touched = time.monotonic()
         self.total_bytes += len(chunk)
@@ -166,11 +161,9 @@ class MediaTable:
                      wire.MediaState.READY, self.position, int(time.time() * 1000),
                      ephemeral=ephemeral, claims=int(ephemeral))
         if not data:
-            src.state, src.reason = wire.MediaState.REFUSED, "the source is empty"
+            src.state, src.reason = wire.MediaState.REFUSED, Reason.EMPTY
         elif not magic_matches(up.content_type, data):
-            src.state = wire.MediaState.REFUSED
-            src.reason = (f"the bytes are not {wire.MEDIA_TYPES[up.content_type]} "
-                          "(their magic number does not match)")
+            src.state, src.reason = wire.MediaState.REFUSED, Reason.MAGIC
         if src.state is wire.MediaState.READY:
             src.data = data
             self.total_bytes += len(data)
@@ -186,13 +179,13 @@ class MediaTable:
     def get(self, principal: int, source_id: bytes) -> Source:
         src = self.sources.get(source_id)
         if src is None or src.principal != principal:
-            raise MediaError(404, "no such media source")
+            raise DeviceError(404, Reason.NO_SOURCE_ID)
         return src
 
     def remove(self, principal: int, source_id: bytes) -> None:
         src = self.get(principal, source_id)
         if src.leases:
-            raise MediaError(409, f"the source is leased by {src.leases} request(s)")
+            raise DeviceError(409, Reason.LEASED, src.leases)
         del self.sources[source_id]
         if src.state is wire.MediaState.READY:
             self.total_bytes -= src.size

@@ -1,261 +1,134 @@
-"""The resident policy: automatic memory.
+"""The resident policy (operation 12): automatic memory, as one state machine.
 
+Theory of operation
+-------------------
 Sources
-    A completed request of a principal whose grant enables memory (grant flag
-    bit 0), on a qualified model role, that did not opt out (``"memory":
-    "off"``), is appended to the per-device *source log* (its user messages and
-    the model's answer).  The *source frontier* is how many log entries the
-    policy has finished with.
+    A completed text request of a principal whose grant enables memory, on a
+    qualified model role, that did not opt out, appends the user's words to the
+    *source log* (:meth:`Policy.record`).  The *source frontier* counts the log
+    entries the policy has finished with.
 
 Work when quiet
-    When no foreground request is queued or running, the policy takes the next
-    source and asks the qualified model to extract durable facts with
-    :data:`EXTRACTION_PROMPT` (temperature 0).  Each answer line is a candidate
-    fact; :func:`decide` keeps or discards it.  Kept facts are saved as a new
-    *generation* of the principal's memory lineage (``DIR/memory/<principal>/``):
-    written to a temporary file, fsynced, renamed, the folder fsynced; each file
-    carries a SHA-256 of its facts and the loader skips files whose checksum
-    fails, so a crash mid-save leaves the previous generation readable.  The
-    last :data:`KEEP_GENERATIONS` generations are kept.
+    On each of the device's ticks (:meth:`Policy.tick`) the policy collects a
+    finished extraction, then, when nothing else holds it, hands the device the next
+    source to extract.  The device runs the extraction as a *background* request,
+    which any foreground admission preempts: the source is retried later.  Each line
+    of the answer is a candidate fact (:func:`~aotx.device.memory.decide`); kept facts
+    are saved as a new generation of the principal's lineage, or wait for review.
 
-    The extraction runs as a *background* request in the scheduler: a foreground
-    admission cancels it at the next step (state back to quiet, reason
-    foreground, interrupted + 1) and the source is retried later.
+States
+    Every change of ``state`` and ``reason`` goes through :data:`TRANSITIONS`, the
+    one table of the machine: ``(state, event) -> (state, reason)``.  An event that
+    has no row in the current state changes nothing (a paused policy ignores its
+    work finishing, for instance).  ``SETTLE`` as a target state is RECORDING while
+    decisions wait for review and QUIET otherwise; ``KEEP`` as a target reason keeps
+    the reason, and a SETTLE keeps CAPACITY (the last save found the lineage full)
+    until work starts again.  The device asks the policy to act
+    (control, tick, record, decide, erase) and reads its status; it never assigns the
+    policy's fields.
 
-Use
-    A later request of the same principal on a qualified role gets its facts as
-    a system message: appended to the request's first system message, or
-    inserted as a new first message when there is none (see :func:`inject`).
-
-Controls
-    pause / resume / stop / review-on / review-off, each with the expected control
-    revision (stale -> 409).  With review on, decisions wait as *pending* (state
-    recording) until approved or rejected.
+Status
+    Exactly the seed's 160-byte status (:meth:`Policy.status`); no private text or
+    evidence identifiers enter it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import enum
 import logging
-import os
 import re
 import time
-from dataclasses import dataclass, field
+from typing import Protocol
 
 from .. import wire
-from ..wire import PolicyReason, PolicyState
+from ..wire import Phase, PolicyAction, PolicyReason, PolicyState, Reason
+from .errors import DeviceError
+from .memory import MAX_FACTS, MODE_AUTOMATIC_MEMORY, Lineage, Pending, Source, decide
 
 log = logging.getLogger("aotx.policy")
 
-#: (model SHA-256, chat template SHA-256): profiles qualified for automatic memory.
-QUALIFIED_PROFILES = {
-    ("b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-     "872be49dbb638044ad01b60388f48d469ff2980e5f0dccdc22ec907db54d0788"),
+
+class Event(enum.Enum):
+    PAUSE = enum.auto()
+    RESUME = enum.auto()
+    STOP = enum.auto()
+    FOREGROUND = enum.auto()  # a tick found foreground work: the policy waits
+    START = enum.auto()  # an extraction starts
+    SETTLE = enum.auto()  # nothing left to do, or an extraction finished (or was dropped)
+    INTERRUPT = enum.auto()  # the extraction was preempted by foreground work
+    DECIDED = enum.auto()  # the last pending decision was approved or rejected
+    FULL = enum.auto()  # a save found the principal's lineage full
+
+
+S, R, E = PolicyState, PolicyReason, Event
+SETTLE = None  # target state: RECORDING while decisions wait, else QUIET
+KEEP = None  # target reason: unchanged
+_RUNNING = (S.QUIET, S.ACTIVE, S.RECORDING)
+
+#: The state machine: (state, event) -> (next state, next reason).  OFF and ERROR have
+#: no rows: a policy without a qualified model never leaves OFF.
+TRANSITIONS: dict[tuple[PolicyState, Event], tuple[PolicyState | None, PolicyReason | None]] = {
+    **{(s, E.PAUSE): (S.PAUSED, R.PAUSED) for s in (*_RUNNING, S.PAUSED)},
+    **{(s, E.RESUME): (SETTLE, R.QUIET) for s in (S.PAUSED, S.STOPPED)},
+    **{(s, E.STOP): (S.STOPPED, R.PAUSED) for s in (*_RUNNING, S.PAUSED, S.STOPPED)},
+    (S.QUIET, E.FOREGROUND): (S.QUIET, R.FOREGROUND),
+    (S.RECORDING, E.FOREGROUND): (S.QUIET, R.FOREGROUND),
+    (S.QUIET, E.START): (S.ACTIVE, R.ACTIVE),
+    (S.RECORDING, E.START): (S.ACTIVE, R.ACTIVE),
+    **{(s, E.SETTLE): (SETTLE, R.QUIET) for s in _RUNNING},
+    (S.ACTIVE, E.INTERRUPT): (S.QUIET, R.FOREGROUND),
+    (S.RECORDING, E.DECIDED): (S.QUIET, KEEP),
+    **{(s, E.FULL): (s, R.CAPACITY) for s in (*_RUNNING, S.PAUSED, S.STOPPED)},
 }
-MODE_AUTOMATIC_MEMORY = 1
-KEEP_GENERATIONS = 5
-MAX_FACTS = 64
-MAX_FACT_CHARS = 200
-MAX_SOURCE_CHARS = 2000
-EXTRACTION_MAX_TOKENS = 64
-
-#: The extraction prompt (system message); the user message is what the user said.
-EXTRACTION_PROMPT = (
-    "List the durable facts that the user states about themselves in the conversation "
-    "below (name, home, work, family, preferences). Write each fact as a short sentence "
-    "about 'The user' on its own line starting with '- '. If there are none, write NONE.")
 
 
-def qualified(model_sha256: bytes, template_source: str) -> bool:
-    tmpl = hashlib.sha256(template_source.encode()).hexdigest()
-    return (model_sha256.hex(), tmpl) in QUALIFIED_PROFILES
+class Work(Protocol):
+    """The extraction request as the policy sees it (an engine request)."""
+
+    phase: Phase
+    preempted: bool
+    out: bytearray
 
 
-_STOP = frozenset("""that this with from have they their there about what when where which
-while would could should your yours user users them then than were been being into over
-also just like some such only very much more most many lives live""".split()) - {"live", "lives"}
-_FIRST_PERSON = frozenset({"i", "i'm", "im", "my", "me", "mine", "i've", "ive", "myself"})
+class Policy:
+    """The policy's state, counters, source log and pending decisions."""
 
+    def __init__(self, root: str, enabled: bool) -> None:
+        self.root = root
+        self.enabled = enabled
+        self.state = S.QUIET if enabled else S.OFF
+        self.reason = R.QUIET if enabled else R.DISABLED
+        self.review = False
+        self.control_revision = 1
+        self.frontier = 0
+        self.completed = self.interrupted = self.refused = self.decisions = 0
+        self.saved_generation = self.written_bytes = self.result_bytes = 0
+        self.max_ns = self.last_ns = 0
+        self.result_status = 0
+        self.log: list[Source] = []
+        self.pending: list[Pending] = []
+        self.next_pending = 1
+        self.active: Work | None = None  # the running extraction
+        self.active_started = 0
+        # The principal of the running extraction's source erased its memory meanwhile:
+        # its result is dropped, not saved.
+        self.discard_active = False
+        self._memory: dict[int, tuple[int, list[str]]] = {}  # principal -> latest generation
 
-def _words(text: str) -> list[str]:
-    return re.findall(r"[A-Za-z][A-Za-z'\-]*", text)
+    # -- the machine -------------------------------------------------------------------
+    def _on(self, event: Event) -> None:
+        row = TRANSITIONS.get((self.state, event))
+        if row is None:
+            return
+        state, reason = row
+        self.state = state if state is not None else (S.RECORDING if self.pending else S.QUIET)
+        if reason is not None and not (event is E.SETTLE and self.reason is R.CAPACITY):
+            self.reason = reason
 
-
-def decide(line: str, existing: list[str], source: str) -> str | None:
-    """Keep (return the normalised fact) or discard (None) one candidate line.
-
-    A small model embellishes, so a fact is kept only when the source backs it:
-    the user spoke in the first person; at least two of the fact's content
-    words (compared by their first four letters) occur in what the user said;
-    every capitalised name in the fact occurs there too; and it is new.
-    """
-    text = re.sub(r"^\s*(?:[-*\u2022]|\d+[.)])\s*", "", line).strip()
-    fact = " ".join(text.split()).rstrip(" ,;")
-    if not 8 <= len(fact) <= MAX_FACT_CHARS or fact.upper().startswith("NONE"):
-        return None
-    said = [w.lower() for w in _words(source)]
-    if not _FIRST_PERSON & set(said):
-        return None
-    stems = {w[:4] for w in said if len(w) >= 4}
-    content = [w.lower() for w in _words(fact) if len(w) >= 4 and w.lower() not in _STOP]
-    if sum(1 for w in content if w[:4] in stems) < 2:
-        return None
-    names = [w for w in _words(fact)[1:] if w[0].isupper() and w.lower() not in ("i", "i'm")]
-    if any(n.lower() not in said for n in names):
-        return None
-    if fact.lower() in (f.lower() for f in existing):
-        return None
-    return fact
-
-
-def inject(messages: list[dict[str, str]], facts: list[str]) -> list[dict[str, str]]:
-    """Put saved facts into the message array, before the chat template runs."""
-    if not facts:
-        return messages
-    block = "Known facts about the user:\n" + "\n".join(f"- {f}" for f in facts)
-    if messages and messages[0]["role"] == "system":
-        first = dict(messages[0])
-        first["content"] = f"{first['content']}\n\n{block}"
-        return [first, *messages[1:]]
-    return [{"role": "system", "content": block}, *messages]
-
-
-class Lineage:
-    """One principal's memory generations on disk."""
-
-    def __init__(self, root: str, principal: int) -> None:
-        self.dir = os.path.join(root, str(principal))
-
-    def _files(self) -> list[tuple[int, str]]:
-        try:
-            names = os.listdir(self.dir)
-        except FileNotFoundError:
-            return []
-        out = []
-        for n in names:
-            if n.startswith("gen-") and n.endswith(".json"):
-                try:
-                    out.append((int(n[4:-5]), os.path.join(self.dir, n)))
-                except ValueError:
-                    continue
-        return sorted(out)
-
-    def latest(self) -> tuple[int, list[str]]:
-        """(generation, facts) of the newest intact generation; (0, []) when none."""
-        for gen, path in reversed(self._files()):
-            try:
-                with open(path, "rb") as f:
-                    doc = json.loads(f.read())
-                facts = doc["facts"]
-                if doc["generation"] == gen and doc["sha256"] == _checksum(facts):
-                    return gen, list(facts)
-                log.warning("event=memory.corrupt path=%s", path)
-            except (OSError, ValueError, KeyError, TypeError):
-                log.warning("event=memory.unreadable path=%s", path)
-        return 0, []
-
-    def save(self, facts: list[str]) -> tuple[int, int]:
-        """Write a new generation atomically; return (generation, bytes written)."""
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        files = self._files()
-        gen = (files[-1][0] if files else 0) + 1
-        data = json.dumps({"generation": gen, "facts": facts, "sha256": _checksum(facts),
-                           "saved_at": time.time()}, indent=1).encode()
-        path = os.path.join(self.dir, f"gen-{gen:08d}.json")
-        tmp = path + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        _fsync_dir(self.dir)
-        for _, old in files[:max(0, len(files) + 1 - KEEP_GENERATIONS)]:
-            os.unlink(old)
-        return gen, len(data)
-
-    def erase(self) -> int:
-        removed = 0
-        for _, path in self._files():
-            os.unlink(path)
-            removed += 1
-        if os.path.isdir(self.dir):
-            for n in os.listdir(self.dir):
-                os.unlink(os.path.join(self.dir, n))
-            _fsync_dir(self.dir)
-        return removed
-
-
-def _checksum(facts: list[str]) -> str:
-    return hashlib.sha256(json.dumps(facts, ensure_ascii=False).encode()).hexdigest()
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@dataclass
-class Source:
-    principal: int
-    role: int
-    text: str
-
-
-@dataclass
-class Pending:
-    id: int
-    principal: int
-    fact: str
-
-
-@dataclass
-class PolicyCore:
-    """The policy's state and counters (the seed's 160-byte status)."""
-
-    root: str
-    enabled: bool
-    state: PolicyState = PolicyState.QUIET
-    reason: PolicyReason = PolicyReason.QUIET
-    review: bool = False
-    control_revision: int = 1
-    frontier: int = 0
-    completed: int = 0
-    interrupted: int = 0
-    refused: int = 0
-    decisions: int = 0
-    saved_generation: int = 0
-    max_ns: int = 0
-    last_ns: int = 0
-    written_bytes: int = 0
-    result_bytes: int = 0
-    result_status: int = 0
-    log: list[Source] = field(default_factory=list)
-    pending: list[Pending] = field(default_factory=list)
-    next_pending: int = 1
-    active: object = None  # the background extraction request, when one runs
-    active_started: int = 0
-    # The principal of the running extraction's source erased its memory meanwhile:
-    # the extraction's result is dropped, not saved.
-    discard_active: bool = False
-
-    def forget(self, principal: int) -> None:
-        """Drop a principal's unprocessed sources and pending facts (memory erase), so
-        that nothing from before the erase is saved after it."""
-        start = self.frontier + (1 if self.active is not None else 0)
-        self.log[start:] = [s for s in self.log[start:] if s.principal != principal]
-        if self.active is not None and self.log[self.frontier].principal == principal:
-            self.discard_active = True
-        self.pending = [p for p in self.pending if p.principal != principal]
-
-    def __post_init__(self) -> None:
-        if not self.enabled:
-            self.state, self.reason = PolicyState.OFF, PolicyReason.DISABLED
+    @property
+    def held(self) -> bool:
+        """Paused or stopped: no work starts."""
+        return self.state in (S.PAUSED, S.STOPPED)
 
     def status(self) -> wire.PolicyStatus:
         return wire.PolicyStatus(
@@ -267,42 +140,151 @@ class PolicyCore:
             saved_generation=self.saved_generation, max_ns=self.max_ns, last_ns=self.last_ns,
             written_bytes=self.written_bytes, result_bytes=self.result_bytes, reason=self.reason)
 
-    def control(self, action: wire.PolicyAction, expected: int) -> int:
-        """Apply a control; returns an HTTP-like status (200, 409)."""
-        if expected != self.control_revision:
-            return 409
+    def control(self, action: PolicyAction, expected: int) -> None:
+        """Apply a control at the expected revision (409 when stale, or when off)."""
         if not self.enabled:
-            return 409
-        A = wire.PolicyAction
-        if action is A.PAUSE and self.state is not PolicyState.STOPPED:
-            self.state, self.reason = PolicyState.PAUSED, PolicyReason.PAUSED
-        elif action is A.RESUME and self.state in (PolicyState.PAUSED, PolicyState.STOPPED):
-            self.state = PolicyState.RECORDING if self.pending else PolicyState.QUIET
-            self.reason = PolicyReason.QUIET
-        elif action is A.STOP:
-            self.state, self.reason = PolicyState.STOPPED, PolicyReason.PAUSED
-        elif action is A.REVIEW_ON:
-            self.review = True
-        elif action is A.REVIEW_OFF:
-            self.review = False
+            raise DeviceError(409, Reason.POLICY_OFF, payload=wire.encode_policy_status(
+                self.status()))
+        if expected != self.control_revision:
+            raise DeviceError(409, Reason.STALE_REVISION, self.control_revision,
+                              payload=wire.encode_policy_status(self.status()))
+        if action is PolicyAction.REVIEW_ON or action is PolicyAction.REVIEW_OFF:
+            self.review = action is PolicyAction.REVIEW_ON
+        else:
+            self._on({PolicyAction.PAUSE: E.PAUSE, PolicyAction.RESUME: E.RESUME,
+                      PolicyAction.STOP: E.STOP}[action])
         self.control_revision += 1
-        return 200
+        log.info("event=policy.control action=%s revision=%d state=%s", action.name,
+                 self.control_revision, self.state.name)
 
+    # -- sources and work ----------------------------------------------------------------
+    def record(self, source: Source) -> None:
+        self.log.append(source)
+
+    def tick(self, foreground_busy: bool) -> Source | None:
+        """Collect a finished extraction; return the next source to extract, if the
+        policy should start one now (the device then calls :meth:`started`)."""
+        if not self.enabled:
+            return None
+        if self.active is not None and self.active.phase.terminal:
+            self._collect(self.active)
+        if self.active is not None or self.held:
+            return None
+        if self.frontier >= len(self.log):
+            self._on(E.SETTLE)
+            return None
+        if foreground_busy:
+            self._on(E.FOREGROUND)
+            return None
+        return self.log[self.frontier]
+
+    def started(self, work: Work) -> None:
+        self.active = work
+        self.active_started = time.monotonic_ns()
+        self._on(E.START)
+
+    def _collect(self, work: Work) -> None:
+        self.active = None
+        self.last_ns = time.monotonic_ns() - self.active_started
+        self.max_ns = max(self.max_ns, self.last_ns)
+        if self.discard_active:  # its principal erased its memory meanwhile
+            self.discard_active = False
+            self._finish_source()
+            log.info("event=policy.source_dropped frontier=%d", self.frontier)
+        elif work.preempted or work.phase is not Phase.COMPLETED:
+            self.interrupted += 1
+            self._on(E.INTERRUPT)
+            log.info("event=policy.interrupted frontier=%d", self.frontier)
+        else:
+            kept = self._extract(self.log[self.frontier], bytes(work.out))
+            self.completed += 1
+            self._finish_source()
+            log.info("event=policy.source_done frontier=%d kept=%d pending=%d", self.frontier,
+                     kept, len(self.pending))
+
+    def _finish_source(self) -> None:
+        self.log[self.frontier].text = ""  # processed: the text is not needed any more
+        self.frontier += 1
+        self._on(E.SETTLE)
+
+    def _extract(self, source: Source, answer: bytes) -> int:
+        """Decide the answer's lines; save or queue the kept facts; how many were kept."""
+        self.result_bytes += len(answer)
+        existing = self.memory_for(source.principal)
+        kept: list[str] = []
+        text = answer.decode("utf-8", errors="replace")
+        for line in re.split(r"\n|(?<=[.!?])\s+(?=[A-Z-])", text):
+            if not line.strip():
+                continue
+            fact = decide(line, existing + kept, source.text)
+            self.decisions += 1
+            if fact is not None:
+                kept.append(fact)
+        if kept and self.review:
+            for fact in kept:
+                self.pending.append(Pending(self.next_pending, source.principal, fact))
+                self.next_pending += 1
+        elif kept:
+            self._save(source.principal, kept)
+        return len(kept)
+
+    # -- a principal's memory --------------------------------------------------------------
     def lineage(self, principal: int) -> Lineage:
         return Lineage(self.root, principal)
 
-    def save(self, principal: int, new: list[str]) -> None:
+    def memory_for(self, principal: int) -> list[str]:
+        """The principal's saved facts (cached until its next save or erase)."""
+        cached = self._memory.get(principal)
+        if cached is None:
+            cached = self._memory[principal] = self.lineage(principal).latest()
+        return cached[1]
+
+    def _save(self, principal: int, new: list[str]) -> None:
         lin = self.lineage(principal)
         _, facts = lin.latest()
         merged = facts + [f for f in new if f not in facts]
         if len(merged) > MAX_FACTS:
             self.refused += 1
-            self.reason = PolicyReason.CAPACITY
+            self._on(E.FULL)  # the settle that follows keeps CAPACITY
             self.result_status = 507
             return
         gen, written = lin.save(merged)
+        self._memory.pop(principal, None)
         self.saved_generation += 1
         self.written_bytes += written
         self.result_status = 200
         log.info("event=memory.saved principal=%d generation=%d facts=%d", principal, gen,
                  len(merged))
+
+    def pending_of(self, principal: int) -> list[Pending]:
+        return [p for p in self.pending if p.principal == principal]
+
+    def decide_pending(self, principal: int, pending_id: int, approve: bool) -> None:
+        """Approve (save) or reject one of the principal's pending facts (404 if none)."""
+        p = next((p for p in self.pending if p.id == pending_id and p.principal == principal),
+                 None)
+        if p is None:
+            raise DeviceError(404, Reason.NO_DECISION)
+        self.pending.remove(p)
+        self.decisions += 1
+        if approve:
+            self._save(p.principal, [p.fact])
+        if not self.pending:
+            self._on(E.DECIDED)
+
+    def erase(self, principal: int) -> int:
+        """Erase the principal's memory, and everything not yet processed that could
+        bring it back; returns the generations removed."""
+        removed = self.lineage(principal).erase()
+        self.forget(principal)
+        self._memory.pop(principal, None)
+        return removed
+
+    def forget(self, principal: int) -> None:
+        """Drop a principal's unprocessed sources and pending facts (memory erase), so
+        that nothing from before the erase is saved after it."""
+        start = self.frontier + (1 if self.active is not None else 0)
+        self.log[start:] = [s for s in self.log[start:] if s.principal != principal]
+        if self.active is not None and self.log[self.frontier].principal == principal:
+            self.discard_active = True
+        self.pending = [p for p in self.pending if p.principal != principal]

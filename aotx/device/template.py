@@ -23,11 +23,16 @@ RENDER_SECONDS = 1.0  # a render that takes longer is stopped (template denial o
 
 
 class TemplateError(Exception):
-    pass
+    """The template could not render the messages: ``refused`` when the template itself
+    said no (its ``raise_exception``), not when a bound stopped it or it failed."""
+
+    def __init__(self, message: str, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 def _raise_exception(message: str) -> None:
-    raise TemplateError(f"chat template raised: {message}")
+    raise TemplateError(f"chat template raised: {message}", refused=True)
 
 
 class _TimedSandbox(ImmutableSandboxedEnvironment):

@@ -366,7 +366,7 @@ class LlamaEngine:
         row = llama_cpp.llama_get_logits_ith(self.ctx, index)
         if not row:
             raise EngineError(f"no logits for batch entry {index}")
-        logits = np.frombuffer(ctypes.cast(row, self._logits_row).contents, dtype=np.float32)
+        logits = np.ctypeslib.as_array(ctypes.cast(row, self._logits_row).contents)
         return int(logits.argmax())
 
     def clear_sequence(self, seq: int) -> None:

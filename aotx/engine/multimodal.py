@@ -31,6 +31,7 @@ otherwise fall through to video decoding, which starts ffmpeg on the bytes.
 from __future__ import annotations
 
 import ctypes
+import enum
 import itertools
 import logging
 import struct
@@ -38,10 +39,14 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from ..wire import AUDIO_RATES, MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS
+
 log = logging.getLogger("aotx.multimodal")
 
 MARKER = "<__media__>"
-MAX_PIXELS = 16 * 1024 * 1024  # decoded at 3 bytes a pixel: 48 MiB at most
+# The decoders' bounds are part of the service's contract (the gateway words them in
+# its refusals), so they live in the wire module.
+MAX_PIXELS = MAX_IMAGE_PIXELS
 _placeholders = itertools.count(1)
 _log_callback: Any = None  # kept alive: libmtmd holds the pointer
 
@@ -91,8 +96,6 @@ _NO_FFMPEG_DIR = b"/dev/null/"  # not a directory: no ffprobe or ffmpeg can be f
 
 #: Audio is decoded whole, resampled to the projector's rate (16 kHz: 64 KB a second
 #: as float32); a header may claim any length or a sample rate of 1 Hz.
-MAX_AUDIO_SECONDS = 600
-AUDIO_RATES = (8000, 384000)
 
 
 def audio_header(data: bytes) -> tuple[int, float | None] | None:
@@ -123,32 +126,43 @@ def audio_header(data: bytes) -> tuple[int, float | None] | None:
 def check_media(kind: str, data: bytes, n: int) -> None:
     """Refuse what the bundled decoders cannot read, or an image too large to decode."""
     if kind == "image":
-        size = image_size(data)
-        if size is None:
-            raise MediaInputError(f"media part {n} (image) could not be decoded: only PNG, "
-                                  "JPEG and GIF images are read")
-        fmt, w, h = size
-        if not w or not h or w * h > MAX_PIXELS:
-            raise MediaInputError(f"media part {n} (image) is {w}x{h} {fmt}; at most "
-                                  f"{MAX_PIXELS} pixels are decoded")
+        _check_image(data, n)
     else:
-        fmt = audio_format(data)
-        if fmt is None:
-            raise MediaInputError(f"media part {n} (audio) could not be decoded: only WAV, "
-                                  "MP3 and FLAC audio is read")
-        if fmt == "mp3":
-            return  # no length in the header; an MP3 decodes to ~16 samples a byte at most
-        head = audio_header(data)
-        if head is None:
-            raise MediaInputError(f"media part {n} ({fmt}) has no readable header")
-        rate, seconds = head
-        if not AUDIO_RATES[0] <= rate <= AUDIO_RATES[1]:
-            raise MediaInputError(f"media part {n} ({fmt}) has a sample rate of {rate} Hz; "
-                                  f"{AUDIO_RATES[0]} to {AUDIO_RATES[1]} Hz are read")
-        if seconds is None or seconds > MAX_AUDIO_SECONDS:
-            raise MediaInputError(f"media part {n} ({fmt}) lasts "
-                                  f"{'an unstated time' if seconds is None else f'{seconds:.0f} s'}"
-                                  f"; at most {MAX_AUDIO_SECONDS} s of audio are decoded")
+        _check_audio(data, n)
+
+
+def _check_image(data: bytes, n: int) -> None:
+    size = image_size(data)
+    if size is None:
+        raise MediaInputError(f"media part {n} (image) could not be decoded: only PNG, "
+                              "JPEG and GIF images are read", MediaProblem.IMAGE_UNREADABLE, n)
+    fmt, w, h = size
+    if not w or not h or w * h > MAX_PIXELS:
+        raise MediaInputError(f"media part {n} (image) is {w}x{h} {fmt}; at most "
+                              f"{MAX_PIXELS} pixels are decoded", MediaProblem.IMAGE_PIXELS, n)
+
+
+def _check_audio(data: bytes, n: int) -> None:
+    fmt = audio_format(data)
+    if fmt is None:
+        raise MediaInputError(f"media part {n} (audio) could not be decoded: only WAV, "
+                              "MP3 and FLAC audio is read", MediaProblem.AUDIO_UNREADABLE, n)
+    if fmt == "mp3":
+        return  # no length in the header; an MP3 decodes to ~16 samples a byte at most
+    head = audio_header(data)
+    if head is None:
+        raise MediaInputError(f"media part {n} ({fmt}) has no readable header",
+                              MediaProblem.AUDIO_UNREADABLE, n)
+    rate, seconds = head
+    if not AUDIO_RATES[0] <= rate <= AUDIO_RATES[1]:
+        raise MediaInputError(f"media part {n} ({fmt}) has a sample rate of {rate} Hz; "
+                              f"{AUDIO_RATES[0]} to {AUDIO_RATES[1]} Hz are read",
+                              MediaProblem.AUDIO_RATE, n)
+    if seconds is None or seconds > MAX_AUDIO_SECONDS:
+        length = "an unstated time" if seconds is None else f"{seconds:.0f} s"
+        raise MediaInputError(f"media part {n} ({fmt}) lasts {length}; at most "
+                              f"{MAX_AUDIO_SECONDS} s of audio are decoded",
+                              MediaProblem.AUDIO_LENGTH, n)
 
 
 def quiet_logs() -> None:
@@ -171,8 +185,27 @@ def quiet_logs() -> None:
     mtmd_cpp.mtmd_helper_log_set(_cb, None)
 
 
+class MediaProblem(enum.Enum):
+    """What is wrong with a media part (the device turns it into a refusal)."""
+
+    IMAGE_UNREADABLE = enum.auto()
+    IMAGE_PIXELS = enum.auto()
+    AUDIO_UNREADABLE = enum.auto()
+    AUDIO_RATE = enum.auto()
+    AUDIO_LENGTH = enum.auto()
+    MODALITY = enum.auto()  # the projector does not encode this kind
+    PREPARE = enum.auto()  # libmtmd could not preprocess or encode it
+
+
 class MediaInputError(Exception):
-    """The media could not be decoded or does not match the prompt (HTTP 400)."""
+    """The media could not be decoded or does not match the prompt: ``problem`` says
+    what, ``part`` which media part (in prompt order); the message is for the log."""
+
+    def __init__(self, message: str, problem: MediaProblem = MediaProblem.PREPARE,
+                 part: int = 0) -> None:
+        super().__init__(message)
+        self.problem = problem
+        self.part = part
 
 
 @dataclass(eq=False)
@@ -232,8 +265,11 @@ class MediaEncoder:
         m = self.m
         for n, (kind, data) in enumerate(media):
             if (kind == "image" and not self.vision) or (kind == "audio" and not self.audio):
-                raise MediaInputError(f"the projector does not accept {kind} input")
+                raise MediaInputError(f"the projector does not accept {kind} input",
+                                      MediaProblem.MODALITY, n)
             check_media(kind, data, n)
+        unreadable = {"image": MediaProblem.IMAGE_UNREADABLE,
+                      "audio": MediaProblem.AUDIO_UNREADABLE}
         bitmaps = []
         chunks = None
         try:
@@ -250,9 +286,11 @@ class MediaEncoder:
                     m.mtmd_helper_video_free(got.video_ctx)
                     if got.bitmap:
                         m.mtmd_bitmap_free(got.bitmap)
-                    raise MediaInputError(f"media part {n} ({kind}) could not be decoded")
+                    raise MediaInputError(f"media part {n} ({kind}) could not be decoded",
+                                          unreadable[kind], n)
                 if not got.bitmap:
-                    raise MediaInputError(f"media part {n} ({kind}) could not be decoded")
+                    raise MediaInputError(f"media part {n} ({kind}) could not be decoded",
+                                          unreadable[kind], n)
                 bitmaps.append(got.bitmap)
             raw = text.encode("utf-8")
             inp = m.mtmd_input_text(raw, len(raw), add_special, True)

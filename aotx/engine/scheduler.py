@@ -15,6 +15,7 @@ never during ``llama_decode`` itself.
 from __future__ import annotations
 
 import collections
+import enum
 import threading
 import time
 from collections.abc import Callable
@@ -26,11 +27,34 @@ from .llama import BatchEntry
 from .multimodal import MediaInputError, MediaSegment, release_all
 
 
+class Failure(enum.Enum):
+    """Why the engine failed a request (the device decides what status that is)."""
+
+    NONE = enum.auto()
+    NO_MEMORY = enum.auto()  # llama_decode found no KV cells for the batch (it returned 1)
+    DECODE = enum.auto()  # llama_decode failed otherwise
+    MEDIA = enum.auto()  # the projector could not encode a media segment
+
+
+@dataclass
+class StepOutcome:
+    """What one :meth:`Scheduler.step` did: the engine thread's report."""
+
+    ran: bool = False  # False: there was nothing to do
+    tokens: int = 0  # batch entries decoded (prompt and sampled positions)
+    sampled: int = 0  # tokens sampled
+    media: bool = False  # a media segment was encoded and decoded
+    ended: list[Request] = field(default_factory=list)  # requests that became terminal
+
+    def __bool__(self) -> bool:
+        return self.ran
+
+
 class Engine(Protocol):
     slot_context: int
 
     def decode(self, entries: list[BatchEntry]) -> int: ...
-    def sample(self, sampler: object, index: int) -> int: ...
+    def sample(self, sampler: Any, index: int) -> int: ...
     def piece(self, token: int) -> bytes: ...
     def is_eog(self, token: int) -> bool: ...
     def clear_sequence(self, seq: int) -> None: ...
@@ -158,7 +182,7 @@ class Request:
     phase: Phase = Phase.QUEUED
     cancel_requested: bool = False
     finish: Finish = Finish.NONE
-    failure: int = 0
+    failure: Failure = Failure.NONE
     out: bytearray = field(default_factory=bytearray)
     sampled: int = 0
     created_ns: int = field(default_factory=time.monotonic_ns)
@@ -217,6 +241,7 @@ class Scheduler:
         self.cached: dict[int, list[int]] = {}  # seq -> tokens held in its KV cells
         self.tokens_out = 0
         self.finished: collections.Counter[str] = collections.Counter()
+        self._ended: list[Request] = []  # the step's terminal requests (StepOutcome.ended)
         self.ttft = Histogram()
         self.itl = Histogram()
         self._stopping = False
@@ -238,7 +263,7 @@ class Scheduler:
 
     # -- engine thread -------------------------------------------------------
     def _finish(self, req: Request, phase: Phase, finish: Finish = Finish.NONE,
-                failure: int = 0) -> None:
+                failure: Failure = Failure.NONE) -> None:
         if req.buffer is not None and phase is not Phase.FAILED:
             req.out += req.buffer.flush()
         req.phase = phase
@@ -262,11 +287,19 @@ class Scheduler:
             self.free_sampler(req.sampler)
             req.sampler = None
         release_all(req.segments)
+        self._ended.append(req)
         self.on_terminal(req)
 
     def _plan(self) -> tuple[list[BatchEntry], list[tuple[Request, int]],
                              list[tuple[Request, int]], tuple[Request, MediaSegment] | None]:
         """Choose this step's tokens, and at most one media segment.  Lock held."""
+        self._drop_cancelled()
+        while self.queue and self.free_seqs:
+            self._start(self.queue.popleft())
+        return self._choose()
+
+    def _drop_cancelled(self) -> None:
+        """End cancelled requests; background work yields when foreground work waits."""
         for req in [r for r in self.queue if r.cancel_requested]:
             self.queue.remove(req)
             self._finish(req, Phase.CANCELLED)
@@ -282,46 +315,51 @@ class Scheduler:
                     self.active.remove(req)
                 req.preempted = True
                 self._finish(req, Phase.CANCELLED)
-        while self.queue and self.free_seqs:
-            req = self.queue.popleft()
-            # The free sequence whose cached tokens share the longest prefix with
-            # this prompt; at least the prompt's last token is evaluated again,
-            # since its logits are needed for the first sample.
-            # Prefer the longest cached prefix, then the lowest sequence id: streams
-            # in use stay a compact range, which llama.cpp batches fastest.
-            held = {q: common_prefix(self.cached.get(q, []), req.prompt) for q in self.free_seqs}
-            seq = max(self.free_seqs, key=lambda q: (held[q], -q))
-            have = held[seq]
-            # A sequence in use may hold a longer prefix (requests arriving together
-            # share the chat template's system prompt): copy it into the lowest free
-            # sequence instead of evaluating it again.
-            source, shared = None, 0
-            for other in self.active:
-                n = min(common_prefix(other.prompt, req.prompt), other.n_past)
-                if n > shared:
-                    source, shared = other, n
-            if source is not None and shared - have >= COPY_MIN_TOKENS:
-                seq = min(self.free_seqs)
-                self.engine.copy_sequence(source.seq, seq)
-                self.cached[seq] = source.prompt[:shared]
-                have = shared
-                self.copies += 1
-            self.free_seqs.remove(seq)
-            keep = min(have, len(req.prompt) - 1)
-            if not self.engine.trim_sequence(seq, keep):
-                # The memory cannot be cut back to ``keep`` (a recurrent model):
-                # start the sequence empty and evaluate the whole prompt.
-                self.engine.clear_sequence(seq)
-                keep = 0
-            self.cached[seq] = req.prompt[:keep]
-            req.seq = seq
-            req.n_past = keep
-            req.reused_tokens = keep
-            self.reused_tokens += keep
-            req.phase = Phase.PREPARING
-            req.sampler = self.make_sampler(req)
-            req.buffer = OutputBuffer(req.stops)
-            self.active.append(req)
+
+    def _start(self, req: Request) -> None:
+        """Give a queued request a sequence, with as much of its prompt cached as can be."""
+        # The free sequence whose cached tokens share the longest prefix with
+        # this prompt; at least the prompt's last token is evaluated again,
+        # since its logits are needed for the first sample.
+        # Prefer the longest cached prefix, then the lowest sequence id: streams
+        # in use stay a compact range, which llama.cpp batches fastest.
+        held = {q: common_prefix(self.cached.get(q, []), req.prompt) for q in self.free_seqs}
+        seq = max(self.free_seqs, key=lambda q: (held[q], -q))
+        have = held[seq]
+        # A sequence in use may hold a longer prefix (requests arriving together
+        # share the chat template's system prompt): copy it into the lowest free
+        # sequence instead of evaluating it again.
+        source, shared = None, 0
+        for other in self.active:
+            n = min(common_prefix(other.prompt, req.prompt), other.n_past)
+            if n > shared:
+                source, shared = other, n
+        if source is not None and shared - have >= COPY_MIN_TOKENS:
+            seq = min(self.free_seqs)
+            self.engine.copy_sequence(source.seq, seq)
+            self.cached[seq] = source.prompt[:shared]
+            have = shared
+            self.copies += 1
+        self.free_seqs.remove(seq)
+        keep = min(have, len(req.prompt) - 1)
+        if not self.engine.trim_sequence(seq, keep):
+            # The memory cannot be cut back to ``keep`` (a recurrent model):
+            # start the sequence empty and evaluate the whole prompt.
+            self.engine.clear_sequence(seq)
+            keep = 0
+        self.cached[seq] = req.prompt[:keep]
+        req.seq = seq
+        req.n_past = keep
+        req.reused_tokens = keep
+        self.reused_tokens += keep
+        req.phase = Phase.PREPARING
+        req.sampler = self.make_sampler(req)
+        req.buffer = OutputBuffer(req.stops)
+        self.active.append(req)
+
+    def _choose(self) -> tuple[list[BatchEntry], list[tuple[Request, int]],
+                               list[tuple[Request, int]], tuple[Request, MediaSegment] | None]:
+        """The step's batch entries, samples and advances, and at most one media segment."""
         # Each request's tokens for this step: one for a running sequence, a prompt
         # chunk for one being prepared (prefill is chunked and mixed into decode).
         # An image or audio segment is decoded on its own (a batch holds either
@@ -363,47 +401,56 @@ class Scheduler:
 
     def _decode_media(self, req: Request, seg: MediaSegment) -> None:
         """Encode one media segment and decode its embeddings into the request's sequence."""
+        failure = Failure.NONE
         try:
             if self.encode is None:
                 raise MediaInputError("this model has no projector")
             embd = self.encode(seg)
             status = self.engine.decode_embeddings(embd, seg.n_tokens, seg.start, req.seq,
                                                    seg.non_causal)
+            if status != 0:
+                failure = Failure.NO_MEMORY if status == 1 else Failure.DECODE
         except MediaInputError:
-            status = -1
+            failure = Failure.MEDIA
         with self.lock:
-            if status == 0:
+            if failure is Failure.NONE:
                 req.n_past += seg.n_tokens
                 req.next_segment += 1
                 self.prompt_tokens_in += seg.n_tokens
                 self.media_decoded += 1
             elif req in self.active:
                 self.active.remove(req)
-                self._finish(req, Phase.FAILED, failure=503 if status == 1 else 500)
+                self._finish(req, Phase.FAILED, failure=failure)
 
-    def step(self) -> bool:
-        """Run one decode step.  Returns False when there was nothing to do."""
+    def step(self) -> StepOutcome:
+        """Run one decode step; the outcome is falsy when there was nothing to do."""
         with self.lock:
+            self._ended = []
             entries, samples, advances, media = self._plan()
+        out = StepOutcome(ran=bool(entries or media), media=media is not None,
+                          tokens=len(entries), ended=self._ended)
         if media is not None:
             self._decode_media(*media)
-            if not entries:
+        if entries:
+            status = self.engine.decode(entries)
+            if status != 0:
                 with self.lock:
-                    self.tick += 1
-                self.on_step()
-                return True
-        if not entries:
-            return False
-        status = self.engine.decode(entries)
-        if status != 0:
+                    for req, _ in advances:
+                        if req in self.active:
+                            self.active.remove(req)
+                            self._finish(req, Phase.FAILED, failure=Failure.NO_MEMORY
+                                         if status == 1 else Failure.DECODE)
+            else:
+                out.sampled = self._sample(entries, samples, advances)
+        if out.ran:
             with self.lock:
-                for req, _ in advances:
-                    if req in self.active:
-                        self.active.remove(req)
-                        self._finish(req, Phase.FAILED, failure=503 if status == 1 else 500)
                 self.tick += 1
             self.on_step()
-            return True
+        return out
+
+    def _sample(self, entries: list[BatchEntry], samples: list[tuple[Request, int]],
+                advances: list[tuple[Request, int]]) -> int:
+        """Sample after a decode that succeeded, and apply the step to its requests."""
         sampled = [(req, self.engine.sample(req.sampler, idx)) for req, idx in samples]
         pieces = [(req, tok, b"" if self.engine.is_eog(tok) else self.engine.piece(tok))
                   for req, tok in sampled]
@@ -415,11 +462,9 @@ class Scheduler:
                     self.prompt_tokens_in += n
             for req, tok, piece in pieces:
                 self._accept(req, tok, piece, now)
-            self.tick += 1
             self.steps_with_tokens += 1
             self.tokens_decoded += len(entries)
-        self.on_step()
-        return True
+        return len(sampled)
 
     def _accept(self, req: Request, token: int, piece: bytes, now: int) -> None:
         if req.phase.terminal:

@@ -87,8 +87,7 @@ class BrokerClient:
     async def call(self, header: wire.Header, payload: bytes = b"",
                    timeout: float = 120.0) -> tuple[wire.Header, bytes]:
         tag = next(self._tags)
-        header.tag = tag
-        packet = wire.encode_packet(header, payload)
+        packet = wire.encode_packet(header._replace(tag=tag), payload)
         fut: asyncio.Future[tuple[wire.Header, bytes]] = asyncio.get_running_loop().create_future()
         try:
             async with self._send_lock:

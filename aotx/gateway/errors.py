@@ -1,8 +1,20 @@
-"""The standard error object and the status -> type table, shared by every route."""
+"""Errors in the gateway: the standard error object, and the one table that words the
+device's refusals.
+
+The device and the broker answer with a status and a :class:`~aotx.wire.Reason` code,
+never with text.  :data:`REASONS` turns the code (and the number its reply carries) into
+the message, code and param of the standard error object; :data:`ERROR_TYPES` gives
+the object's ``type`` for each status.  Errors found by the gateway itself (bad JSON,
+no token, a bad cursor) are :class:`ApiError` with their own message.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
+
+from .. import wire
+from ..wire import Reason
 
 ERROR_TYPES: dict[int, tuple[str, str]] = {
     400: ("invalid_request_error", "invalid_request"),
@@ -10,6 +22,7 @@ ERROR_TYPES: dict[int, tuple[str, str]] = {
     403: ("permission_error", "permission_denied"),
     404: ("not_found_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
+    408: ("invalid_request_error", "request_timeout"),
     409: ("conflict_error", "conflict"),
     410: ("gone_error", "epoch_ended"),
     413: ("invalid_request_error", "payload_too_large"),
@@ -20,6 +33,7 @@ ERROR_TYPES: dict[int, tuple[str, str]] = {
     431: ("invalid_request_error", "headers_too_large"),
     500: ("internal_error", "internal_error"),
     501: ("invalid_request_error", "not_implemented"),
+    502: ("internal_error", "bad_gateway"),
     503: ("service_unavailable", "unavailable"),
     505: ("internal_error", "protocol_version"),
 }
@@ -47,3 +61,135 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)
+
+
+@dataclass(frozen=True)
+class Wording:
+    message: str  #: ``str.format`` fields: see :func:`refusal`
+    code: str | None = None
+    param: str | None = None
+
+
+_KIND = {wire.PartKind.IMAGE_DIGEST: "image", wire.PartKind.AUDIO_DIGEST: "audio"}
+
+#: Reason -> the standard error object's message (and code, param).  Fields: {detail}
+#: (the reply's number), {cursor}, {total}, {prompt_tokens}, {model}, {max_tokens},
+#: {input_bytes}, {kind} (detail as a PartKind), {digest} (media part detail's digest),
+#: {action} (detail as action names).
+REASONS: dict[Reason, Wording] = {
+    Reason.MALFORMED: Wording("the device refused a malformed packet (an aotx bug; see the "
+                              "device log)"),
+    Reason.VERSION: Wording("the device speaks another protocol version"),
+    Reason.TOO_LARGE: Wording("the request does not fit one packet of "
+                              f"{wire.MAX_PACKET} bytes"),
+    Reason.NONZERO_FIELD: Wording("the device refused a packet whose unused header field at "
+                                  "offset {detail} is not zero (an aotx bug)"),
+    Reason.NOT_SUPPORTED: Wording("the device does not provide this operation"),
+    Reason.NO_MAILBOX: Wording("the service is busy: no free mailbox; try again"),
+    Reason.INTERNAL: Wording("internal device error"),
+    Reason.NO_GRANT: Wording("no grant is installed for this principal"),
+    Reason.ACTION: Wording("the grant does not include the {action} action"),
+    Reason.NO_MODEL: Wording("the model does not exist", "model_not_found", "model"),
+    Reason.NO_REQUEST: Wording("no such request"),
+    Reason.EPOCH_ENDED: Wording("the request belongs to an ended runtime epoch"),
+    Reason.EPOCH_MISMATCH: Wording("the frame epoch does not match the device's"),
+    Reason.CURSOR: Wording("cursor {cursor} is past the {total} bytes produced so far",
+                           param="cursor"),
+    Reason.INPUT_BYTES: Wording("input of {input_bytes} bytes exceeds the grant's {detail}",
+                                param="messages"),
+    Reason.PROMPT_LENGTH: Wording("the prompt has {prompt_tokens} tokens; model {model} "
+                                  "accepts at most {detail} so that one can be generated",
+                                  "context_length_exceeded", "messages"),
+    Reason.OUTPUT_TOKENS: Wording("max_tokens {max_tokens} exceeds the limit of {detail}",
+                                  param="max_tokens"),
+    Reason.DEVICE_BUSY: Wording("the device holds its maximum of active requests"),
+    Reason.ACTIVE_LIMIT: Wording("the grant allows {detail} active requests"),
+    Reason.RATE_LIMIT: Wording("the grant allows {detail} admissions a minute"),
+    Reason.TEMPLATE: Wording("the model's chat template refused these messages",
+                             param="messages"),
+    Reason.TEMPLATE_FAILED: Wording("the model's chat template could not render these "
+                                    "messages (it failed, or ran past its time or size "
+                                    "bounds)", param="messages"),
+    Reason.MODALITY: Wording("model {model} does not accept {kind} input", param="messages"),
+    Reason.NO_SOURCE: Wording("no ready {kind_of_part} source with digest {digest}",
+                              param="messages"),
+    Reason.NO_PROJECTOR: Wording("model {model} has no multimodal projector",
+                                 param="messages"),
+    Reason.IMAGE_UNREADABLE: Wording("media part {detail} (image) could not be decoded: only "
+                                     "PNG, JPEG and GIF images are read", param="messages"),
+    Reason.IMAGE_PIXELS: Wording("media part {detail} (image) is too large: at most "
+                                 f"{wire.MAX_IMAGE_PIXELS} pixels are decoded",
+                                 param="messages"),
+    Reason.AUDIO_UNREADABLE: Wording("media part {detail} (audio) could not be decoded: only "
+                                     "WAV, MP3 and FLAC audio is read", param="messages"),
+    Reason.AUDIO_RATE: Wording(f"media part {{detail}} (audio) has a sample rate outside "
+                               f"{wire.AUDIO_RATES[0]} to {wire.AUDIO_RATES[1]} Hz",
+                               param="messages"),
+    Reason.AUDIO_LENGTH: Wording(f"media part {{detail}} (audio) lasts longer than "
+                                 f"{wire.MAX_AUDIO_SECONDS} s, or its header does not say",
+                                 param="messages"),
+    Reason.MEDIA_LAST: Wording("a prompt must end with text after its last media part",
+                               param="messages"),
+    Reason.MEDIA_PREPARE: Wording("the media could not be prepared", param="messages"),
+    Reason.NO_SOURCE_ID: Wording("no such media source"),
+    Reason.UPLOAD_OFFSET: Wording("the upload's chunks do not follow each other"),
+    Reason.CONTENT_TYPE: Wording("unsupported content type"),
+    Reason.SOURCE_COUNT: Wording("the grant allows {detail} media sources"),
+    Reason.SOURCE_BYTES: Wording("the source exceeds the {detail} bytes allowed"),
+    Reason.LEASED: Wording("the source is leased by {detail} request(s)"),
+    Reason.EMPTY: Wording("the source is empty"),
+    Reason.MAGIC: Wording("the bytes are not {content_type} (their magic number does not "
+                          "match)"),
+    Reason.POLICY_OFF: Wording("the resident policy is off: no loaded model is qualified "
+                               "for automatic memory"),
+    Reason.STALE_REVISION: Wording("stale control revision", param="expected_revision"),
+    Reason.NO_DECISION: Wording("no such pending decision"),
+    Reason.MEMORY_OP: Wording("unknown memory operation"),
+    Reason.KV_FULL: Wording("the engine ran out of KV cache for this request"),
+    Reason.DECODE: Wording("the engine failed while decoding this request"),
+    Reason.MEDIA_ENCODE: Wording("the engine failed to encode this request's media"),
+}
+
+
+@dataclass(frozen=True)
+class Call:
+    """What the gateway knows of the call a refusal answers, for its wording."""
+
+    model: str = ""
+    max_tokens: int = 0
+    input_bytes: int = 0
+    media: tuple[str, ...] = field(default=())  #: the digests of its media parts, in order
+    kinds: tuple[str, ...] = field(default=())  #: their kinds ("image", "audio")
+
+
+NO_CALL = Call()
+
+
+def _fields(h: wire.Header, call: Call) -> dict[str, object]:
+    d = h.detail
+    return {
+        "detail": d, "cursor": h.cursor, "total": h.total, "prompt_tokens": h.prompt_tokens,
+        "model": call.model, "max_tokens": call.max_tokens, "input_bytes": call.input_bytes,
+        "kind": _KIND.get(d, str(d)),  # type: ignore[call-overload]
+        "digest": call.media[d] if d < len(call.media) else "?",
+        "kind_of_part": call.kinds[d] if d < len(call.kinds) else "media",
+        "action": ",".join((a.name or "").lower() for a in wire.Action if d & a) or str(d),
+        "content_type": wire.MEDIA_TYPES.get(h.content_type, "its content type"),
+    }
+
+
+def wording(h: wire.Header, call: Call = NO_CALL) -> tuple[str, str | None, str | None]:
+    """(message, code, param) for the reason in ``h``."""
+    w = REASONS.get(wire.Reason(h.reason)) if h.reason in wire.Reason._value2member_map_ \
+        else None
+    if w is None:
+        return f"device status {h.status}", None, None
+    return w.message.format_map(_fields(h, call)), w.code, w.param
+
+
+def refusal(h: wire.Header, call: Call = NO_CALL) -> ApiError:
+    """The ApiError for a reply that refused (status >= 400)."""
+    message, code, param = wording(h, call)
+    status = h.status if 400 <= h.status < 600 else 500
+    headers = {"Retry-After": str(max(1, h.retry_after))} if status == 429 else None
+    return ApiError(status, message, param=param, code=code, headers=headers)

@@ -1,37 +1,52 @@
-"""Connection-level limits that uvicorn alone does not give.
+"""The connection guard: every limit on HTTP connections and requests that uvicorn and
+FastAPI alone do not give, and the two hottest routes' fast paths.
+
+Connection level (:class:`GuardedHttpToolsProtocol`, uvicorn's protocol class):
 
 * **Header read timeout** (slow-loris): the request line and headers must
-  arrive within ``HEADER_TIMEOUT`` seconds of the connection opening (or of the
+  arrive within ``header_timeout`` seconds of the connection opening (or of the
   first byte of the next request on a kept-alive connection), else 408 and close.
 * **Header size**: more than ``MAX_HEADER_BYTES`` before the end of the headers
   answers 431 and closes.
 
-Body pacing (each body chunk within ``BODY_IDLE_TIMEOUT``) is enforced by the
-ASGI body middleware in :mod:`aotx.gateway`.  The protocol class is handed to
-uvicorn as ``Config(http=GuardedHttpToolsProtocol)``.
+Request level (:class:`Guard`, ASGI middleware in front of every route): the Host
+header on a loopback bind, body size and pacing (each chunk within ``body_timeout``),
+and the fast paths of ``GET /aotx/v1/requests/{id}`` and ``POST /aotx/v1/requests``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-import os
+import re
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
 
-import orjson
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from .errors import error_body
+from ..config import MAX_BODY
+from . import calls
+from .errors import ApiError, error_body
+from .render import dumps
+from .requests import ChatRequest
+
+if TYPE_CHECKING:
+    from .service import Gateway
 
 log = logging.getLogger("aotx.gateway.http")
 
-HEADER_TIMEOUT = float(os.environ.get("AOTX_HEADER_TIMEOUT", "10"))
 MAX_HEADER_BYTES = 16 * 1024
-BODY_IDLE_TIMEOUT = float(os.environ.get("AOTX_BODY_TIMEOUT", "30"))
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    header_timeout = 10.0  # set per server by guarded_protocol()
     _header_timer: asyncio.TimerHandle | None = None
     _header_bytes = 0
     _in_headers = True
@@ -48,7 +63,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._header_bytes = 0
             self._tail = b""
         if self._header_timer is None:
-            self._header_timer = self.loop.call_later(HEADER_TIMEOUT, self._headers_too_slow)
+            self._header_timer = self.loop.call_later(self.header_timeout,
+                                                     self._headers_too_slow)
 
     def _disarm(self) -> None:
         self._in_headers = False
@@ -65,7 +81,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             # written (an event stream): a raw answer would land inside that response.
             self.transport.close()
             return
-        body = orjson.dumps(error_body(status, message))
+        body = dumps(error_body(status, message))
         self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
                              b"content-length: %d\r\nconnection: close\r\n\r\n"
                              % (status, _REASONS[status], len(body)) + body)
@@ -75,7 +91,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_timer = None
         if self._in_headers and not self.transport.is_closing():
             log.info("event=gateway.header_timeout client=%s", self.client)
-            self._refuse(408, f"request headers not received within {HEADER_TIMEOUT:.0f} s")
+            self._refuse(408, f"request headers not received within {self.header_timeout:.0f} s")
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -131,3 +147,208 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+
+
+def guarded_protocol(header_timeout: float) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class for uvicorn (``Config(http=...)``) with this header timeout."""
+    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,),
+                {"header_timeout": header_timeout})
+
+
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]", "::1"})
+_WINDOW_PATH = re.compile(r"^/aotx/v1/requests/[^/]+$")
+
+
+class Guard:
+    """ASGI middleware in front of every route.
+
+    * While bound to loopback, a Host header naming anything but a loopback name is
+      refused with 421 (DNS rebinding: a page from another origin that resolves its
+      own name to 127.0.0.1 must not reach the API).
+    * Request bodies: at most ``limit`` bytes (413), and each chunk must arrive within
+      ``body_timeout`` seconds (408), so slow clients cannot hold a request open for
+      ever.  Bodies are read in full before the route runs, except media uploads,
+      which stream to the device chunk by chunk under the same pacing.
+    * The fast paths answer the window read and a valid admission without the
+      framework's routing and dependency layers (the same code as their routes).
+    """
+
+    def __init__(self, app: ASGIApp, loopback_only: bool, gateway: Callable[[], Gateway],
+                 limit: int = MAX_BODY, body_timeout: float = 30.0) -> None:
+        self.app = app
+        self.loopback_only = loopback_only
+        self.gateway = gateway
+        self.limit = limit
+        self.body_timeout = body_timeout
+
+    @staticmethod
+    async def _answer(send: Send, status: int, body: Callable[[], Awaitable[bytes]]) -> None:
+        """Send ``status`` and the JSON ``body()`` returns, or the standard error object
+        of the ApiError it raises (as the app's exception handler would)."""
+        headers = [(b"content-type", b"application/json")]
+        try:
+            out = await body()
+        except ApiError as exc:
+            status, out = exc.status, dumps(exc.body())
+            headers += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
+        headers.append((b"content-length", str(len(out)).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": out})
+
+    async def _window_fast_path(self, scope: Scope, send: Send) -> None:
+        """GET /aotx/v1/requests/{id}: the hottest read, without the framework's layers."""
+        g = self.gateway()
+
+        async def window() -> bytes:
+            principal = await g.authenticate(Request(scope))
+            query = parse_qs(scope.get("query_string", b"").decode("latin-1"),
+                             keep_blank_values=True)
+            cursor = query.get("cursor", [None])[-1]
+            return await calls.window_body(g, principal,
+                                           scope["path"][len("/aotx/v1/requests/"):], cursor)
+
+        await self._answer(send, 200, window)
+
+    async def _submit_fast_path(self, scope: Scope, body: bytes, send: Send) -> bool:
+        """POST /aotx/v1/requests without the framework's layers (they cost ~40 % of the
+        gateway's CPU for an admission).  Only a JSON body that validates is answered
+        here; anything else goes on to the route, which answers exactly as before (the
+        credentials are still checked first there)."""
+        ctype = next((v for k, v in scope["headers"] if k == b"content-type"), b"")
+        if ctype.split(b";")[0].strip().lower() != b"application/json":
+            return False
+        try:
+            chat = ChatRequest.model_validate(json.loads(body))  # as FastAPI parses it
+        except (ValueError, RecursionError, ValidationError):
+            return False
+        g = self.gateway()
+
+        async def admit() -> bytes:
+            return await calls.admission_body(g, chat, await g.authenticate(Request(scope)))
+
+        await self._answer(send, 202, admit)
+        return True
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.loopback_only and not await self._loopback_host(scope, send):
+            return
+        streamed = (scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS")
+                    or scope["path"] == "/aotx/v1/media")
+        has_body = any(k == b"transfer-encoding" or (k == b"content-length" and v.strip(b" 0"))
+                       for k, v in scope["headers"])
+        if (scope["method"] == "GET" and not has_body and _WINDOW_PATH.match(scope["path"])):
+            await self._window_fast_path(scope, send)
+        elif streamed:
+            await self._streamed(scope, receive, send, has_body)
+        else:
+            await self._buffered(scope, receive, send)
+
+    async def _loopback_host(self, scope: Scope, send: Send) -> bool:
+        """While bound to loopback, only a loopback Host is served (else 421)."""
+        host = next((v for k, v in scope["headers"] if k == b"host"), b"").decode("latin-1")
+        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+        if name.lower() in LOOPBACK_HOSTS:
+            return True
+        await self._refuse(send, 421, f"the Host header {host!r} is not a loopback name; "
+                                      "this service only answers 127.0.0.1")
+        return False
+
+    def _paced(self, receive: Receive) -> Receive:
+        async def paced() -> Any:
+            try:
+                return await asyncio.wait_for(receive(), self.body_timeout)
+            except TimeoutError:
+                raise BodyTimeout() from None
+
+        return paced
+
+    async def _streamed(self, scope: Scope, receive: Receive, send: Send, has_body: bool) -> None:
+        """A route that reads its body as it comes (a media upload), or has none."""
+        inner = self._paced(receive) if scope["method"] == "POST" else receive
+        if has_body:
+            inner, send = self._close_unless_read(inner, send)
+        try:
+            await self.app(scope, inner, send)
+        except BodyTimeout:
+            await self._refuse(send, 408, "the request body stalled")
+
+    async def _buffered(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Read the whole body (bounded, paced) before the route runs."""
+        for k, v in scope["headers"]:
+            if k == b"content-length" and v.isdigit() and int(v) > self.limit:
+                await self._refuse(send, 413, f"request body exceeds {self.limit} bytes")
+                return
+        paced = self._paced(receive)
+        chunks, size = [], 0
+        while True:
+            try:
+                msg = await paced()
+            except BodyTimeout:
+                await self._refuse(send, 408, f"no body bytes for {self.body_timeout:.0f} s")
+                return
+            if msg["type"] == "http.disconnect":
+                return
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                await self._refuse(send, 413, f"request body exceeds {self.limit} bytes")
+                return
+            chunks.append(chunk)
+            if not msg.get("more_body"):
+                break
+        body = b"".join(chunks)
+        if (scope["path"] == "/aotx/v1/requests" and scope["method"] == "POST"
+                and await self._submit_fast_path(scope, body, send)):
+            return
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    def _close_unless_read(receive: Receive, send: Send) -> tuple[Receive, Send]:
+        """For a request with a body the application may not read (a GET with a
+        Content-Length, an upload refused before its body): a response that starts
+        before the body ended says ``connection: close``.  Kept alive, the connection
+        would wait for the rest of that body with no timer running."""
+        done = False
+
+        async def tracked() -> Any:
+            nonlocal done
+            msg = await receive()
+            if msg["type"] != "http.request" or not msg.get("more_body"):
+                done = True
+            return msg
+
+        async def closing(message: Any) -> None:
+            if message["type"] == "http.response.start" and not done:
+                headers = list(message.get("headers", []))
+                if not any(k.lower() == b"connection" for k, _ in headers):
+                    message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        return tracked, closing
+
+    @staticmethod
+    async def _refuse(send: Send, status: int, message: str) -> None:
+        body = dumps(error_body(status, message))
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class BodyTimeout(Exception):
+    """A request body stalled for ``body_timeout`` (the route answers 408)."""
+
+

@@ -1,0 +1,66 @@
+"""Configuration from the environment, read once at start-up and passed down.
+
+Every environment variable aotx reads is here, with its default.  The command line
+(:mod:`aotx.cli`) reads them with :meth:`Settings.from_env` before anything else runs,
+and hands the values to the component it starts; no module reads ``os.environ`` at
+import time or in a handler.  Flags on the command line win over the environment.
+
+| Variable | Default | Meaning |
+|---|---|---|
+| ``AOTX_STATE_DIR`` | ``./state`` | the state folder (``--state-dir`` wins) |
+| ``AOTX_LOG_LEVEL`` | ``INFO`` | log level (``--log-level`` wins) |
+| ``AOTX_HEADER_TIMEOUT`` | ``10`` | seconds for a request's line and headers (then 408) |
+| ``AOTX_BODY_TIMEOUT`` | ``30`` | seconds between two chunks of a request body (then 408) |
+| ``AOTX_SHORT_SLICE`` | ``1`` | ``0``: path threads keep the kernel's default time slice |
+| ``AOTX_LOG_PROMPTS`` | ``0`` | ``1``: the device logs each admitted prompt's text |
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+#: Largest JSON body any route takes (media uploads stream, and are bounded by the device).
+MAX_BODY = 1 << 20
+
+
+class ConfigError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Settings:
+    state_dir: str = "./state"
+    log_level: str = "INFO"
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    short_slice: bool = True
+    log_prompts: bool = False
+    max_body: int = MAX_BODY
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        d = cls()
+        return cls(
+            state_dir=env.get("AOTX_STATE_DIR", d.state_dir),
+            log_level=env.get("AOTX_LOG_LEVEL", d.log_level),
+            header_timeout=_seconds(env, "AOTX_HEADER_TIMEOUT", d.header_timeout),
+            body_timeout=_seconds(env, "AOTX_BODY_TIMEOUT", d.body_timeout),
+            short_slice=env.get("AOTX_SHORT_SLICE", "1") != "0",
+            log_prompts=env.get("AOTX_LOG_PROMPTS", "0") == "1",
+        )
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds") from None
+    if not 0 < value <= 3600:
+        raise ConfigError(f"{name}={raw!r}: give 0 < seconds <= 3600")
+    return value

@@ -1,0 +1,246 @@
+"""SUBMIT: from a submission payload to a request in a model's queue.
+
+A text request is admitted on the control thread at once: grant and model checks,
+the payload decoded, the model's chat template rendered over the whole message array
+(automatic memory's facts injected first where the principal enabled it), the prompt
+tokenized, the limits checked, the request queued.
+
+A request with media parts leases its sources (so they cannot be removed meanwhile)
+and becomes a :class:`MediaJob`: decoding and preprocessing an image takes a good part
+of a second, so the media worker does it without the lock, then admits the request
+under the grant installed at that moment (a revoke meanwhile refuses it).  A refusal
+gives the leases back.
+
+Every refusal is a :class:`~aotx.device.errors.DeviceError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+
+from .. import wire
+from ..engine.multimodal import MediaInputError, MediaProblem, MediaSegment, release_all
+from ..engine.scheduler import Request
+from ..wire import Header, PartKind, Reason
+from .errors import DeviceError
+from .loading import LoadedModel
+from .media import Source
+from .memory import Source as MemorySource
+from .memory import inject
+from .state import DeviceState
+from .template import TemplateError
+
+log = logging.getLogger("aotx.device")
+
+Reply = tuple[Header, bytes]
+
+#: What the projector found wrong with a media part -> the refusal (detail: the part).
+MEDIA_PROBLEMS: dict[MediaProblem, tuple[int, Reason]] = {
+    MediaProblem.IMAGE_UNREADABLE: (400, Reason.IMAGE_UNREADABLE),
+    MediaProblem.IMAGE_PIXELS: (400, Reason.IMAGE_PIXELS),
+    MediaProblem.AUDIO_UNREADABLE: (400, Reason.AUDIO_UNREADABLE),
+    MediaProblem.AUDIO_RATE: (400, Reason.AUDIO_RATE),
+    MediaProblem.AUDIO_LENGTH: (400, Reason.AUDIO_LENGTH),
+    MediaProblem.MODALITY: (400, Reason.MODALITY),
+    MediaProblem.PREPARE: (400, Reason.MEDIA_PREPARE),
+}
+
+
+@dataclass
+class Prepared:
+    """A submission checked and rendered, not yet tokenized."""
+
+    header: Header
+    grant: wire.Grant
+    model: LoadedModel
+    submission: wire.Submission
+    prompt_text: str
+    messages: list[dict[str, str]]
+    leased: list[Source]  # media sources, in prompt order (leased from now on)
+    memory_on: bool
+
+
+@dataclass
+class MediaJob:
+    """A media submission waiting for the media worker (its mailbox is busy)."""
+
+    mailbox: int
+    prepared: Prepared
+
+
+class Admission:
+    def __init__(self, state: DeviceState) -> None:
+        self.state = state
+
+    def submit(self, h: Header, payload: bytes, mailbox: int) -> Reply | MediaJob:
+        """Admit a text request now, or lease its media and hand back the media job."""
+        p = self._prepare(h, payload)
+        model = p.model
+        if not p.leased:
+            prompt = model.engine.tokenize(p.prompt_text, add_special=model.engine.add_bos)
+            return self._admit(p, prompt, [])
+        if model.encoder is None:
+            raise DeviceError(400, Reason.NO_PROJECTOR)
+        for src in p.leased:
+            self.state.media.lease(src)
+        return MediaJob(mailbox, p)
+
+    def _prepare(self, h: Header, payload: bytes) -> Prepared:
+        st = self.state
+        grant = st.submit_grant(h)
+        model = st.models[h.role]
+        if grant.max_input_bytes and len(payload) > grant.max_input_bytes:
+            raise DeviceError(413, Reason.INPUT_BYTES, grant.max_input_bytes)
+        sub = wire.decode_submission(payload)
+        messages: list[dict[str, str]] = []
+        leased: list[Source] = []
+        for msg in sub.messages:
+            text = []
+            for part in msg.parts:
+                if part.kind is PartKind.TEXT:
+                    text.append(part.text)
+                    continue
+                bit = wire.MOD_IMAGE if part.kind is PartKind.IMAGE_DIGEST else wire.MOD_AUDIO
+                if not model.modalities & bit:
+                    raise DeviceError(400, Reason.MODALITY, int(part.kind))
+                src = st.media.ready_by_digest(h.principal, part.data)
+                if src is None or src.kind is not part.kind:
+                    raise DeviceError(404, Reason.NO_SOURCE, len(leased))
+                leased.append(src)
+                text.append(model.media_marker)
+            messages.append({"role": ("system", "user", "assistant")[msg.role],
+                             "content": "".join(text)})
+        memory_on = bool(model.automatic_memory and grant.flags & wire.GRANT_FLAG_MEMORY
+                         and not h.submit_flags & wire.SUBMIT_FLAG_MEMORY_OFF and not leased)
+        if memory_on:
+            messages = inject(messages, st.policy.memory_for(h.principal))
+        try:
+            prompt_text = model.template.render(messages)
+        except TemplateError as exc:
+            log.info("event=request.template_refused role=%d error=%s", h.role, exc)
+            raise DeviceError(400, Reason.TEMPLATE if exc.refused else Reason.TEMPLATE_FAILED
+                              ) from None
+        return Prepared(h, grant, model, sub, prompt_text, messages, leased, memory_on)
+
+    def run_media_job(self, job: MediaJob, held: bool = False) -> Reply:
+        """Tokenize a media request without the lock, then admit it under the lock and the
+        grant installed now (``held``: the caller holds the lock already, as when there is
+        no media worker).  A refusal (or a failure) gives its leases back."""
+        p = job.prepared
+        lock: contextlib.AbstractContextManager[object] = (
+            contextlib.nullcontext() if held else self.state.lock)
+        assert p.model.encoder is not None
+        segments: list[MediaSegment] = []
+        admitted = False
+        try:
+            try:
+                prompt, segments = p.model.encoder.tokenize(
+                    p.prompt_text, [("image" if s.kind is PartKind.IMAGE_DIGEST else "audio",
+                                     s.data) for s in p.leased],
+                    add_special=p.model.engine.add_bos)
+            except MediaInputError as exc:
+                log.info("event=request.media_refused part=%d error=%s", exc.part, exc)
+                status, reason = MEDIA_PROBLEMS[exc.problem]
+                raise DeviceError(status, reason, exc.part) from None
+            except Exception:
+                log.exception("event=media.error")
+                raise DeviceError(400, Reason.MEDIA_PREPARE) from None
+            if not prompt or prompt[-1] < 0:
+                raise DeviceError(400, Reason.MEDIA_LAST)
+            with lock:
+                # The grant may have been replaced or revoked meanwhile: admit under the
+                # one installed now.
+                p.grant = self.state.submit_grant(p.header)
+                reply = self._admit(p, prompt, segments)
+                admitted = True
+                return reply
+        finally:
+            if not admitted:
+                release_all(segments)
+                with lock:
+                    for src in p.leased:
+                        self.state.media.unlease(src.id)
+
+    def _admit(self, p: Prepared, prompt: list[int], segments: list[MediaSegment]) -> Reply:
+        """Check the limits and queue the request (lock held)."""
+        st, h, grant, model = self.state, p.header, p.grant, p.model
+        max_tokens = self._output_limit(p, len(prompt))
+        self._check_capacity(h, grant)
+        identity = secrets.token_bytes(wire.IDENTITY_SIZE)
+        seed = h.seed if h.submit_flags & wire.SUBMIT_FLAG_SEED else secrets.randbits(32)
+        req = Request(identity=identity, principal=h.principal, revision=grant.revision,
+                      role=h.role, prompt=prompt, max_tokens=max_tokens,
+                      temperature=max(0.0, h.temperature),
+                      top_p=h.top_p if 0.0 < h.top_p <= 1.0 else 1.0, seed=seed,
+                      stops=tuple(s.encode() for s in p.submission.stop),
+                      memory_off=bool(h.submit_flags & wire.SUBMIT_FLAG_MEMORY_OFF),
+                      segments=segments)
+        if p.memory_on and st.policy.enabled:
+            req.source_text = "\n".join(f"{m['role'].capitalize()}: {m['content']}"
+                                        for m in p.messages if m["role"] == "user")
+        if st.log_prompts:
+            log.info("event=request.prompt id=%s text=%r", st.request_id(identity), p.prompt_text)
+        st.requests[identity] = req
+        if p.leased:  # leased when the request came in (Admission.submit)
+            st.leases[identity] = [src.id for src in p.leased]
+            req.media = [src.data for src in p.leased]
+        model.scheduler.submit(req)
+        st.counters.admitted += 1
+        log.info("event=request.admitted id=%s role=%d prompt_tokens=%d max_tokens=%d",
+                 st.request_id(identity), h.role, len(prompt), max_tokens)
+        return h.reply(202, epoch=st.epoch, identity=identity, **st.state_fields(req)), b""
+
+    def _output_limit(self, p: Prepared, prompt_tokens: int) -> int:
+        """The request's output token limit: what it asked, within the context and limits."""
+        ctx = p.model.engine.slot_context
+        if prompt_tokens >= ctx:
+            raise DeviceError(400, Reason.PROMPT_LENGTH, ctx - 1,
+                              fields={"prompt_tokens": prompt_tokens})
+        limit = min(self.state.limits.max_output_tokens, p.grant.max_output_tokens or 1 << 31)
+        asked = p.header.max_tokens
+        if asked > limit:
+            raise DeviceError(400, Reason.OUTPUT_TOKENS, limit)
+        return min(asked or ctx - prompt_tokens, ctx - prompt_tokens, limit)
+
+    def _check_capacity(self, h: Header, grant: wire.Grant) -> None:
+        """The device's and the grant's limits on active requests and admissions (429)."""
+        st = self.state
+        if sum(m.scheduler.depth for m in st.models.values()) >= st.limits.max_active:
+            raise DeviceError(429, Reason.DEVICE_BUSY, retry_after=1)
+        if grant.max_active:
+            mine = sum(1 for r in st.requests.values()
+                       if r.principal == h.principal and not r.phase.terminal)
+            if mine >= grant.max_active:
+                raise DeviceError(429, Reason.ACTIVE_LIMIT, grant.max_active, retry_after=1)
+        if grant.rate_per_minute:
+            recent = st.admissions[h.principal]
+            now = time.monotonic()
+            while recent and now - recent[0] >= 60:
+                recent.popleft()
+            if len(recent) >= grant.rate_per_minute:
+                raise DeviceError(429, Reason.RATE_LIMIT, grant.rate_per_minute,
+                                  retry_after=int(60 - (now - recent[0])) + 1)
+            recent.append(now)
+
+    # -- engine callback (engine thread, lock held) ---------------------------------------
+    def on_terminal(self, req: Request) -> bool:
+        """Retention, media leases and the policy's source for a request that ended;
+        True when the control thread should look (the policy has something to do)."""
+        st = self.state
+        if req.background:
+            return True  # the control thread collects the policy's result
+        st.terminal_order.append(req.identity)
+        wake = False
+        if req.source_text and req.phase is wire.Phase.COMPLETED:
+            # The user's own words are the source: facts about the user come from what the
+            # user said (the answer is not fed back, so the model cannot quote itself).
+            st.policy.record(MemorySource(req.principal, req.role, req.source_text))
+            wake = True
+        for sid in st.leases.pop(req.identity, []):
+            st.media.unlease(sid)
+        return wake
+

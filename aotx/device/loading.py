@@ -1,0 +1,129 @@
+"""Loading one model of the models file: the file's digest, the llama.cpp engine, its chat
+template, its projector (``mmproj``), its scheduler, and whether the whole profile is
+qualified for automatic memory.
+
+A model that cannot be served as configured stops the device at start (``SystemExit``
+with the reason): a pinned digest that differs, a missing or broken chat template, a
+projector that does not load or encodes other modalities than the models file says.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .. import wire
+from ..engine.llama import EngineConfig, LlamaEngine
+from ..engine.multimodal import MARKER, MediaEncoder, MediaInputError
+from ..engine.sampling import Sampler
+from ..engine.scheduler import Request, Scheduler, common_prefix
+from .memory import qualified
+from .models import ModelSpec, file_sha256
+from .template import ChatTemplate, TemplateError
+
+log = logging.getLogger("aotx.device")
+
+
+@dataclass
+class LoadedModel:
+    spec: ModelSpec
+    engine: LlamaEngine
+    template: ChatTemplate
+    scheduler: Scheduler
+    sha256: bytes
+    published_at: int
+    thread: threading.Thread | None = None
+    modalities: int = wire.MOD_TEXT
+    media_marker: str = MARKER  # where a media part sits in the rendered prompt
+    encoder: MediaEncoder | None = None  # the projector, for image/audio input
+    automatic_memory: bool = False  # the exact file, template and processors are qualified
+
+
+def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
+               on_step: Callable[[], None],
+               on_terminal: Callable[[Request], None]) -> LoadedModel:
+    """Load ``spec`` and warm its scheduler; the scheduler shares the device's ``lock``."""
+    log.info("event=model.load alias=%s role=%d path=%s slots=%d context=%d",
+             spec.alias, spec.role, spec.path, spec.slots, spec.context)
+    t0 = time.monotonic()
+    hashes = os.path.join(state_dir, "model-hashes.json")
+    digest = file_sha256(spec.path, hashes)
+    if spec.sha256 and digest.hex() != spec.sha256:
+        raise SystemExit(f"model {spec.alias}: {spec.path} has SHA-256 {digest.hex()}, "
+                         f"the models file pins {spec.sha256}")
+    batch = max(spec.batch, spec.slots)  # every running sequence fits one step
+    engine = LlamaEngine(EngineConfig(path=spec.path, slots=spec.slots, slot_context=spec.context,
+                                      batch=batch, threads=spec.threads, poll=spec.poll))
+    template = _template(spec, engine)
+    encoder, mods = _projector(spec, engine, batch)
+    scheduler = Scheduler(
+        engine, spec.slots, batch, lock,
+        make_sampler=lambda r: Sampler(r.temperature, r.top_p, r.seed),
+        free_sampler=lambda s: s.free(),  # type: ignore[attr-defined]
+        on_step=on_step, on_terminal=on_terminal,
+        encode=encoder.encode if encoder is not None else None)
+    scheduler.warm(template_prefix(engine, template))
+    model = LoadedModel(spec, engine, template, scheduler, digest,
+                        int(os.stat(spec.path).st_mtime), modalities=mods, encoder=encoder,
+                        automatic_memory=qualified(digest, template.source))
+    log.info("event=model.ready alias=%s role=%d sha256=%s params_bytes=%d kv_bytes=%d "
+             "threads=%d automatic_memory=%s seconds=%.1f", spec.alias, spec.role, digest.hex(),
+             engine.model_bytes, engine.kv_bytes(), engine.threads, model.automatic_memory,
+             time.monotonic() - t0)
+    return model
+
+
+def _template(spec: ModelSpec, engine: LlamaEngine) -> ChatTemplate:
+    def token(key: str) -> str:
+        return engine.token_text(int(engine.metadata(key) or 0))
+
+    try:
+        return ChatTemplate(engine.metadata("tokenizer.chat_template"),
+                            bos_token=token("tokenizer.ggml.bos_token_id"),
+                            eos_token=token("tokenizer.ggml.eos_token_id"))
+    except TemplateError as exc:
+        engine.close()
+        raise SystemExit(f"model {spec.alias} ({spec.path}) refused: {exc}") from None
+
+
+def _projector(spec: ModelSpec, engine: LlamaEngine,
+               batch: int) -> tuple[MediaEncoder | None, int]:
+    """The model's projector and its input modality bits (text alone without one)."""
+    mods = 0
+    for m in spec.modalities:
+        mods |= wire.MODALITY_BITS[m]
+    if not spec.mmproj:
+        return None, mods
+    try:
+        encoder = MediaEncoder(spec.mmproj, engine.model, engine.n_embd, engine.threads, batch)
+    except MediaInputError as exc:
+        engine.close()
+        raise SystemExit(f"model {spec.alias}: {exc}") from None
+    found = (wire.MOD_TEXT | (wire.MOD_IMAGE if encoder.vision else 0)
+             | (wire.MOD_AUDIO if encoder.audio else 0))
+    if spec.modalities and mods != found:
+        encoder.close()
+        engine.close()
+        raise SystemExit(f"model {spec.alias}: the models file declares modalities "
+                         f"{list(spec.modalities)}, but {spec.mmproj} encodes "
+                         f"{wire.modality_names(found)}")
+    log.info("event=model.projector alias=%s path=%s modalities=%s", spec.alias,
+             spec.mmproj, ",".join(wire.modality_names(found)))
+    return encoder, found
+
+
+def template_prefix(engine: LlamaEngine, template: ChatTemplate) -> list[int]:
+    """The tokens every one-user-message chat starts with (for SmolLM2: its default
+    system prompt and the user's header), found by rendering two different
+    conversations and keeping what their tokens have in common."""
+    try:
+        a, b = (engine.tokenize(template.render([{"role": "user", "content": c}]),
+                                add_special=engine.add_bos) for c in ("Hi.", "What?"))
+    except TemplateError:
+        return []
+    n = common_prefix(a, b)
+    return a[:n] if n >= 8 else []

@@ -1,0 +1,188 @@
+"""The device's tables and the lock that guards them.
+
+:class:`DeviceState` holds what the device is the authority for: the grant table with
+its revisions, the request table (identity -> engine request) and its retention order,
+the loaded models, the media sources and their leases, the resident policy, and the
+counters.  The control thread, the engine threads and the media worker share it under
+``lock``; the handlers (:mod:`.handlers`, :mod:`.admission`) read and change it and
+raise :class:`~aotx.device.errors.DeviceError` to refuse.
+
+Access rule for a request handle, in this order: an ended epoch is 410 for everyone;
+a missing action is 403 without looking at the handle; anything that would reveal a
+foreign or revoked request is 404 (its principal, its admission revision against the
+principal's current one, and the grant's model bit for its role must all match).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import ids, wire
+from ..engine.scheduler import Failure, Request
+from ..wire import Header, Reason
+from .errors import DeviceError
+from .loading import LoadedModel
+from .media import MediaTable
+from .policy import Policy
+
+log = logging.getLogger("aotx.device")
+
+
+@dataclass
+class DeviceLimits:
+    window_bytes: int = 32768
+    max_active: int = 1024  # queued + running, device-wide
+    retention_seconds: int = 900
+    retention_requests: int = 4096
+    max_output_tokens: int = 8192
+    media_bytes: int = 64 << 20  # largest single source
+    media_total_bytes: int = 1 << 30  # all sources of the activation together
+
+
+@dataclass
+class Counters:
+    admitted: int = 0
+    refused: dict[int, int] = field(default_factory=lambda: collections.defaultdict(int))
+
+
+#: What a failed request's reply says: the engine's failure -> (status at 96, reason).
+FAILURES: dict[Failure, tuple[int, Reason]] = {
+    Failure.NONE: (0, Reason.NONE),
+    Failure.NO_MEMORY: (503, Reason.KV_FULL),
+    Failure.DECODE: (500, Reason.DECODE),
+    Failure.MEDIA: (500, Reason.MEDIA_ENCODE),
+}
+
+
+class DeviceState:
+    def __init__(self, epoch: int, limits: DeviceLimits, policy: Policy,
+                 log_prompts: bool = False) -> None:
+        self.epoch = epoch
+        self.limits = limits
+        self.log_prompts = log_prompts
+        self.started_unix_ns = time.time_ns()
+        self.clock0 = time.monotonic_ns()
+        self.lock = threading.Lock()
+        self.requests: collections.OrderedDict[bytes, Request] = collections.OrderedDict()
+        self.terminal_order: collections.deque[bytes] = collections.deque()
+        self.grants: dict[int, wire.Grant] = {}
+        self.grant_revision = 0
+        self.admissions: dict[int, collections.deque[float]] = collections.defaultdict(
+            collections.deque)
+        self.counters = Counters()
+        self.models: dict[int, LoadedModel] = {}
+        self.media = MediaTable(limits.media_bytes, limits.media_total_bytes)
+        self.leases: dict[bytes, list[bytes]] = {}  # request identity -> leased source ids
+        self.policy = policy
+
+    def request_id(self, identity: bytes) -> str:
+        return ids.format_request_id(self.epoch, identity)
+
+    # -- access ------------------------------------------------------------------------
+    def grant_for(self, h: Header, action: int) -> wire.Grant:
+        """The caller's grant, if it includes ``action`` (403 otherwise)."""
+        grant = self.grants.get(h.principal)
+        if grant is None:
+            raise DeviceError(403, Reason.NO_GRANT)
+        if not grant.actions & action:
+            raise DeviceError(403, Reason.ACTION, action)
+        return grant
+
+    def submit_grant(self, h: Header) -> wire.Grant:
+        """The caller's grant, if it may submit to the model named by ``h.role``."""
+        grant = self.grant_for(h, wire.Action.SUBMIT)
+        if h.role not in self.models or not (grant.model_mask >> h.role) & 1:
+            raise DeviceError(404, Reason.NO_MODEL)
+        return grant
+
+    def lookup(self, h: Header, action: int) -> Request:
+        """The request ``h`` names, if the caller may act on it (the module's access rule)."""
+        if h.epoch != self.epoch:
+            if 0 < h.epoch < self.epoch:
+                raise DeviceError(410, Reason.EPOCH_ENDED)
+            raise DeviceError(404, Reason.NO_REQUEST)
+        grant = self.grant_for(h, action)
+        req = self.requests.get(h.identity)
+        if (req is None or req.principal != h.principal or req.revision != grant.revision
+                or not (grant.model_mask >> req.role) & 1):
+            raise DeviceError(404, Reason.NO_REQUEST)
+        return req
+
+    # -- what replies carry -------------------------------------------------------------------
+    def state_fields(self, req: Request) -> dict[str, Any]:
+        failure, reason = FAILURES[req.failure]
+        return dict(phase=int(req.phase), role=req.role, total=len(req.out),
+                    prompt_tokens=req.prompt_tokens, sampled_tokens=req.sampled,
+                    finish=int(req.finish), failure=failure, reason=int(reason),
+                    cancel_requested=int(req.cancel_requested), revision=req.revision)
+
+    def window(self, req: Request, cursor: int) -> bytes:
+        """The output window at ``cursor`` (409 past the bytes produced so far)."""
+        if cursor > len(req.out):
+            raise DeviceError(409, Reason.CURSOR, fields=self.state_fields(req))
+        return bytes(req.out[cursor:cursor + self.limits.window_bytes])
+
+    def info(self, mailboxes: int) -> wire.Info:
+        first = next(iter(self.models.values()))
+        return wire.Info(
+            epoch=self.epoch,
+            models=tuple(wire.ModelInfo(m.spec.role, m.spec.alias, m.sha256, m.modalities,
+                                        m.published_at, m.engine.slot_context,
+                                        m.automatic_memory)
+                         for m in self.models.values()),
+            window_bytes=self.limits.window_bytes, context_tokens=first.engine.slot_context,
+            output_tokens=self.limits.max_output_tokens,
+            active_requests=self.limits.max_active,
+            slots=sum(m.spec.slots for m in self.models.values()),
+            media_bytes=self.limits.media_bytes,
+            retention_seconds=self.limits.retention_seconds,
+            retention_requests=self.limits.retention_requests, mailboxes=mailboxes,
+            kv_cells=sum(m.spec.slots * m.engine.slot_context for m in self.models.values()),
+            started_unix_ns=self.started_unix_ns)
+
+    def telemetry(self) -> wire.Telemetry:
+        alloc = sum(m.engine.model_bytes + m.engine.kv_bytes() for m in self.models.values())
+        alloc += sum(len(r.out) + 4 * len(r.prompt) for r in self.requests.values())
+        alloc += self.media.total_bytes
+        tick = sum(m.scheduler.tick for m in self.models.values())
+        return wire.Telemetry(alloc, tick, time.monotonic_ns() - self.clock0)
+
+    def metrics(self, parked_waits: int) -> dict[str, object]:
+        by_phase: collections.Counter[str] = collections.Counter(
+            r.phase.name.lower() for r in self.requests.values())
+        models = {}
+        for m in self.models.values():
+            sc = m.scheduler
+            models[m.spec.alias] = {
+                "queue_depth": len(sc.queue), "active_slots": len(sc.active),
+                "slots": m.spec.slots, "steps": sc.tick, "prompt_tokens": sc.prompt_tokens_in,
+                "completion_tokens": sc.tokens_out, "finished": dict(sc.finished),
+                "ttft_seconds": sc.ttft.snapshot(), "inter_token_seconds": sc.itl.snapshot()}
+        return {"epoch": self.epoch, "requests_by_state": dict(by_phase),
+                "admitted": self.counters.admitted,
+                "refused": {str(k): v for k, v in self.counters.refused.items()},
+                "models": models, "parked_waits": parked_waits,
+                "media_bytes": self.media.total_bytes,
+                "allocation_bytes": self.telemetry().allocation_bytes}
+
+    # -- retention -------------------------------------------------------------------------------
+    def reclaim(self, now_ns: int) -> None:
+        """Drop terminal results past their retention (time or count), oldest first."""
+        horizon = now_ns - self.limits.retention_seconds * 1_000_000_000
+        while self.terminal_order:
+            identity = self.terminal_order[0]
+            req = self.requests.get(identity)
+            if req is None:
+                self.terminal_order.popleft()
+                continue
+            if (req.finished_ns > horizon
+                    and len(self.terminal_order) <= self.limits.retention_requests):
+                break
+            self.terminal_order.popleft()
+            del self.requests[identity]
+            log.info("event=request.reclaimed id=%s", self.request_id(identity))

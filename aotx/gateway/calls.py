@@ -1,0 +1,216 @@
+"""The device operations on requests, for every route that has one: submit (the message
+envelope as a submission payload), read a window, wait for more, follow to the end,
+cancel.
+
+Streams wait with WAIT packets parked on the device, one mailbox each.  A principal's
+streams park at most :data:`WAIT_SHARE` of the mailboxes; its streams beyond that poll
+with READs (holding no mailbox between them) and answer as the WAIT would, so one
+principal's many open streams cannot leave every mailbox taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from .. import ids, wire
+from .errors import ApiError, Call, refusal
+from .render import dumps, state_fields
+from .requests import ChatRequest, ImageUrlPart, InputAudioPart, MediaPart, b64
+from .service import Gateway, Principal, parse_id
+from .uploads import upload_inline
+
+WAIT_MS = 10_000  # a parked WAIT answers at least this often (keep-alive cadence)
+WAIT_SHARE = 0.5
+WAIT_POLL_S = 0.05
+_CURSOR_RE = re.compile(r"[0-9]{1,20}")  # ASCII digits only (str.isdigit takes "²")
+_ROLES = {"system": wire.Role.SYSTEM, "developer": wire.Role.SYSTEM, "user": wire.Role.USER,
+          "assistant": wire.Role.ASSISTANT}
+
+
+def parse_cursor(value: str | None, param: str = "cursor") -> int:
+    if value is None:
+        return 0
+    if not _CURSOR_RE.fullmatch(value) or int(value) >= 1 << 64:
+        raise ApiError(400, f"{param} must be a decimal byte offset below 2^64", param=param)
+    return int(value)
+
+
+# -- submit ---------------------------------------------------------------------------------
+@dataclass
+class Admitted:
+    header: wire.Header  # the 202 reply
+    model: wire.ModelInfo
+    media: list[str]  # the digests of the media it leased, in order
+
+
+def submission(body: ChatRequest, m: wire.ModelInfo, principal: Principal, allow_media: bool,
+               inline: dict[int, wire.Part]) -> tuple[wire.Header, bytes, Call]:
+    """The SUBMIT header and payload for ``body``, and what a refusal's wording needs."""
+    messages = []
+    digests: list[str] = []
+    kinds: list[str] = []
+    for msg in body.messages:
+        parts = []
+        for part in msg.parts():
+            if isinstance(part, ImageUrlPart | InputAudioPart):
+                if id(part) not in inline:
+                    raise ApiError(400, "inline media was not uploaded", param="messages")
+                parts.append(inline[id(part)])
+            elif isinstance(part, MediaPart):
+                if not allow_media:
+                    raise ApiError(400, "media parts are accepted only on /aotx/v1/requests",
+                                   param="messages")
+                kind = (wire.PartKind.IMAGE_DIGEST if part.type == "input_image"
+                        else wire.PartKind.AUDIO_DIGEST)
+                parts.append(wire.Part(kind, part.digest_bytes))
+            else:
+                parts.append(wire.Part(wire.PartKind.TEXT, _utf8(part.text)))
+            if parts[-1].kind is not wire.PartKind.TEXT:
+                digests.append("sha256:" + parts[-1].data.hex())
+                kinds.append("image" if parts[-1].kind is wire.PartKind.IMAGE_DIGEST
+                             else "audio")
+        messages.append(wire.Message(_ROLES[msg.role], tuple(parts)))
+    try:
+        payload = wire.encode_submission(wire.Submission(tuple(messages), tuple(body.stops)))
+    except wire.WireError as exc:
+        raise ApiError(exc.status, f"the request does not fit one packet: {exc.message}") from None
+    except UnicodeEncodeError:
+        raise ApiError(400, "text is not valid UTF-8 (lone surrogate)", param="stop") from None
+    limit = body.token_limit or 0
+    if limit >= 1 << 32:
+        raise ApiError(400, "max_tokens is too large", param="max_tokens")
+    flags = seed = 0
+    if body.seed is not None:
+        flags |= wire.SUBMIT_FLAG_SEED
+        seed = body.seed & ((1 << 64) - 1)
+    if body.memory == "off":
+        flags |= wire.SUBMIT_FLAG_MEMORY_OFF
+    h = wire.Header.request(
+        wire.Op.SUBMIT, principal=principal.id, role=m.role, max_tokens=limit,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p, submit_flags=flags, seed=seed)
+    return h, payload, Call(m.alias, limit, len(payload), tuple(digests), tuple(kinds))
+
+
+def _utf8(text: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate from a JSON \\ud800 escape
+        raise ApiError(400, "text is not valid Unicode (lone surrogate)",
+                       param="messages") from None
+
+
+async def submit(g: Gateway, body: ChatRequest, principal: Principal,
+                 allow_media: bool = False) -> Admitted:
+    await g.ensure_ready()  # the models are the device's: 503 if it was never reached
+    m = g.model_for(body.model, principal)
+    inline = await upload_inline(g, body, m, principal)
+    h, payload, call = submission(body, m, principal, allow_media, inline)
+    rh, _ = await g.ask(h, payload, ok=(202,), context=call)
+    return Admitted(rh, m, list(call.media))
+
+
+async def admission_body(g: Gateway, body: ChatRequest, principal: Principal) -> bytes:
+    """POST /aotx/v1/requests: admit, and the admission document."""
+    if body.stream:
+        raise ApiError(400, "stream must be absent or false on /aotx/v1/requests; "
+                            "follow GET /aotx/v1/requests/{id}/events instead", param="stream")
+    a = await submit(g, body, principal, allow_media=True)
+    return dumps({"schema": "aotx.admission.v1",
+                  "id": ids.format_request_id(a.header.epoch, a.header.identity),
+                  "runtime_epoch": str(a.header.epoch), "state": "accepted",
+                  "persistence": "ephemeral", "media": a.media})
+
+
+# -- read, wait, follow, cancel ---------------------------------------------------------------
+async def read(g: Gateway, principal: Principal, epoch: int, identity: bytes, cursor: int,
+               op: wire.Op = wire.Op.READ, seen: wire.Header | None = None,
+               timeout_ms: int = WAIT_MS) -> tuple[wire.Header, bytes]:
+    pid = principal.id
+    if op is wire.Op.WAIT and _over_wait_share(g, pid):
+        # Over its share of parked WAITs: poll with READs and answer as the WAIT would,
+        # on new bytes, a changed state, or the timeout; or park once its share has room.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_ms / 1000
+        while _over_wait_share(g, pid):
+            await asyncio.sleep(WAIT_POLL_S)
+            rh, body = await read(g, principal, epoch, identity, cursor)
+            if (body or rh.total > cursor or seen is None
+                    or (rh.phase, rh.cancel_requested) != (seen.phase, seen.cancel_requested)
+                    or loop.time() >= deadline):
+                return rh, body
+        timeout_ms = max(1, int((deadline - loop.time()) * 1000))
+    if op is not wire.Op.WAIT:
+        h = wire.Header(op=op, principal=pid, epoch=epoch, identity=identity, cursor=cursor)
+        return await g.ask(h)
+    h = wire.Header.request(wire.Op.WAIT, principal=pid, epoch=epoch, identity=identity,
+                            cursor=cursor, wait_ms=timeout_ms,
+                            phase=seen.phase if seen else 0,
+                            cancel_requested=seen.cancel_requested if seen else 0)
+    g.parked[pid] = g.parked.get(pid, 0) + 1
+    try:
+        rh, body = await g.call(h, timeout=timeout_ms / 1000 + 30)
+    finally:
+        g.parked[pid] -= 1
+        if not g.parked[pid]:
+            del g.parked[pid]
+    if rh.status != 200:
+        raise refusal(rh)
+    return rh, body
+
+
+def _over_wait_share(g: Gateway, pid: int) -> bool:
+    if g.info is None:
+        return False
+    return g.parked.get(pid, 0) >= max(1, int(g.info.mailboxes * WAIT_SHARE))
+
+
+async def follow(g: Gateway, principal: Principal, epoch: int, identity: bytes, cursor: int,
+                 first: tuple[wire.Header, bytes] | None = None,
+                 ) -> AsyncIterator[tuple[wire.Header, bytes, bool]]:
+    """Yield (state, new bytes, changed) until the request is terminal and fully read.
+
+    ``changed`` is True when the state fields differ from the previous yield.  A yield
+    with no bytes and no change is a keep-alive tick.
+    """
+    seen: wire.Header | None = None
+    rh, data = first if first is not None else await read(g, principal, epoch, identity, cursor)
+    while True:
+        changed = seen is None or (rh.phase, rh.cancel_requested, rh.finish) != (
+            seen.phase, seen.cancel_requested, seen.finish)
+        yield rh, data, changed
+        cursor += len(data)
+        seen = rh
+        if wire.Phase(rh.phase).terminal and cursor >= rh.total:
+            return
+        op = wire.Op.READ if cursor < rh.total else wire.Op.WAIT
+        rh, data = await read(g, principal, epoch, identity, cursor, op=op, seen=seen)
+
+
+async def window_body(g: Gateway, principal: Principal, rid: str, cursor: str | None) -> bytes:
+    """The aotx.request.v1 document for ``rid`` with the window at ``cursor``."""
+    epoch, identity = parse_id(rid)
+    pos = parse_cursor(cursor)
+    rh, data = await read(g, principal, epoch, identity, pos)
+    return dumps({"schema": "aotx.request.v1", **state_fields(rh, g.by_role),
+                  "output": {"encoding": "base64", "bytes": b64(data), "cursor": str(pos),
+                             "next_cursor": str(pos + len(data)),
+                             "total_bytes": str(rh.total)}})
+
+
+async def cancel(g: Gateway, principal: Principal, epoch: int, identity: bytes) -> wire.Header:
+    h = wire.Header(op=wire.Op.CANCEL, principal=principal.id, epoch=epoch, identity=identity)
+    rh, _ = await g.ask(h, ok=(202,))
+    return rh
+
+
+async def cancel_quietly(g: Gateway, principal: Principal, rh: wire.Header) -> None:
+    """Cancel on the device even while this task is being cancelled (client gone)."""
+    task = asyncio.ensure_future(cancel(g, principal, rh.epoch, rh.identity))
+    try:
+        await asyncio.shield(task)
+    except (ApiError, asyncio.CancelledError):
+        pass

@@ -1,0 +1,221 @@
+"""Rendering: JSON responses, SSE events, Prometheus text, and the JSON documents built
+from wire values (request state, media sources, the policy status, model entries).
+
+Every JSON body the gateway writes goes through :func:`json_response` (orjson, no
+framework encoder), so a route, the exception handlers and the fast paths answer alike.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+from starlette.responses import Response
+
+from .. import ids, wire
+from .errors import ApiError, error_body, wording
+
+PHASE_NAMES = {p: p.name.lower() for p in wire.Phase}
+FINISH_NAMES = {wire.Finish.NONE: None, wire.Finish.STOP: "stop", wire.Finish.LENGTH: "length"}
+JSON = "application/json"
+
+
+def dumps(obj: Any) -> bytes:
+    return orjson.dumps(obj)
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(dumps(obj), status_code=status, headers=headers, media_type=JSON)
+
+
+def error_response(exc: ApiError) -> Response:
+    return json_response(exc.body(), exc.status, exc.headers or None)
+
+
+def sse(event: str | None, data: bytes, event_id: str | None = None) -> bytes:
+    """One SSE event.  ``event`` and ``event_id`` are ours (no newlines in them); ``data``
+    is compact JSON, one line."""
+    out = b""
+    if event:
+        out += b"event: " + event.encode() + b"\n"
+    if event_id:
+        out += b"id: " + event_id.encode() + b"\n"
+    return out + b"data: " + data + b"\n\n"
+
+
+def sse_data(obj: Any) -> bytes:
+    """A standard (OpenAI) stream event: ``data: {json}``."""
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+def usage(h: wire.Header) -> dict[str, int]:
+    return {"prompt_tokens": h.prompt_tokens, "completion_tokens": h.sampled_tokens,
+            "total_tokens": h.prompt_tokens + h.sampled_tokens}
+
+
+def failure(h: wire.Header) -> dict[str, Any] | None:
+    """The error object of a failed request (its status at 96, its reason at 28)."""
+    if h.phase != wire.Phase.FAILED:
+        return None
+    message, code, _ = wording(h)
+    return error_body(h.failure or 500, message, code=code)["error"]
+
+
+def state_fields(h: wire.Header, by_role: dict[int, wire.ModelInfo]) -> dict[str, Any]:
+    """The state of the request a reply describes (``aotx.request.v1`` without output)."""
+    m = by_role.get(h.role)
+    return {
+        "id": ids.format_request_id(h.epoch, h.identity),
+        "runtime_epoch": str(h.epoch),
+        "model": m.alias if m else None,
+        "model_role": h.role,
+        "state": PHASE_NAMES[wire.Phase(h.phase)],
+        "cancel_requested": bool(h.cancel_requested),
+        "finish_reason": FINISH_NAMES[wire.Finish(h.finish)],
+        "failure": failure(h),
+        "usage": usage(h),
+    }
+
+
+def media_json(h: wire.Header, meta: wire.MediaMeta) -> dict[str, Any]:
+    """``aotx.media.v1`` for a reply about one source (its id in ``identity``)."""
+    reason = wording(h)[0] if meta.state is wire.MediaState.REFUSED else None
+    return media_row(h.source_id, meta, reason)
+
+
+def media_row(source_id: bytes, meta: wire.MediaMeta, reason: str | None = None) -> dict[str, Any]:
+    return {"schema": "aotx.media.v1", "id": f"src-{source_id.hex()}",
+            "digest": f"sha256:{meta.digest.hex()}",
+            "kind": "image" if meta.kind is wire.PartKind.IMAGE_DIGEST else "audio",
+            "content_type": wire.MEDIA_TYPES[meta.content_type], "bytes": str(meta.size),
+            "state": meta.state.name.lower(), "reason": reason, "leases": meta.leases,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(meta.created_ms / 1000))}
+
+
+def policy_json(h: wire.Header, body: bytes) -> dict[str, Any]:
+    st = wire.decode_policy_status(body)
+    return {"schema": "aotx.policy.v1", "runtime_epoch": str(h.epoch),
+            "mode": "automatic_memory" if st.mode == 1 else str(st.mode), "abi": st.abi,
+            "state": st.state.name.lower(), "review_enabled": bool(st.review_enabled),
+            "pending": st.pending, "active_rows": st.active_rows,
+            "result_status": st.result_status, "control_revision": str(st.control_revision),
+            "source_frontier": str(st.source_frontier), "completed": str(st.completed),
+            "interrupted": str(st.interrupted), "refused": str(st.refused),
+            "decision": str(st.decision), "saved_generation": str(st.saved_generation),
+            "max_ns": str(st.max_ns), "last_ns": str(st.last_ns),
+            "written_bytes": str(st.written_bytes), "result_bytes": str(st.result_bytes),
+            "reason": st.reason.name.lower()}
+
+
+def model_entry(m: wire.ModelInfo) -> dict[str, Any]:
+    return {"alias": m.alias, "role": m.role, "model_sha256": m.sha256.hex(),
+            "input_modalities": wire.modality_names(m.modalities),
+            "published_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m.published_at)),
+            "context_tokens": str(m.context_tokens), "automatic_memory": m.automatic_memory}
+
+
+def openai_model(m: wire.ModelInfo) -> dict[str, Any]:
+    return {"id": m.alias, "object": "model", "created": m.published_at, "owned_by": "aotx",
+            "automatic_memory": m.automatic_memory}
+
+
+# -- /metrics: Prometheus text from the device's METRICS and the broker's BROKER_STATS --------
+
+_MODEL_FAMILIES = (  # (key in the device's per-model counters, name, help, counter?)
+    ("prompt_tokens", "aotx_prompt_tokens", "Prompt tokens evaluated", True),
+    ("completion_tokens", "aotx_completion_tokens", "Tokens generated", True),
+    ("steps", "aotx_scheduler_steps", "Decode steps (device tick)", True),
+    ("queue_depth", "aotx_queue_depth", "Requests waiting for a slot", False),
+    ("active_slots", "aotx_active_slots", "Sequences in the batch", False),
+)
+_HISTOGRAMS = (("ttft_seconds", "aotx_time_to_first_token_seconds", "Admission to first token"),
+               ("inter_token_seconds", "aotx_inter_token_seconds",
+                "Time between tokens of one request"))
+
+
+def render_metrics(device: dict[str, Any], broker: dict[str, Any], gateway_packets: int) -> bytes:
+    """Prometheus text exposition of the device's and the broker's counters."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    class Snapshot:
+        def collect(self) -> Any:
+            yield from _request_families(device)
+            yield from _model_families(device["models"])
+            yield from _transport_families(device, broker, gateway_packets)
+
+    registry = CollectorRegistry()
+    registry.register(Snapshot())
+    return bytes(generate_latest(registry))
+
+
+def _request_families(device: dict[str, Any]) -> Any:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    g = GaugeMetricFamily("aotx_requests", "Requests held by the device, by state",
+                          labels=["state"])
+    for state, n in sorted(device["requests_by_state"].items()):
+        g.add_metric([state], n)
+    yield g
+    c = CounterMetricFamily("aotx_requests_admitted", "Requests admitted this epoch")
+    c.add_metric([], device["admitted"])
+    yield c
+    c = CounterMetricFamily("aotx_requests_refused", "Submissions refused, by status",
+                            labels=["status"])
+    for status, n in sorted(device["refused"].items()):
+        c.add_metric([status], n)
+    yield c
+
+
+def _model_families(models: dict[str, Any]) -> Any:
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
+
+    for key, name, doc, counter in _MODEL_FAMILIES:
+        fam = (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=["model"])
+        for alias, m in sorted(models.items()):
+            fam.add_metric([alias], m[key])
+        yield fam
+    finished = CounterMetricFamily("aotx_requests_finished", "Requests that ended",
+                                   labels=["model", "state"])
+    for alias, m in sorted(models.items()):
+        for state, n in sorted(m["finished"].items()):
+            finished.add_metric([alias, state], n)
+    yield finished
+    for key, name, doc in _HISTOGRAMS:  # one family each, a sample set per model
+        hist = HistogramMetricFamily(name, doc, labels=["model"])
+        for alias, m in sorted(models.items()):
+            h = m[key]
+            acc, buckets = 0, []
+            for le, n in zip([*map(str, h["buckets"]), "+Inf"], h["counts"], strict=True):
+                acc += n
+                buckets.append((le, acc))
+            hist.add_metric([alias], buckets, h["sum"])
+        yield hist
+
+
+def _transport_families(device: dict[str, Any], broker: dict[str, Any],
+                        gateway_packets: int) -> Any:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    g = GaugeMetricFamily("aotx_mailboxes", "Broker mailboxes by use", labels=["use"])
+    for use in ("free", "in_flight", "orphaned"):
+        g.add_metric([use], broker.get(use, 0))
+    yield g
+    c = CounterMetricFamily("aotx_broker_packets", "Packets relayed by the broker",
+                            labels=["kind"])
+    for kind in ("packets", "replies", "dropped", "busy"):
+        c.add_metric([kind], broker.get(kind, 0))
+    yield c
+    c = CounterMetricFamily("aotx_gateway_packets", "Packets sent by this gateway")
+    c.add_metric([], gateway_packets)
+    yield c
+    g = GaugeMetricFamily("aotx_media_bytes", "Bytes held by media sources")
+    g.add_metric([], device.get("media_bytes", 0))
+    yield g
+    g = GaugeMetricFamily("aotx_service_allocation_bytes", "Bytes the runtime allocated")
+    g.add_metric([], device.get("allocation_bytes", 0))
+    yield g

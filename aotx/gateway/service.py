@@ -1,0 +1,251 @@
+"""The gateway object: its connection to the device, what it learned from INFO, the
+credentials it checks and the grants it installs.
+
+It keeps only transport conveniences: the model list and the current runtime epoch
+from the device's information payload (when a reply shows a new epoch, the device has
+restarted: it re-reads INFO and reinstalls grants), and the grant rows it installed.
+Routes reach it through :func:`gateway` (a FastAPI dependency on ``app.state``) and
+the caller through :func:`authenticated`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from .. import ids, wire
+from ..config import Settings
+from ..paths import RuntimePaths
+from .broker_client import BrokerClient, BrokerUnavailable
+from .credentials import CredentialStore, PrincipalGrant, ensure_admin_token, token_hash
+from .errors import NO_CALL, ApiError, Call, refusal
+
+log = logging.getLogger("aotx.gateway")
+
+UNREACHABLE = "the device is not reachable; try again"
+
+
+@dataclass(frozen=True)
+class Principal:
+    id: int
+    name: str
+    grant: PrincipalGrant
+
+
+class Gateway:
+    def __init__(self, paths: RuntimePaths, settings: Settings | None = None,
+                 broker: BrokerClient | None = None) -> None:
+        self.paths = paths
+        self.settings = settings or Settings()
+        self.broker = broker or BrokerClient(paths.socket)
+        self.info: wire.Info | None = None
+        self.epoch = 0
+        self.models: dict[str, wire.ModelInfo] = {}
+        self.by_role: dict[int, wire.ModelInfo] = {}
+        self._refresh_lock = asyncio.Lock()
+        self.store = CredentialStore(paths.state_dir)
+        self.store.ensure_token("admin", ensure_admin_token(paths.admin_token),
+                                int(wire.Action.all()))
+        self.generation = -1
+        self.tokens: dict[bytes, int] = {}
+        self.principals: dict[int, PrincipalGrant] = {}
+        self.installed: dict[int, wire.Grant] = {}  # what the device holds, less revisions
+        self._sync_lock = asyncio.Lock()
+        # True from a credential change until its rows are on the device: a failed
+        # install (broker busy or restarting) is tried again, by the next request or
+        # the poll loop, and requests wait for it rather than run under old grants.
+        self.grants_dirty = False
+        self.parked: dict[int, int] = {}  # principal id -> WAITs it has in flight
+        self._load_credentials()
+
+    # -- authentication --------------------------------------------------------------------
+    def _load_credentials(self) -> bool:
+        gen = self.store.generation()
+        if gen == self.generation:
+            return False
+        self.tokens, self.principals = self.store.snapshot()
+        self.generation = gen
+        self.grants_dirty = True
+        return True
+
+    async def authenticate(self, request: Request) -> Principal:
+        """Map the bearer token to a principal, with the credential store's latest state.
+
+        The store's generation is checked on every call (one indexed SQLite read), so a
+        revoked token is refused at once and a changed grant is installed on the device
+        before this request goes on.
+        """
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ApiError(401, "missing bearer token", headers={"WWW-Authenticate": "Bearer"})
+        self._load_credentials()
+        if self.grants_dirty and self.info is not None:
+            try:
+                await self.sync_grants()
+            except BrokerUnavailable as exc:
+                log.info("event=gateway.grants_pending error=%s", exc)
+                raise ApiError(503, UNREACHABLE) from None
+        # The lookup is keyed by SHA-256 of the presented token, never by the token:
+        # timing can at most reveal something about a hash, which does not help anyone
+        # forge a 256-bit token (the timing-safe design of hashed lookup).
+        pid = self.tokens.get(token_hash(token.strip()))
+        if pid is None:
+            raise ApiError(401, "invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
+        grant = self.principals[pid]
+        return Principal(pid, grant.name, grant)
+
+    # -- grants ------------------------------------------------------------------------------
+    def grants(self) -> list[wire.Grant]:
+        """Rows for every principal: those without a live token get no actions at all."""
+        roles = {m.alias: m.role for m in self.models.values()}
+        return [p.row(roles) if p.id in self.principals
+                else wire.Grant(principal=p.id, actions=0, model_mask=0)
+                for p in self.store.principals()]
+
+    async def sync_grants(self) -> None:
+        """Install the grant rows that differ from what the device holds."""
+        async with self._sync_lock:
+            generation = self.generation
+            rows = [g for g in self.grants() if self.installed.get(g.principal) != g]
+            for i in range(0, len(rows), wire.GRANT_PAGE):
+                chunk = rows[i:i + wire.GRANT_PAGE]
+                gh, _ = await self.broker.call(
+                    wire.Header(op=wire.Op.GRANT_INSTALL, total=len(chunk)),
+                    wire.encode_grants(chunk))
+                if gh.status != 200:
+                    raise BrokerUnavailable(f"grant installation refused: {gh.status}")
+                for g in chunk:
+                    self.installed[g.principal] = g
+            # Clean unless the credentials changed again while these were installed.
+            self.grants_dirty = self.generation != generation
+            if rows:
+                log.info("event=gateway.grants_installed rows=%d generation=%d", len(rows),
+                         generation)
+
+    async def read_grants(self) -> list[wire.Grant]:
+        """Every row the device holds, a page (``GRANT_PAGE`` rows) at a time."""
+        held: list[wire.Grant] = []
+        while True:
+            start = held[-1].principal + 1 if held else 0
+            rh, rows = await self.broker.call(wire.Header(op=wire.Op.GRANT_READ, cursor=start))
+            if rh.status != 200:
+                raise BrokerUnavailable(f"grant read refused: {rh.status}")
+            page = wire.decode_grants(rows, rh.row_count)
+            held += page
+            if len(page) < wire.GRANT_PAGE:
+                return held
+
+    # -- the device --------------------------------------------------------------------------
+    async def refresh(self) -> None:
+        """Learn the device's models and epoch; install grants when the epoch is new.
+
+        Grants are installed once per epoch only: installing bumps revisions, and a bumped
+        revision hides results admitted under the previous one.
+        """
+        async with self._refresh_lock:
+            h, body = await self.broker.call(wire.Header(op=wire.Op.INFO))
+            if h.status != 200:
+                raise BrokerUnavailable(f"device information refused: {h.status}")
+            info = wire.decode_info(body)
+            new_epoch = self.info is None or info.epoch != self.epoch
+            self.models = {m.alias: m for m in info.models}
+            self.by_role = {m.role: m for m in info.models}
+            if new_epoch:
+                # Start from what the device already holds (a gateway restart must not bump
+                # revisions: that would hide every result admitted before it).  A refused
+                # read is not "nothing held": fail, and try the epoch again.
+                held = await self.read_grants()
+                # (revisions are the device's; the gateway compares rows without them)
+                self.installed = {g.principal: g._replace(revision=0) for g in held}
+                self.grants_dirty = True
+                await self.sync_grants()
+            # The epoch counts as known only once its grants are installed: a failure
+            # above leaves it new, so the next call or poll installs them again.
+            self.info = info
+            self.epoch = info.epoch
+            if new_epoch:
+                log.info("event=gateway.device_epoch epoch=%d models=%s", info.epoch,
+                         ",".join(m.alias for m in info.models))
+
+    async def ensure_ready(self) -> None:
+        if self.info is None:
+            try:
+                await self.refresh()
+            except BrokerUnavailable as exc:
+                log.info("event=gateway.device_unreachable error=%s", exc)
+                raise ApiError(503, UNREACHABLE) from None
+
+    async def call(self, h: wire.Header, payload: bytes = b"",
+                   timeout: float = 120.0) -> tuple[wire.Header, bytes]:
+        await self.ensure_ready()
+        try:
+            rh, body = await self.broker.call(h, payload, timeout)
+            if rh.epoch and rh.epoch != self.epoch:
+                # The device restarted: reinstall grants, then retry a refusal once.
+                await self.refresh()
+                if rh.status == 403:
+                    rh, body = await self.broker.call(h, payload, timeout)
+        except BrokerUnavailable as exc:
+            log.info("event=gateway.device_unreachable error=%s", exc)
+            raise ApiError(503, UNREACHABLE) from None
+        return rh, body
+
+    async def ask(self, h: wire.Header, payload: bytes = b"", ok: tuple[int, ...] = (200,),
+                  context: Call = NO_CALL) -> tuple[wire.Header, bytes]:
+        """One operation; a refusal becomes the ApiError the errors table words."""
+        rh, body = await self.call(h, payload)
+        if rh.status not in ok:
+            raise refusal(rh, context)
+        return rh, body
+
+    async def poll_loop(self) -> None:
+        """Notice device restarts while idle, so grants are back before the next call."""
+        while True:
+            try:
+                if self.info is None:
+                    await self.refresh()
+                else:
+                    h, _ = await self.broker.call(wire.Header(op=wire.Op.INFO), timeout=5)
+                    if h.epoch != self.epoch:
+                        await self.refresh()
+                    elif self._load_credentials() or self.grants_dirty:
+                        await self.sync_grants()
+            except (BrokerUnavailable, wire.WireError) as exc:
+                log.debug("event=gateway.device_unreachable error=%s", exc)
+            await asyncio.sleep(0.5 if self.info is not None else 0.2)
+
+    # -- models and handles ------------------------------------------------------------------
+    def visible_models(self, principal: Principal) -> list[wire.ModelInfo]:
+        return [m for m in self.models.values() if principal.grant.allows_model(m.alias)]
+
+    def model_for(self, alias: str, principal: Principal) -> wire.ModelInfo:
+        m = self.models.get(alias)
+        if m is None or not principal.grant.allows_model(alias):
+            raise ApiError(404, f"the model {alias!r} does not exist", param="model",
+                           code="model_not_found")
+        return m
+
+
+def parse_id(rid: str) -> tuple[int, bytes]:
+    """(epoch, identity) of a request id; 404 when malformed (a handle that names nothing)."""
+    parsed = ids.parse_request_id(rid)
+    if parsed is None:
+        raise ApiError(404, "no such request")
+    return parsed
+
+
+# -- FastAPI dependencies -----------------------------------------------------------------------
+def gateway(request: Request) -> Gateway:
+    """The gateway object on ``app.state`` (set by the app's lifespan)."""
+    g: Gateway = request.app.state.gateway
+    return g
+
+
+async def authenticated(request: Request) -> Principal:
+    """The caller.  As a dependency it runs before FastAPI validates the body: no token,
+    no validation details."""
+    return await gateway(request).authenticate(request)

@@ -1,0 +1,150 @@
+"""The scheduler on the real model through llama.cpp: sequences batched together, prefix
+reuse and copied prefixes give the same output with fewer tokens evaluated."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from aotx.engine.scheduler import Request, Scheduler
+from aotx.wire import Phase
+
+from ..unit.test_scheduler import run_until_idle, submit
+
+
+@pytest.mark.skipif(os.environ.get("AOTX_SKIP_MODEL") == "1", reason="model tests disabled")
+def test_real_engine_batches_sequences_together() -> None:
+    from aotx.device.models import default_model_path
+    from aotx.device.template import ChatTemplate
+    from aotx.engine.llama import EngineConfig, LlamaEngine
+    from aotx.engine.sampling import Sampler
+
+    engine = LlamaEngine(EngineConfig(path=default_model_path(), slots=4, slot_context=512,
+                                      batch=256))
+    try:
+        tmpl = ChatTemplate(engine.metadata("tokenizer.chat_template"))
+        sched = Scheduler(engine, 4, 256, threading.Lock(),
+                          make_sampler=lambda r: Sampler(r.temperature, r.top_p, r.seed),
+                          free_sampler=lambda s: s.free())
+        reqs = []
+        for i, q in enumerate(["Name a color.", "Count to five.", "Say hello.", "Name a fruit."]):
+            prompt = engine.tokenize(tmpl.render([{"role": "user", "content": q}]), False)
+            reqs.append(Request(identity=bytes([i]) * 16, principal=1, revision=1, role=1,
+                                prompt=prompt, max_tokens=16))
+        for r in reqs:
+            submit(sched, r)
+        steps = run_until_idle(sched)
+        sampled = sum(r.sampled for r in reqs)
+        assert all(r.phase is Phase.COMPLETED for r in reqs)
+        assert all(r.out for r in reqs)
+        # Four sequences decoding together need about as many steps as the longest
+        # one alone, far fewer than the sum of their tokens.
+        assert steps <= max(r.sampled for r in reqs) + 1
+        assert steps < sampled
+        n_prompt, n_gen = engine.perf()
+        assert n_prompt + n_gen > 0
+    finally:
+        engine.close()
+
+
+@pytest.mark.skipif(os.environ.get("AOTX_SKIP_MODEL") == "1", reason="model tests disabled")
+def test_real_engine_prefix_reuse_evaluates_fewer_tokens_with_the_same_output() -> None:
+    from aotx.device.models import default_model_path
+    from aotx.device.template import ChatTemplate
+    from aotx.engine.llama import EngineConfig, LlamaEngine
+    from aotx.engine.sampling import Sampler
+
+    def engine_and_scheduler(slots: int) -> tuple[LlamaEngine, Scheduler]:
+        eng = LlamaEngine(EngineConfig(path=default_model_path(), slots=slots, slot_context=512,
+                                       batch=256))
+        sch = Scheduler(eng, slots, 256, threading.Lock(),
+                        make_sampler=lambda r: Sampler(0.0, 1.0, 0), free_sampler=lambda s: s.free())
+        return eng, sch
+
+    def request(eng: LlamaEngine, n: int, question: str) -> Request:
+        tmpl = ChatTemplate(eng.metadata("tokenizer.chat_template"))
+        prompt = eng.tokenize(tmpl.render([{"role": "user", "content": question}]), False)
+        return Request(identity=bytes([n]) * 16, principal=1, revision=1, role=1, prompt=prompt,
+                       max_tokens=24)
+
+    eng, sched = engine_and_scheduler(slots=1)
+    try:
+        first = request(eng, 1, "Name a fruit.")
+        submit(sched, first)
+        run_until_idle(sched)
+        p_first = eng.perf()[0]
+        second = request(eng, 2, "Name a color.")  # the same default system prompt
+        submit(sched, second)
+        run_until_idle(sched)
+        p_second = eng.perf()[0] - p_first
+        assert second.reused_tokens > 10  # the shared system prompt
+        assert p_second < p_first
+        assert p_second <= len(second.prompt) - second.reused_tokens + second.sampled
+    finally:
+        eng.close()
+    fresh, fresh_sched = engine_and_scheduler(slots=1)
+    try:
+        alone = request(fresh, 3, "Name a color.")
+        submit(fresh_sched, alone)
+        run_until_idle(fresh_sched)
+        assert alone.reused_tokens == 0
+        assert bytes(alone.out) == bytes(second.out) and alone.out
+    finally:
+        fresh.close()
+
+
+@pytest.mark.skipif(os.environ.get("AOTX_SKIP_MODEL") == "1", reason="model tests disabled")
+def test_real_engine_copied_prefix_gives_the_same_output() -> None:
+    """Requests arriving together share the chat template's system prompt through the warm
+    sequence and stream copies: fewer prompt tokens evaluated, identical greedy output."""
+    from aotx.device.loading import template_prefix
+    from aotx.device.models import default_model_path
+    from aotx.device.template import ChatTemplate
+    from aotx.engine.llama import EngineConfig, LlamaEngine
+    from aotx.engine.sampling import Sampler
+
+    questions = ["Name a fruit.", "Name a color.", "Name a planet."]
+
+    def serve(warm: bool, copy: bool) -> tuple[list[bytes], int, int]:
+        eng = LlamaEngine(EngineConfig(path=default_model_path(), slots=4, slot_context=512,
+                                       batch=256))
+        try:
+            tmpl = ChatTemplate(eng.metadata("tokenizer.chat_template"))
+            sch = Scheduler(eng, 4, 256, threading.Lock(),
+                            make_sampler=lambda r: Sampler(0.0, 1.0, 0),
+                            free_sampler=lambda s: s.free())
+            if not copy:
+                sch.engine = _NoCopy(eng)  # type: ignore[assignment]
+            if warm:
+                sch.warm(template_prefix(eng, tmpl))
+            reqs = [Request(identity=bytes([i]) * 16, principal=1, revision=1, role=1,
+                            prompt=eng.tokenize(tmpl.render([{"role": "user", "content": q}]),
+                                                False), max_tokens=12)
+                    for i, q in enumerate(questions)]
+            for r in reqs:
+                submit(sch, r)
+            run_until_idle(sch)
+            return [bytes(r.out) for r in reqs], eng.perf()[0], sch.copies
+        finally:
+            eng.close()
+
+    plain, evaluated_plain, _ = serve(warm=False, copy=False)
+    shared, evaluated_shared, copies = serve(warm=True, copy=True)
+    assert all(plain) and shared == plain
+    assert copies == 2  # the second and third request copied the first one's prefix
+    assert evaluated_shared < evaluated_plain - 2 * 16
+
+
+class _NoCopy:
+    """An engine wrapper that refuses to be a copy source (copies fall back to evaluating)."""
+
+    def __init__(self, engine: object) -> None:
+        self._e = engine
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._e, name)
+
+    def copy_sequence(self, src: int, dst: int) -> None:
+        raise AssertionError("no copies in this run")

@@ -1,0 +1,92 @@
+"""A device for unit tests: its real tables, mailbox region and doorbells, with a scripted
+model (``ScriptedEngine`` and a fake projector) in place of llama.cpp."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Iterator
+
+from aotx import wire
+from aotx.device.loading import LoadedModel
+from aotx.device.models import ModelSpec
+from aotx.device.runtime import Device
+from aotx.device.template import ChatTemplate
+from aotx.engine.multimodal import MARKER, MediaSegment
+from aotx.engine.scheduler import Scheduler
+from aotx.paths import RuntimePaths
+
+from ..helpers import short_tmpdir
+from .test_scheduler import ScriptedEngine
+
+
+class FakeEncoder:
+    vision, audio = True, False
+
+    def tokenize(self, text: str, media: list[tuple[str, bytes]],
+                 add_special: bool) -> tuple[list[int], list[MediaSegment]]:
+        parts = text.split(MARKER)
+        assert len(parts) == len(media) + 1
+        tokens: list[int] = []
+        segments = []
+        for i, part in enumerate(parts):
+            tokens += [100 + (b % 50) for b in part.encode()]
+            if i < len(media):
+                segments.append(MediaSegment(start=len(tokens), n_tokens=2, kind=media[i][0]))
+                tokens += [-(i + 1)] * 2
+        return tokens, segments
+
+    def encode(self, seg: MediaSegment) -> str:
+        return "embeddings"
+
+    def close(self) -> None:
+        pass
+
+
+class TokenizingEngine(ScriptedEngine):
+    add_bos = False
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return [100 + (b % 50) for b in text.encode()][:64]
+
+    def close(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def scripted_device() -> Iterator[tuple[Device, Scheduler]]:
+    """A device (real tables, mailbox region and doorbells, no worker threads) with one
+    scripted image-capable model (role 1) and principal 7 holding every action."""
+    state = short_tmpdir()
+    dev = Device(RuntimePaths(state), [], mailboxes=4)
+    engine = TokenizingEngine()
+    encoder = FakeEncoder()
+    sched = Scheduler(engine, 2, 64, dev.state.lock, make_sampler=lambda r: r,
+                      free_sampler=lambda s: None, on_terminal=dev.on_terminal,
+                      encode=encoder.encode)
+    tmpl = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    spec = ModelSpec(alias="vision", path="/dev/null", role=1, modalities=("text", "image"))
+    dev.state.models[1] = LoadedModel(spec, engine, tmpl, sched, bytes(32), 0,  # type: ignore[arg-type]
+                                modalities=wire.MOD_TEXT | wire.MOD_IMAGE,
+                                encoder=encoder)  # type: ignore[arg-type]
+    dev.state.grants[7] = wire.Grant(principal=7, actions=int(wire.Action.all()), model_mask=2,
+                               revision=1)
+    dev.state.grant_revision = 1
+    try:
+        yield dev, sched
+    finally:
+        dev.region.close()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def call(dev: Device, h: wire.Header, payload: bytes = b"") -> tuple[wire.Header, bytes]:
+    """As principal 7, and in the device's epoch where the operation names one."""
+    used = wire.REQUEST_FIELDS[wire.Op(h.op)]
+    if "principal" in used:
+        h = h._replace(principal=7)
+    if "epoch" in used:
+        h = h._replace(epoch=h.epoch or dev.epoch)
+    with dev.state.lock:
+        out = dev.respond(0, h, payload)
+    assert out is not None
+    return out

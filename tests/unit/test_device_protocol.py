@@ -1,0 +1,210 @@
+"""The seed's broker protocol as the device answers it, statement by statement (a scripted
+model; tests/e2e runs the same rules on the real service).
+
+Each test names the seed statement it checks.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from aotx import wire
+from aotx.device.runtime import Device
+from aotx.engine.scheduler import Scheduler
+
+from ..helpers import png
+from .devices import call
+
+P = struct.Struct("<I").pack
+Pair = tuple[Device, Scheduler]
+
+
+def text_submission(text: bytes = b"hi") -> bytes:
+    """The seed's exact layout: message count, then each message's role, part count and
+    parts (kind, byte count, bytes), nothing after them."""
+    return P(1) + P(1) + P(1) + P(0) + P(len(text)) + text
+
+
+def test_a_submission_in_the_seeds_exact_layout_is_admitted(device: Pair) -> None:
+    """'Submission payloads start with a 32-bit message count...': no stop-string count
+    after the messages (it is our optional extension)."""
+    dev, _ = device
+    payload = text_submission()
+    assert wire.decode_submission(payload).stop == ()
+    h, _ = call(dev, wire.Header.request(wire.Op.SUBMIT, role=1, max_tokens=3), payload)
+    assert h.status == 202 and h.phase == wire.Phase.QUEUED
+    # with stop strings the extension follows, and is read
+    with_stop = wire.encode_submission(wire.Submission(
+        (wire.Message(wire.Role.USER, (wire.Part(wire.PartKind.TEXT, b"hi"),)),), ("x",)))
+    assert with_stop == payload + P(1) + P(1) + b"x"
+    assert call(dev, wire.Header.request(wire.Op.SUBMIT, role=1), with_stop)[0].status == 202
+
+
+def _valid(op: wire.Op) -> tuple[wire.Header, bytes]:
+    """A request of ``op`` that sets only the fields its operation uses."""
+    h = wire.Header(op=op, tag=5)
+    if op == wire.Op.SUBMIT:
+        return h._replace(principal=7, role=1), text_submission()
+    if op == wire.Op.GRANT_INSTALL:
+        return h._replace(total=1), wire.encode_grants([wire.Grant(principal=9, actions=1)])
+    return h, b""
+
+
+@pytest.mark.parametrize("op", [op for op in wire.Op
+                                if op not in (wire.Op.SHARED_SAVE, wire.Op.SHARED_LOAD,
+                                              wire.Op.BROKER_STATS)])
+def test_unused_input_fields_must_be_zero(device: Pair, op: wire.Op) -> None:
+    """'Unused input fields and reserved bytes are zero': for every operation, a request
+    that sets any field the operation does not use is refused with 400, naming its
+    offset; the same request without it is not refused for that reason."""
+    dev, _ = device
+    used = set(wire.REQUEST_FIELDS[op]) | {"magic", "version", "op", "tag", "payload_length"}
+    base, payload = _valid(op)
+    for name, row in wire.HEADER_FIELDS:
+        if name in used:
+            continue
+        value = b"\x01" * 16 if name == "identity" else (0.5 if row.fmt == "f" else 1)
+        bad = base._replace(**{name: value})
+        with dev.state.lock:
+            reply = dev.respond(0, bad, payload)
+        assert reply is not None, name
+        h, _ = reply
+        assert (h.status, h.reason, h.detail) == (400, wire.Reason.NONZERO_FIELD, row.offset), name
+        assert h.tag == 5
+    with dev.state.lock:
+        ok = dev.respond(0, base, payload)
+    assert ok is None or ok[0].reason != wire.Reason.NONZERO_FIELD
+
+
+def test_undefined_flag_bits_and_a_seed_without_its_flag_are_refused(device: Pair) -> None:
+    dev, _ = device
+    submit = wire.Header.request(wire.Op.SUBMIT, principal=7, role=1)
+    for bad, offset in ((submit._replace(flags=8), 116), (submit._replace(value=42), 120),
+                        (wire.Header.request(wire.Op.MEDIA_PUT, principal=7, media_flags=16),
+                         116)):
+        with dev.state.lock:
+            h, _ = dev.respond(0, bad, text_submission())  # type: ignore[misc]
+        assert (h.status, h.reason, h.detail) == (400, wire.Reason.NONZERO_FIELD, offset)
+    seeded = submit._replace(flags=wire.SUBMIT_FLAG_SEED, value=42)
+    assert call(dev, seeded, text_submission())[0].status == 202
+
+
+@pytest.mark.parametrize("op", [wire.Op.SHARED_SAVE, wire.Op.SHARED_LOAD])
+def test_shared_operations_answer_not_supported(device: Pair, op: wire.Op) -> None:
+    """'Shared operations retain codes 10 and 11': the device does not provide them."""
+    dev, _ = device
+    h, body = call(dev, wire.Header(op=op, principal=7))
+    assert (h.status, h.reason, body) == (501, wire.Reason.NOT_SUPPORTED, b"")
+
+
+def test_policy_reads_and_mutations_follow_the_seed(device: Pair) -> None:
+    """'The frame epoch must match for mutations.  Request ID and cursor are zero.
+    Mutation requires action grant bit 128.  Reads require bit 8 or bit 128.'"""
+    dev, _ = device
+    st = dev.state
+    read = wire.Header.request(wire.Op.POLICY, principal=7)
+    for field, offset in (("identity", 48), ("cursor", 64)):
+        value = b"\x02" * 16 if field == "identity" else 3
+        h, _ = call(dev, read._replace(**{field: value}))
+        assert (h.status, h.reason, h.detail) == (400, wire.Reason.NONZERO_FIELD, offset)
+    for actions, status in ((wire.Action.POLICY_CONTROL, 200), (wire.Action.POLICY_READ, 200),
+                            (wire.Action.READ, 403)):
+        st.grants[7] = st.grants[7]._replace(actions=int(actions))
+        assert call(dev, read)[0].status == status, actions  # bit 128 alone reads
+    st.grants[7] = st.grants[7]._replace(actions=int(wire.Action.all()))
+    control = wire.encode_policy_control(wire.PolicyControl(
+        action=wire.PolicyAction.PAUSE, expected_revision=1))
+    st.epoch = 5  # as after four restarts of this state folder
+    older = read._replace(epoch=4)
+    h, _ = call(dev, older, control)
+    assert (h.status, h.reason) == (410, wire.Reason.EPOCH_ENDED)
+    h, _ = call(dev, read._replace(epoch=6), control)
+    assert (h.status, h.reason) == (400, wire.Reason.EPOCH_MISMATCH)
+    # (the scripted model is not qualified, so the policy is off: 409 at the right epoch)
+    h, _ = call(dev, read._replace(epoch=5), control)
+    assert (h.status, h.reason) == (409, wire.Reason.POLICY_OFF)
+
+
+def test_a_grant_that_stops_covering_a_model_hides_its_requests(device: Pair) -> None:
+    """'Result reads and cancellation require the admission revision and a current model
+    grant': the same revision with the model's bit cleared hides the request (404)."""
+    dev, _ = device
+    st = dev.state
+    ah, _ = call(dev, wire.Header.request(wire.Op.SUBMIT, role=1, max_tokens=3),
+                 text_submission())
+    read = wire.Header(op=wire.Op.READ, identity=ah.identity)
+    assert call(dev, read)[0].status == 200
+    st.grants[7] = st.grants[7]._replace(model_mask=0)  # same revision, no model bit
+    for op in (wire.Op.READ, wire.Op.CANCEL):
+        h, body = call(dev, read._replace(op=op))
+        assert (h.status, h.reason, body) == (404, wire.Reason.NO_REQUEST, b"")
+
+
+def _upload(dev: Device, principal: int, data: bytes) -> tuple[bytes, bytes]:
+    """(source id, digest) of a ready image source of ``principal``."""
+    h = wire.Header.request(wire.Op.MEDIA_PUT, principal=principal, upload_id=bytes([principal]) * 16,
+                            content_type=1, media_flags=wire.MEDIA_FLAG_FINAL)
+    with dev.state.lock:
+        rh, body = dev.respond(0, h, data)  # type: ignore[misc]
+    assert rh.status == 201
+    return rh.source_id, wire.decode_media_meta(body).digest
+
+
+def _image_submission(digest: bytes) -> bytes:
+    return wire.encode_submission(wire.Submission((wire.Message(wire.Role.USER, (
+        wire.Part(wire.PartKind.IMAGE_DIGEST, digest), wire.Part(wire.PartKind.TEXT, b"?"))),)))
+
+
+def test_media_digests_name_the_principals_own_sources_and_admissions_hand_back_handles(
+        device: Pair) -> None:
+    """'Media digests ... require a private ready source owned by the principal'; 'retain
+    the returned handle, runtime epoch and media handles': the admission's payload holds
+    the leased sources' ids, in prompt order."""
+    dev, _ = device
+    st = dev.state
+    st.grants[8] = st.grants[7]._replace(principal=8)
+    theirs, digest8 = _upload(dev, 8, png(11))
+    h, body = call(dev, wire.Header.request(wire.Op.SUBMIT, role=1), _image_submission(digest8))
+    assert (h.status, h.reason, h.detail, body) == (404, wire.Reason.NO_SOURCE, 0, b"")
+    assert st.media.sources[theirs].leases == 0
+    mine, digest7 = _upload(dev, 7, png(12))
+    h, body = call(dev, wire.Header.request(wire.Op.SUBMIT, role=1), _image_submission(digest7))
+    assert h.status == 202 and st.media.sources[mine].leases == 1
+
+
+def test_the_media_list_cursor_is_at_reply_offset_64(device: Pair) -> None:
+    """'The reply cursor at offset 64 is the next source-table position, or zero at the
+    end.'"""
+    dev, _ = device
+    for i in range(3):
+        h = wire.Header.request(wire.Op.MEDIA_PUT, principal=7, upload_id=bytes([i + 1]) * 16,
+                                content_type=1, media_flags=wire.MEDIA_FLAG_FINAL)
+        with dev.state.lock:
+            assert dev.respond(0, h, png(20 + i))[0].status == 201  # type: ignore[index]
+    seen, cursor = [], 0
+    while True:
+        h, body = call(dev, wire.Header.request(wire.Op.MEDIA_LIST, cursor=cursor, max_rows=2))
+        packet = wire.encode_packet(h, body)
+        (nxt,) = struct.unpack_from("<Q", packet, 64)
+        assert nxt == h.next_position and h.row_count == len(body) // 80
+        seen += [sid for sid, _ in wire.decode_media_rows(body)]
+        if not nxt:
+            break
+        cursor = nxt
+    assert len(seen) == 3 and len(set(seen)) == 3
+
+
+def test_a_cursor_past_the_result_is_409_with_the_state_fields(device: Pair) -> None:
+    """'An offset greater than the current result returns 409', and the reply still says
+    where the result is (total at 76)."""
+    dev, sched = device
+    ah, _ = call(dev, wire.Header.request(wire.Op.SUBMIT, role=1, max_tokens=3),
+                 text_submission())
+    dev.state.requests[ah.identity].script = [1, 1]  # type: ignore[attr-defined]
+    while sched.step():
+        pass
+    h, body = call(dev, wire.Header(op=wire.Op.READ, identity=ah.identity, cursor=99))
+    assert (h.status, h.reason, body) == (409, wire.Reason.CURSOR, b"")
+    assert h.total == 2 and h.cursor == 99 and h.phase == wire.Phase.COMPLETED

@@ -1,0 +1,280 @@
+"""The gateway's HTTP edge in process: the real application (routers, guard, handlers)
+over httpx's ASGI transport, with a scripted broker in place of service.sock.
+
+These are the cases that once only the end-to-end tests reached: authentication, the
+Host guard, body limits, how each device reason is worded, event-stream rules, the
+policy's conflicts, and what a 503 says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from aotx import ids, wire
+from aotx.config import Settings
+from aotx.gateway.app import create_app
+from aotx.gateway.broker_client import BrokerUnavailable
+from aotx.paths import RuntimePaths
+
+from ..helpers import short_tmpdir
+
+EPOCH = 3
+INFO = wire.Info(epoch=EPOCH, models=(wire.ModelInfo(1, "smollm2", bytes(32), wire.MOD_TEXT, 0,
+                                                     2048),),
+                 window_bytes=32768, context_tokens=2048, output_tokens=2048,
+                 active_requests=64, slots=4, mailboxes=8)
+IDENT = bytes(range(16))
+RID = ids.format_request_id(EPOCH, IDENT)
+Answer = Callable[[wire.Header, bytes], tuple[wire.Header, bytes]]
+
+
+class ScriptedBroker:
+    """Answers INFO and the grant operations as a device would; every other operation
+    from ``script`` (op -> answer), so a test says exactly what the device replies."""
+
+    def __init__(self) -> None:
+        self.script: dict[int, Answer] = {}
+        self.grants: dict[int, wire.Grant] = {}
+        self.sent: list[wire.Header] = []
+        self.down = False
+        self.packets_sent = 0
+
+    async def call(self, h: wire.Header, payload: bytes = b"",
+                   timeout: float = 120.0) -> tuple[wire.Header, bytes]:
+        if self.down:
+            raise BrokerUnavailable("cannot reach the broker at /secret/run/service.sock")
+        wire.check_request(h)  # the gateway sends nothing the device would refuse
+        self.sent.append(h)
+        if h.op == wire.Op.INFO:
+            return h.reply(200, epoch=EPOCH), wire.encode_info(INFO)
+        if h.op == wire.Op.GRANT_READ:
+            rows = sorted(self.grants.values(), key=lambda g: g.principal)
+            return h.reply(200, epoch=EPOCH, total=len(rows)), wire.encode_grants(rows)
+        if h.op == wire.Op.GRANT_INSTALL:
+            for g in wire.decode_grants(payload, h.row_count):
+                self.grants[g.principal] = g._replace(revision=1)
+            return h.reply(200, epoch=EPOCH, total=h.row_count), b""
+        return self.script[h.op](h, payload)
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def gw() -> Any:
+    state = short_tmpdir()
+    broker = ScriptedBroker()
+    app = create_app(RuntimePaths(state), Settings(body_timeout=2), broker=broker)  # type: ignore[arg-type]
+
+    async def run(test: Callable[[httpx.AsyncClient, ScriptedBroker], Awaitable[None]]) -> None:
+        fastapi_app = app.app  # type: ignore[attr-defined]
+        async with fastapi_app.router.lifespan_context(fastapi_app):
+            token = open(RuntimePaths(state).admin_token).read().strip()
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1",
+                                         headers={"Authorization": f"Bearer {token}"}) as c:
+                await test(c, broker)
+
+    try:
+        yield lambda test: asyncio.run(run(test))
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def state(h: wire.Header, status: int = 200, phase: wire.Phase = wire.Phase.RUNNING,
+          **fields: Any) -> wire.Header:
+    return h.reply(status, epoch=EPOCH, identity=IDENT, phase=int(phase), role=1, **fields)
+
+
+def error(r: httpx.Response) -> dict[str, Any]:
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "code", "param"}
+    return dict(err)
+
+
+def test_authentication_comes_first(gw: Any) -> None:
+    async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
+        for headers in ({"Authorization": ""}, {"Authorization": "Bearer nope"},
+                        {"Authorization": "Basic abc"}):
+            r = await c.post("/aotx/v1/requests", content=b"{not json", headers=headers)
+            assert r.status_code == 401 and error(r)["type"] == "authentication_error"
+            assert r.headers["www-authenticate"] == "Bearer"
+        r = await c.post("/aotx/v1/requests", content=b"{not json",
+                         headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and error(r)["message"] == "the body is not valid JSON"
+
+    gw(test)
+
+
+def test_the_guard_refuses_foreign_hosts_and_large_bodies(gw: Any) -> None:
+    async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
+        r = await c.get("/v1/models", headers={"Host": "evil.example:8000"})
+        assert r.status_code == 421 and "loopback" in error(r)["message"]
+        r = await c.post("/v1/chat/completions", content=b"x" * (Settings().max_body + 1),
+                         headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and r.headers["connection"] == "close"
+
+    gw(test)
+
+
+def test_device_reasons_are_worded_by_the_gateway(gw: Any) -> None:
+    """The device sends a status, a reason and a number; the gateway's table words them
+    (with what it knows of the call), and a 429 carries Retry-After."""
+    cases: list[tuple[Answer, int, str, str | None]] = [
+        (lambda h, p: (h.refuse(429, wire.Reason.RATE_LIMIT, 5, 7, epoch=EPOCH), b""),
+         429, "the grant allows 5 admissions a minute", None),
+        (lambda h, p: (h.refuse(400, wire.Reason.OUTPUT_TOKENS, 64, epoch=EPOCH), b""),
+         400, "max_tokens 100 exceeds the limit of 64", "max_tokens"),
+        (lambda h, p: (h.refuse(400, wire.Reason.PROMPT_LENGTH, 2047, epoch=EPOCH,
+                                prompt_tokens=3000), b""),
+         400, "the prompt has 3000 tokens; model smollm2 accepts at most 2047 so that one "
+              "can be generated", "messages"),
+        (lambda h, p: (h.refuse(413, wire.Reason.INPUT_BYTES, 10, epoch=EPOCH), b""),
+         413, f"input of {len(p_of())} bytes exceeds the grant's 10", "messages"),
+        (lambda h, p: (h.refuse(403, wire.Reason.ACTION, int(wire.Action.SUBMIT), epoch=EPOCH),
+                       b""), 403, "the grant does not include the submit action", None),
+    ]
+
+    async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
+        for answer, status, message, param in cases:
+            broker.script[wire.Op.SUBMIT] = answer
+            r = await c.post("/aotx/v1/requests", json=BODY)
+            assert r.status_code == status, r.text
+            assert (error(r)["message"], error(r)["param"]) == (message, param)
+            if status == 429:
+                assert r.headers["retry-after"] == "7"
+
+    gw(test)
+
+
+BODY = {"model": "smollm2", "max_tokens": 100, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def p_of() -> bytes:
+    """The submission payload BODY becomes (what INPUT_BYTES compares)."""
+    return wire.encode_submission(wire.Submission((wire.Message(wire.Role.USER, (
+        wire.Part(wire.PartKind.TEXT, b"hi"),)),)))
+
+
+def test_handles_cursors_and_epochs(gw: Any) -> None:
+    async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
+        assert (await c.get("/aotx/v1/requests/req-nothing")).status_code == 404
+        broker.script[wire.Op.READ] = lambda h, p: (
+            h.refuse(409, wire.Reason.CURSOR, epoch=EPOCH, total=12), b"")
+        r = await c.get(f"/aotx/v1/requests/{RID}", params={"cursor": "99"})
+        assert r.status_code == 409
+        assert error(r)["message"] == "cursor 99 is past the 12 bytes produced so far"
+        broker.script[wire.Op.READ] = lambda h, p: (
+            h.refuse(410, wire.Reason.EPOCH_ENDED, epoch=EPOCH), b"")
+        r = await c.get(f"/aotx/v1/requests/{RID}")
+        assert r.status_code == 410 and error(r)["type"] == "gone_error"
+        for bad in ("-1", "1e3", "²", str(1 << 64)):
+            r = await c.get(f"/aotx/v1/requests/{RID}", params={"cursor": bad})
+            assert r.status_code == 400 and error(r)["param"] == "cursor", bad
+
+    gw(test)
+
+
+def test_event_stream_rules(gw: Any) -> None:
+    async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
+        path = f"/aotx/v1/requests/{RID}/events"
+        r = await c.get(path, params={"cursor": "0"}, headers={"Last-Event-ID": f"{RID}:0"})
+        assert r.status_code == 400 and error(r)["param"] == "cursor"
+        other = ids.format_request_id(EPOCH, bytes(16))
+        for last in (f"{other}:0", "garbage", f"{RID}:x"):
+            r = await c.get(path, headers={"Last-Event-ID": last})
+            assert r.status_code == 400, last
+        broker.script[wire.Op.READ] = lambda h, p: (
+            state(h, phase=wire.Phase.COMPLETED, total=3, finish=1), b"abc"[h.cursor:])
+        r = await c.get(path, headers={"Last-Event-ID": f"{RID}:1"})
+        events = [e for e in r.text.split("\n\n") if e]
+        assert events[0].startswith("event: emission\n") and f"id: {RID}:3" in events[0]
+        assert events[-1].startswith("event: status\n") and len(events) == 2
+        r = await c.post("/aotx/v1/requests", json={**BODY, "stream": True})
+        assert r.status_code == 400 and error(r)["param"] == "stream"
+
+    gw(test)
+
+
+def test_a_failed_request_reads_as_failed_and_completes_as_its_status(gw: Any) -> None:
+    async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
+        failed = state(wire.Header(op=wire.Op.READ), phase=wire.Phase.FAILED, failure=503,
+                       reason=int(wire.Reason.KV_FULL))
+        broker.script[wire.Op.READ] = lambda h, p: (failed._replace(tag=h.tag), b"")
+        doc = (await c.get(f"/aotx/v1/requests/{RID}")).json()
+        assert doc["state"] == "failed" and doc["failure"]["type"] == "service_unavailable"
+        assert doc["failure"]["message"] == "the engine ran out of KV cache for this request"
+        broker.script[wire.Op.SUBMIT] = lambda h, p: (state(h, 202, wire.Phase.QUEUED), b"")
+        r = await c.post("/v1/chat/completions", json=BODY)
+        assert r.status_code == 503 and "KV cache" in error(r)["message"]
+
+    gw(test)
+
+
+def test_policy_conflicts_and_memory_paths(gw: Any) -> None:
+    async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
+        status = wire.encode_policy_status(wire.PolicyStatus(state=wire.PolicyState.QUIET,
+                                                             control_revision=9))
+        broker.script[wire.Op.POLICY] = lambda h, p: (
+            h.refuse(409, wire.Reason.STALE_REVISION, 9, epoch=EPOCH), status)
+        r = await c.post("/aotx/v1/policy", json={"action": "pause", "expected_revision": "3"})
+        assert r.status_code == 409
+        assert error(r)["message"] == "stale control revision 3; the current one is 9"
+        broker.script[wire.Op.POLICY] = lambda h, p: (
+            h.refuse(409, wire.Reason.POLICY_OFF, epoch=EPOCH), status)
+        r = await c.post("/aotx/v1/policy", json={"action": "pause", "expected_revision": "9"})
+        assert r.status_code == 409 and "policy is off" in error(r)["message"]
+        for path in ("/aotx/v1/memory/pending/1/maybe", "/aotx/v1/memory/pending/x/approve",
+                     f"/aotx/v1/memory/pending/{1 << 63}/approve"):
+            assert (await c.post(path)).status_code == 404, path
+        assert not any(h.op == wire.Op.MEMORY for h in broker.sent)  # refused in the gateway
+
+    gw(test)
+
+
+def test_telemetry_values_are_decimal_strings(gw: Any) -> None:
+    """'The sample contains service allocation bytes, device tick and device clock
+    nanoseconds as decimal strings.'"""
+    async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
+        big = (1 << 64) - 1
+        broker.script[wire.Op.TELEMETRY] = lambda h, p: (
+            h.reply(200, epoch=EPOCH), wire.encode_telemetry(wire.Telemetry(big, 7, 12345)))
+        doc = (await c.get("/aotx/v1/telemetry")).json()
+        assert doc["sample"] == {"service_allocation_bytes": str(big), "device_tick": "7",
+                                 "device_clock_ns": "12345"}
+        assert doc["runtime_epoch"] == str(EPOCH)
+        assert doc["affect"] is None and doc["expression"] is None
+
+    gw(test)
+
+
+def test_an_unreachable_device_is_a_plain_503(gw: Any) -> None:
+    """No filesystem path in the body: the detail goes to the gateway's log."""
+    async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
+        broker.down = True
+        r = await c.post("/aotx/v1/requests", json=BODY)
+        assert r.status_code == 503 and "/" not in error(r)["message"]
+        assert "not reachable" in error(r)["message"]
+
+    gw(test)
+
+
+def test_the_fast_paths_answer_as_the_routes(gw: Any) -> None:
+    """The guard answers a valid admission and a window read itself; the same requests
+    through the routes (a body the fast path passes on) answer alike."""
+    async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
+        broker.script[wire.Op.SUBMIT] = lambda h, p: (state(h, 202, wire.Phase.QUEUED), b"")
+        fast = await c.post("/aotx/v1/requests", json=BODY)
+        routed = await c.post("/aotx/v1/requests", content=httpx.Request(
+            "POST", "http://x", json=BODY).read(), headers={"Content-Type": "application/json; x=1"})
+        assert fast.status_code == routed.status_code == 202
+        assert fast.json() == routed.json() and fast.json()["id"] == RID
+        assert fast.json()["media"] == []
+
+    gw(test)

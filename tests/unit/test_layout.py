@@ -1,0 +1,113 @@
+"""The house rules of the source tree, checked: a package per process with imports that
+point one way, llama_cpp only in the engine, no module or function past its size.
+
+Imports are read from the source with ``ast`` (every ``import`` and ``from ... import``,
+at any depth, relative ones resolved), so a lazy import inside a function counts too.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "aotx"
+MAX_MODULE_LINES = 600
+MAX_WIRE_LINES = 900
+MAX_FUNCTION_LINES = 80
+
+
+def modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def imports(name: str, path: pathlib.Path) -> set[str]:
+    """Every module ``name`` imports (absolute names; relative imports resolved)."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return found
+
+
+def within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_imports_point_one_way() -> None:
+    """The gateway never imports device or engine code; the device never imports the
+    gateway; the broker neither; the engine none of the three; only the engine imports
+    llama_cpp."""
+    forbidden = {
+        "aotx.gateway": ("aotx.device", "aotx.engine", "aotx.broker", "llama_cpp"),
+        "aotx.broker": ("aotx.device", "aotx.engine", "aotx.gateway", "llama_cpp"),
+        "aotx.device": ("aotx.gateway", "aotx.broker", "llama_cpp"),
+        "aotx.engine": ("aotx.gateway", "aotx.broker", "aotx.device"),
+    }
+    shared = ("aotx.wire", "aotx.mailbox", "aotx.client", "aotx.paths", "aotx.config",
+              "aotx.cpuslice")
+    seen = modules()
+    bad = []
+    for name, path in seen.items():
+        found = imports(name, path)
+        for package, banned in forbidden.items():
+            if within(name, package):
+                bad += [(name, m) for m in found if any(within(m, b) for b in banned)]
+        if within(name, "aotx") and not within(name, "aotx.engine"):
+            bad += [(name, m) for m in found if within(m, "llama_cpp")]
+        if name in shared:  # what all processes share imports none of them
+            bad += [(name, m) for m in found
+                    if any(within(m, p) for p in forbidden if p != "aotx.engine")
+                    or (within(m, "aotx.engine") and name != "aotx.engine")]
+    assert not bad, bad
+    assert any(within(m, "llama_cpp") for m in imports("aotx.engine.llama",
+                                                       seen["aotx.engine.llama"]))
+
+
+def test_the_checker_sees_lazy_and_relative_imports(tmp_path: pathlib.Path) -> None:
+    """The boundary test would catch a violation: an import inside a function, written
+    relative to the package, is found and resolved."""
+    src = tmp_path / "routes.py"
+    src.write_text("def f():\n    from ..device import runtime\n    import llama_cpp\n")
+    found = imports("aotx.gateway.routes", src)
+    assert "aotx.device.runtime" in found and "llama_cpp" in found
+
+
+def test_no_module_or_function_is_too_long() -> None:
+    long_modules, long_functions = [], []
+    for name, path in modules().items():
+        text = path.read_text()
+        lines = text.count("\n")
+        limit = MAX_WIRE_LINES if name == "aotx.wire" else MAX_MODULE_LINES
+        if lines > limit:
+            long_modules.append((name, lines))
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                span = (node.end_lineno or node.lineno) - node.lineno + 1
+                if span > MAX_FUNCTION_LINES:
+                    long_functions.append((f"{name}.{node.name}", span))
+    assert not long_modules, long_modules
+    assert not long_functions, long_functions
+
+
+def test_the_process_packages_exist() -> None:
+    for package in ("gateway", "broker", "device", "engine"):
+        assert os.path.isfile(ROOT / package / "__init__.py"), package
+    assert (ROOT / "wire.py").is_file() and not (ROOT / "wire").exists()

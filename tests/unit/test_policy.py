@@ -1,0 +1,148 @@
+"""Policy pieces without a model: decisions, injection, the on-disk lineage, controls."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from aotx import wire
+from aotx.device.errors import DeviceError
+from aotx.device.memory import KEEP_GENERATIONS, Lineage, decide, inject
+from aotx.device.policy import Policy
+
+SRC = "User: My name is Alice and I live in Paris. I work as a nurse."
+
+
+def test_decide_keeps_only_grounded_new_facts() -> None:
+    assert decide("- Alice is a nurse who lives in Paris.", [], SRC) == \
+        "Alice is a nurse who lives in Paris."
+    assert decide("2) The user works as a nurse in Paris", [], SRC) == \
+        "The user works as a nurse in Paris"
+    assert decide("I'm Emily, a nurse who works in Paris.", [], SRC) is None  # invented name
+    assert decide("Paris is the capital of France.", [], SRC) is None  # not about the user
+    assert decide("NONE", [], SRC) is None
+    assert decide("- ok", [], SRC) is None
+    assert decide("Alice is a nurse who lives in Paris.", ["alice is a nurse who lives in paris."],
+                  SRC) is None  # duplicate
+    assert decide("Paris is the capital of France.", [],
+                  "User: What is the capital of France?") is None  # no first-person statement
+
+
+def test_inject_places_memory_before_the_template() -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    out = inject(msgs, ["Alice lives in Paris."])
+    assert out[0]["role"] == "system" and "- Alice lives in Paris." in out[0]["content"]
+    assert out[1:] == msgs
+    sys_msgs = [{"role": "system", "content": "Be brief."}, *msgs]
+    out = inject(sys_msgs, ["X is y."])
+    assert out[0]["content"].startswith("Be brief.\n\nKnown facts about the user:")
+    assert len(out) == 2 and sys_msgs[0]["content"] == "Be brief."  # input not mutated
+    assert inject(msgs, []) is msgs
+
+
+def test_lineage_generations_are_atomic_checksummed_and_bounded(tmp_path) -> None:
+    lin = Lineage(str(tmp_path), 7)
+    assert lin.latest() == (0, [])
+    for i in range(KEEP_GENERATIONS + 3):
+        gen, written = lin.save([f"fact {i}"])
+        assert gen == i + 1 and written > 0
+    assert lin.latest() == (KEEP_GENERATIONS + 3, [f"fact {KEEP_GENERATIONS + 2}"])
+    files = sorted(os.listdir(lin.dir))
+    assert len(files) == KEEP_GENERATIONS
+    assert all(oct(os.stat(os.path.join(lin.dir, f)).st_mode)[-3:] == "600" for f in files)
+    # a torn newest file (bad checksum) and a partial temporary file are skipped
+    newest = os.path.join(lin.dir, f"gen-{KEEP_GENERATIONS + 4:08d}.json")
+    with open(newest, "w") as f:
+        json.dump({"generation": KEEP_GENERATIONS + 4, "facts": ["torn"], "sha256": "00"}, f)
+    with open(newest + ".tmp", "w") as f:
+        f.write("{")
+    assert lin.latest() == (KEEP_GENERATIONS + 3, [f"fact {KEEP_GENERATIONS + 2}"])
+    assert lin.erase() >= KEEP_GENERATIONS
+    assert os.listdir(lin.dir) == [] and lin.latest() == (0, [])
+
+
+def test_controls_follow_the_revision() -> None:
+    core = Policy(root="/nonexistent", enabled=True)
+    A, S = wire.PolicyAction, wire.PolicyState
+
+    def control(action: wire.PolicyAction, expected: int) -> int:
+        try:
+            core.control(action, expected)
+        except DeviceError as exc:
+            return exc.status
+        return 200
+
+    assert control(A.PAUSE, 0) == 409  # stale
+    assert control(A.PAUSE, 1) == 200 and core.state is S.PAUSED
+    assert core.status().reason is wire.PolicyReason.PAUSED
+    assert control(A.RESUME, 2) == 200 and core.state is S.QUIET
+    assert control(A.REVIEW_ON, 3) == 200 and core.review
+    assert control(A.STOP, 4) == 200 and core.state is S.STOPPED
+    assert core.status().control_revision == 5 and core.status().review_enabled == 1
+    off = Policy(root="/nonexistent", enabled=False)
+    assert off.state is S.OFF and off.status().reason is wire.PolicyReason.DISABLED
+    with pytest.raises(DeviceError) as err:
+        off.control(A.RESUME, 1)
+    assert err.value.status == 409 and err.value.reason is wire.Reason.POLICY_OFF
+    data = wire.encode_policy_status(core.status())
+    assert len(data) == 160 and wire.decode_policy_status(data) == core.status()
+
+
+def test_models_file_paths_cannot_escape_the_state_folder(tmp_path) -> None:
+    import pytest
+
+    from aotx.device.models import ModelConfigError, load_specs
+
+    state = tmp_path / "state"
+    (state / "models").mkdir(parents=True)
+    outside = tmp_path / "outside.gguf"
+    outside.write_bytes(b"GGUF")
+    (state / "models" / "inside.gguf").write_bytes(b"GGUF")
+    (state / "models" / "link.gguf").symlink_to(outside)
+    for bad in ("../outside.gguf", "models/../../outside.gguf", "models/link.gguf"):
+        (state / "models.toml").write_text(f'[default]\nenabled = false\n[[model]]\n'
+                                           f'alias = "x"\npath = "{bad}"\n')
+        with pytest.raises(ModelConfigError, match="leaves the state folder"):
+            load_specs(str(state))
+    (state / "models.toml").write_text('[default]\nenabled = false\n[[model]]\n'
+                                       'alias = "x"\npath = "models/inside.gguf"\n')
+    (spec,) = load_specs(str(state))
+    assert spec.path == str((state / "models" / "inside.gguf").resolve()) and spec.role == 1
+
+
+def test_models_file_poll_is_checked(tmp_path) -> None:
+    import pytest
+
+    from aotx.device.models import ModelConfigError, load_specs
+
+    (tmp_path / "models.toml").write_text("[default]\npoll = 0\n")
+    (spec,) = load_specs(str(tmp_path))
+    assert spec.poll == 0
+    (tmp_path / "models.toml").write_text("[default]\n")
+    assert load_specs(str(tmp_path))[0].poll == 50
+    for bad in ("101", "-2", '"fast"', "true"):
+        (tmp_path / "models.toml").write_text(f"[default]\npoll = {bad}\n")
+        with pytest.raises(ModelConfigError, match="poll must be"):
+            load_specs(str(tmp_path))
+
+
+def test_forget_drops_a_principals_unprocessed_sources_and_its_running_extraction() -> None:
+    """A memory erase: the principal's sources not yet processed are dropped, as are its
+    pending facts, and an extraction running on one of its sources is marked to be
+    discarded, so that nothing said before the erase is saved after it."""
+    from aotx.device.memory import Pending, Source
+
+    core = Policy(root="/nonexistent", enabled=True)
+    core.log = [Source(1, 1, "done"), Source(1, 1, "running"), Source(2, 1, "b"),
+                Source(1, 1, "later"), Source(2, 1, "c")]
+    core.frontier = 1
+    core.active = object()  # type: ignore[assignment]  # extracting log[1]
+    core.pending = [Pending(1, 1, "fact"), Pending(2, 2, "other")]
+    core.forget(1)
+    assert [s.text for s in core.log] == ["done", "running", "b", "c"]
+    assert core.discard_active and [p.principal for p in core.pending] == [2]
+    core.discard_active, core.active = False, None
+    core.forget(2)  # nothing running: every unprocessed source of 2 goes
+    assert [s.text for s in core.log] == ["done", "running"]

@@ -1,0 +1,439 @@
+"""The scheduler: continuous batching, cancellation by identity, stop strings, UTF-8.
+
+A scripted engine (one layer, no model) stands for llama.cpp; tests/e2e/test_engine_batching.py
+drives the real model.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from aotx.engine.llama import BatchEntry
+from aotx.engine.scheduler import Failure, OutputBuffer, Request, Scheduler, utf8_complete_length
+from aotx.wire import Finish, Phase
+
+EOG = 0
+
+
+class ScriptedEngine:
+    """Each sequence emits the tokens scripted for its request, then EOG."""
+
+    slot_context = 4096
+
+    def __init__(self) -> None:
+        self.steps: list[list[BatchEntry]] = []
+        self.seq_script: dict[int, list[int]] = {}
+        self.cleared: list[int] = []
+        self.trims: list[tuple[int, int]] = []
+        self.media: list[tuple[int, int, int, object]] = []  # (seq, pos, n, embeddings)
+        self.copies: list[tuple[int, int]] = []
+        self.media_status = 0
+        self.trim_fails = False  # a memory that cannot be cut back (recurrent models)
+
+    def decode(self, entries: list[BatchEntry]) -> int:
+        self.steps.append(list(entries))
+        return 0
+
+    def sample(self, sampler: object, index: int) -> int:
+        req = sampler  # the factory below hands the request itself over as the "sampler"
+        assert isinstance(req, Request)
+        script = req.script  # type: ignore[attr-defined]
+        return script.pop(0) if script else EOG
+
+    def piece(self, token: int) -> bytes:
+        return {1: b"a", 2: b"b", 3: "é".encode(), 4: b"\xe2", 5: b"\x82\xac", 6: b"STOP"}.get(
+            token, b"x")
+
+    def is_eog(self, token: int) -> bool:
+        return token == EOG
+
+    def clear_sequence(self, seq: int) -> None:
+        self.cleared.append(seq)
+
+    def trim_sequence(self, seq: int, keep: int) -> bool:
+        self.trims.append((seq, keep))
+        return not self.trim_fails
+
+    def copy_sequence(self, src: int, dst: int) -> None:
+        self.copies.append((src, dst))
+
+    def decode_embeddings(self, embd: object, n_tokens: int, pos: int, seq: int,
+                          non_causal: bool = False) -> int:
+        self.steps.append([])  # a step of its own: embeddings never share a token batch
+        self.media.append((seq, pos, n_tokens, embd))
+        return self.media_status
+
+
+def make(slots: int = 4, batch: int = 64) -> tuple[Scheduler, ScriptedEngine]:
+    engine = ScriptedEngine()
+    sched = Scheduler(engine, slots, batch, threading.Lock(), make_sampler=lambda r: r,
+                      free_sampler=lambda s: None, encode=lambda seg: f"embd{seg.start}")
+    return sched, engine
+
+
+def req(name: int, script: list[int], prompt_len: int = 5, max_tokens: int = 100,
+        stops: tuple[bytes, ...] = ()) -> Request:
+    r = Request(identity=bytes([name]) * 16, principal=1, revision=1, role=1,
+                prompt=list(range(100, 100 + prompt_len)), max_tokens=max_tokens, stops=stops)
+    r.script = list(script)  # type: ignore[attr-defined]
+    return r
+
+
+def submit(sched: Scheduler, r: Request) -> None:
+    with sched.lock:
+        sched.submit(r)
+
+
+def run_until_idle(sched: Scheduler, limit: int = 1000) -> int:
+    n = 0
+    while sched.step():
+        n += 1
+        assert n < limit
+    return n
+
+
+def test_requests_share_decode_steps() -> None:
+    sched, engine = make()
+    reqs = [req(i, [1] * 10) for i in range(1, 5)]
+    for r in reqs:
+        submit(sched, r)
+    steps = run_until_idle(sched)
+    # One prefill step for all four prompts, then 10 shared decode steps (the
+    # tenth sample is EOG).  Alone they would need 4 x 11 = 44 steps.
+    assert steps == 11
+    assert sum(r.sampled for r in reqs) == 44
+    assert all(r.phase is Phase.COMPLETED and r.finish is Finish.STOP for r in reqs)
+    assert all(bytes(r.out) == b"a" * 10 for r in reqs)
+    decode_steps = engine.steps[1:]
+    assert all(len({e.seq for e in s}) == 4 for s in decode_steps[:9])
+    assert len({e.seq for s in engine.steps for e in s}) == 4
+
+
+def test_new_requests_join_between_steps() -> None:
+    sched, engine = make()
+    a = req(1, [1] * 20)
+    submit(sched, a)
+    for _ in range(5):
+        sched.step()
+    b = req(2, [2] * 3)
+    submit(sched, b)
+    sched.step()  # b's prompt is prefilled in the same step as a's next token
+    last = engine.steps[-1]
+    assert {e.seq for e in last} == {a.seq, b.seq}
+    assert sum(1 for e in last if e.seq == b.seq) == 5
+    run_until_idle(sched)
+    assert bytes(a.out) == b"a" * 20 and bytes(b.out) == b"b" * 3
+
+
+def test_queue_waits_for_a_free_sequence() -> None:
+    sched, _ = make(slots=2)
+    rs = [req(i, [1] * 3) for i in range(1, 6)]
+    for r in rs:
+        submit(sched, r)
+    sched.step()
+    assert [r.phase for r in rs].count(Phase.QUEUED) == 3
+    run_until_idle(sched)
+    assert all(r.phase is Phase.COMPLETED for r in rs)
+
+
+def test_cancellation_is_by_identity_and_never_touches_a_later_slot_user() -> None:
+    sched, engine = make(slots=1)
+    a = req(1, [1] * 50)
+    submit(sched, a)
+    sched.step()
+    sched.step()
+    slot = a.seq
+    with sched.lock:
+        sched.cancel(a)
+    assert a.cancel_requested and a.phase is Phase.RUNNING  # requested, not yet confirmed
+    sched.step()
+    assert a.phase is Phase.CANCELLED and a.seq == -1
+    b = req(2, [2] * 5)
+    submit(sched, b)
+    sched.step()
+    assert b.seq == slot  # b reuses a's sequence (and the 4 shared prompt tokens)...
+    assert engine.trims[-1] == (slot, 4) and b.reused_tokens == 4
+    with sched.lock:
+        sched.cancel(a)  # ...and a late cancel of a (by a's identity) does nothing to b
+    run_until_idle(sched)
+    assert b.phase is Phase.COMPLETED and not b.cancel_requested and bytes(b.out) == b"b" * 5
+
+
+def test_prompt_prefix_is_reused_from_a_finished_sequence() -> None:
+    sched, engine = make(slots=2)
+    a = req(1, [1, 1], prompt_len=40)
+    submit(sched, a)
+    run_until_idle(sched)
+    b = req(2, [2, 2], prompt_len=40)
+    b.prompt = a.prompt[:30] + [7] * 12  # shares 30 tokens with a's prompt
+    submit(sched, b)
+    sched.step()
+    assert b.seq == a_seq(engine, a) and b.reused_tokens == 30
+    assert [e.pos for e in engine.steps[-1]] == list(range(30, 42))  # only the new suffix
+    run_until_idle(sched)
+    c = req(3, [1])
+    c.prompt = list(b.prompt)  # identical prompt: all but the last token reused
+    submit(sched, c)
+    sched.step()
+    assert c.reused_tokens == 41 and len(engine.steps[-1]) == 1
+    assert sched.reused_tokens == 71
+
+
+def test_a_memory_that_cannot_be_trimmed_evaluates_the_whole_prompt() -> None:
+    """Where the memory refuses to cut a sequence back (llama.cpp's recurrent and
+    hybrid memories refuse a partial removal), the sequence is cleared and the whole
+    prompt is evaluated from position 0, instead of decoding after stale cells."""
+    sched, engine = make(slots=1)
+    a = req(1, [1, 1], prompt_len=40)
+    submit(sched, a)
+    run_until_idle(sched)
+    engine.trim_fails = True
+    b = req(2, [2, 2], prompt_len=40)
+    b.prompt = a.prompt[:30] + [7] * 12
+    submit(sched, b)
+    sched.step()
+    assert b.reused_tokens == 0 and b.seq in engine.cleared
+    assert [e.pos for e in engine.steps[-1]] == list(range(42))
+    run_until_idle(sched)
+    assert b.phase is Phase.COMPLETED and bytes(b.out) == b"bb"
+    assert sched.reused_tokens == 0
+
+
+def a_seq(engine: ScriptedEngine, r: Request) -> int:
+    return engine.steps[0][0].seq
+
+
+def test_completed_stays_completed_after_cancel() -> None:
+    sched, _ = make()
+    a = req(1, [1, 1])
+    submit(sched, a)
+    run_until_idle(sched)
+    with sched.lock:
+        sched.cancel(a)
+    assert a.phase is Phase.COMPLETED and not a.cancel_requested
+
+
+def test_cancel_while_queued() -> None:
+    sched, _ = make(slots=1)
+    a, b = req(1, [1] * 10), req(2, [1] * 10)
+    submit(sched, a)
+    submit(sched, b)
+    sched.step()
+    with sched.lock:
+        sched.cancel(b)
+    run_until_idle(sched)
+    assert b.phase is Phase.CANCELLED and b.sampled == 0 and a.phase is Phase.COMPLETED
+
+
+def test_max_tokens_gives_length() -> None:
+    sched, _ = make()
+    a = req(1, [1] * 50, max_tokens=7)
+    submit(sched, a)
+    run_until_idle(sched)
+    assert a.finish is Finish.LENGTH and a.sampled == 7 and bytes(a.out) == b"a" * 7
+
+
+def test_stop_string_ends_output_before_it() -> None:
+    sched, _ = make()
+    a = req(1, [1, 2, 6, 1, 1], stops=(b"bST",))
+    submit(sched, a)
+    run_until_idle(sched)
+    assert a.finish is Finish.STOP and bytes(a.out) == b"a"
+
+
+def test_chunked_prefill_never_stalls_running_streams() -> None:
+    sched, engine = make(batch=64)
+    a = req(1, [1] * 30)
+    submit(sched, a)
+    sched.step()
+    sched.step()
+    long = req(2, [1] * 3, prompt_len=300)
+    submit(sched, long)
+    for _ in range(6):
+        sched.step()
+        step = engine.steps[-1]
+        assert len(step) <= 64
+        assert any(e.seq == a.seq for e in step)  # a decodes in every step
+    assert long.phase is Phase.RUNNING  # 300 prompt tokens in chunks of <= 63
+    run_until_idle(sched)
+    assert bytes(long.out) == b"aaa"
+
+
+def test_utf8_is_held_until_complete() -> None:
+    sched, _ = make()
+    a = req(1, [4, 5, 3], max_tokens=2)  # "\xe2" then "\x82\xac" (the euro sign), then length
+    submit(sched, a)
+    sched.step()  # prefill, then the first sample: the lone lead byte
+    assert a.sampled == 1 and bytes(a.out) == b""  # held back
+    run_until_idle(sched)
+    assert bytes(a.out) == "€".encode()
+
+
+def test_incomplete_utf8_tail_is_dropped_at_the_end() -> None:
+    sched, _ = make()
+    a = req(1, [1, 4], max_tokens=2)
+    submit(sched, a)
+    run_until_idle(sched)
+    assert bytes(a.out) == b"a"
+    bytes(a.out).decode("utf-8")
+
+
+@given(st.text(max_size=30), st.integers(0, 12))
+def test_utf8_complete_length(text: str, cut: int) -> None:
+    data = text.encode()
+    part = data[:cut]
+    n = utf8_complete_length(part)
+    part[:n].decode("utf-8")  # always decodable
+    assert len(part) - n <= 3
+    assert utf8_complete_length(data) == len(data)
+
+
+@given(st.text(alphabet="abcST€", max_size=40), st.lists(st.integers(1, 5), max_size=40),
+       st.sampled_from([b"ST", b"\xe2\x82\xac", b"cab"]))
+def test_output_buffer_equals_cut_at_first_stop(text: str, cuts: list[int], stop: bytes) -> None:
+    data = text.encode()
+    buf = OutputBuffer((stop,))
+    out = b""
+    pos = 0
+    stopped = False
+    for c in cuts + [len(data)]:
+        piece, pos = data[pos:pos + c], pos + c
+        got, stopped = buf.push(piece)
+        out += got
+        if stopped or pos >= len(data):
+            break
+    if not stopped:
+        out += buf.flush()
+    k = data.find(stop)
+    expected = data[:k] if k >= 0 else data
+    if k >= 0 and pos < k + len(stop):
+        expected = data[:pos]  # stopped consuming before the stop was complete
+        expected = expected[:utf8_complete_length(expected)]
+    assert out == expected
+
+
+def _held_back_reference(held: bytes, stops: tuple[bytes, ...]) -> int:
+    """The longest tail of ``held`` that is a proper prefix of a stop (plainly)."""
+    keep = 0
+    for s in stops:
+        for j in range(min(len(s) - 1, len(held)), 0, -1):
+            if held.endswith(s[:j]):
+                keep = max(keep, j)
+                break
+    return keep
+
+
+@given(st.text(alphabet="ab", max_size=60), st.lists(st.integers(1, 4), max_size=40),
+       st.lists(st.text(alphabet="ab", min_size=1, max_size=7), min_size=1, max_size=3))
+def test_output_buffer_holds_back_exactly_a_possible_stop_start(
+        text: str, cuts: list[int], stops: list[str]) -> None:
+    """After every piece, what stays held is exactly the longest tail that could still
+    begin a stop string (ASCII here, so UTF-8 holds nothing back)."""
+    data, stop_bytes = text.encode(), tuple(s.encode() for s in stops)
+    buf, pos, seen = OutputBuffer(stop_bytes), 0, b""
+    for c in cuts + [len(data)]:
+        piece, pos = data[pos:pos + c], pos + c
+        seen += piece
+        _, stopped = buf.push(piece)
+        if stopped or pos >= len(data):
+            break
+        assert bytes(buf.held) == seen[len(seen) - _held_back_reference(seen, stop_bytes):]
+
+
+def media_req(name: int, script: list[int], layout: list[int | str]) -> Request:
+    """A request whose prompt is text tokens and media spans ("3" = an image of 3 positions)."""
+    from aotx.engine.multimodal import MediaSegment
+
+    r = req(name, script)
+    r.prompt, r.segments = [], []
+    for part in layout:
+        if isinstance(part, str):
+            r.segments.append(MediaSegment(start=len(r.prompt), n_tokens=int(part), kind="image"))
+            r.prompt += [-(1000 * name + len(r.segments))] * int(part)
+        else:
+            r.prompt.append(part)
+    return r
+
+
+def test_media_segments_decode_in_steps_of_their_own_between_prompt_chunks() -> None:
+    sched, engine = make(slots=2, batch=64)
+    talker = req(1, [1, 1, 1, 1, 1, 1])
+    submit(sched, talker)
+    sched.step()  # the talker's prompt; it is running from now on
+    looker = media_req(2, [2, 2], [100, 101, "3", 102, 103])
+    submit(sched, looker)
+    for _ in range(4):
+        sched.step()
+    # step 2: the talker's token and the looker's text up to the image (not into it)
+    assert [(e.seq, e.pos) for e in engine.steps[1]] == [(0, 5), (1, 0), (1, 1)]
+    # step 3: the image alone as embeddings at positions 2..4, then the talker's token
+    assert engine.media == [(1, 2, 3, "embd2")]
+    assert engine.steps[2] == [] and [(e.seq, e.pos) for e in engine.steps[3]] == [(0, 6)]
+    # step 4: the text after the image, with logits on the prompt's last position only
+    assert [(e.seq, e.pos, e.token, e.logits) for e in engine.steps[4] if e.seq == 1] == [
+        (1, 5, 102, False), (1, 6, 103, True)]
+    run_until_idle(sched)
+    assert bytes(looker.out) == b"bb" and looker.phase is Phase.COMPLETED
+    assert sched.media_decoded == 1 and looker.n_past == 7 + 2
+
+
+def test_a_failed_media_decode_fails_only_its_request() -> None:
+    sched, engine = make(slots=2)
+    ok = req(1, [1, 1])
+    bad = media_req(2, [2], ["2", 100])
+    engine.media_status = 1  # the KV cache had no room for the embeddings
+    submit(sched, ok)
+    submit(sched, bad)
+    run_until_idle(sched)
+    assert bad.phase is Phase.FAILED and bad.failure is Failure.NO_MEMORY  # the device: 503
+    assert ok.phase is Phase.COMPLETED and bytes(ok.out) == b"aa"
+    assert 1 in engine.cleared  # the failed sequence's cells are dropped
+
+
+def test_a_cached_image_prefix_never_matches_another_image() -> None:
+    sched, engine = make(slots=1)
+    first = media_req(1, [1], [100, 101, "2", 102])
+    submit(sched, first)
+    run_until_idle(sched)
+    second = media_req(2, [1], [100, 101, "2", 102])  # same text, another image
+    submit(sched, second)
+    run_until_idle(sched)
+    assert second.reused_tokens == 2  # the text before the image, not the image
+    assert engine.media[-1][:3] == (0, 2, 2)
+
+
+def test_a_new_request_copies_a_shared_prefix_from_a_running_sequence() -> None:
+    sched, engine = make(slots=3, batch=64)
+    shared = list(range(500, 530))  # 30 tokens every prompt starts with
+    first = req(1, [1] * 10)
+    first.prompt = [*shared, 7, 8]
+    submit(sched, first)
+    sched.step()  # first's whole prompt is in sequence 0
+    second = req(2, [2])
+    second.prompt = [*shared, 9]
+    short = req(3, [2])
+    short.prompt = [*shared[:10], 4]  # shares 10 tokens: below COPY_MIN_TOKENS
+    submit(sched, second)
+    submit(sched, short)
+    sched.step()
+    assert engine.copies == [(0, 1)]
+    assert (1, 30) in engine.trims and second.reused_tokens == 30
+    # only the token after the shared prefix was evaluated for the second request
+    assert [e.pos for e in engine.steps[1] if e.seq == 1] == [30]
+    assert short.reused_tokens == 0 and sched.copies == 1
+    run_until_idle(sched)
+
+
+def test_warm_puts_the_template_prefix_in_sequence_zero() -> None:
+    sched, engine = make(slots=2, batch=8)
+    sched.warm(list(range(500, 520)))
+    assert [len(s) for s in engine.steps] == [8, 8, 4]  # in batch-sized pieces
+    assert not any(e.logits for s in engine.steps for e in s)
+    r = req(1, [1])
+    r.prompt = [*range(500, 520), 7]
+    submit(sched, r)
+    sched.step()
+    assert r.seq == 0 and r.reused_tokens == 20
