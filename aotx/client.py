@@ -100,7 +100,7 @@ class Admission:
     id: str
     runtime_epoch: int
     state: str
-    media: list[str]
+    media: list[dict[str, str]]  # {"id": "src-...", "digest": "sha256:..."} per leased source
 
 
 @dataclass(frozen=True)

@@ -192,7 +192,9 @@ class Admission:
         st.counters.admitted += 1
         log.info("event=request.admitted id=%s role=%d prompt_tokens=%d max_tokens=%d",
                  st.request_id(identity), h.role, len(prompt), max_tokens)
-        return h.reply(202, epoch=st.epoch, identity=identity, **st.state_fields(req)), b""
+        # The payload: the leased sources' ids, in prompt order (the seed's media handles).
+        return (h.reply(202, epoch=st.epoch, identity=identity, **st.state_fields(req)),
+                b"".join(src.id for src in p.leased))
 
     def _output_limit(self, p: Prepared, prompt_tokens: int) -> int:
         """The request's output token limit: what it asked, within the context and limits."""

@@ -43,7 +43,7 @@ def parse_cursor(value: str | None, param: str = "cursor") -> int:
 class Admitted:
     header: wire.Header  # the 202 reply
     model: wire.ModelInfo
-    media: list[str]  # the digests of the media it leased, in order
+    media: list[dict[str, str]]  # the media it leased: source id and digest, in order
 
 
 def submission(body: ChatRequest, m: wire.ModelInfo, principal: Principal, allow_media: bool,
@@ -109,8 +109,12 @@ async def submit(g: Gateway, body: ChatRequest, principal: Principal,
     m = g.model_for(body.model, principal)
     inline = await upload_inline(g, body, m, principal)
     h, payload, call = submission(body, m, principal, allow_media, inline)
-    rh, _ = await g.ask(h, payload, ok=(202,), context=call)
-    return Admitted(rh, m, list(call.media))
+    rh, ids = await g.ask(h, payload, ok=(202,), context=call)
+    sources = [f"src-{ids[i:i + 16].hex()}" for i in range(0, len(ids), 16)]
+    if len(sources) != len(call.media):
+        raise ApiError(502, "the device's admission named other media than the request")
+    return Admitted(rh, m, [{"id": s, "digest": d} for s, d in zip(sources, call.media,
+                                                                   strict=True)])
 
 
 async def admission_body(g: Gateway, body: ChatRequest, principal: Principal) -> bytes:

@@ -53,6 +53,13 @@ class Usage(_Doc):
     total_tokens: int
 
 
+class MediaHandle(_Doc):
+    """A media source a request leased: the handle to remove it by, and its digest."""
+
+    id: Annotated[str, Field(pattern=r"^src-[0-9a-f]{32}$")]
+    digest: Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")]
+
+
 class Admission(_Doc):
     """``aotx.admission.v1``: the answer to a native submission."""
 
@@ -61,8 +68,9 @@ class Admission(_Doc):
     runtime_epoch: Decimal = _DEC
     state: Literal["accepted"]
     persistence: Literal["ephemeral"]
-    media: list[Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")]] = Field(
-        description="the digests of the media sources this request leased, in prompt order")
+    media: list[MediaHandle] = Field(
+        description="the media sources this request leased, in prompt order: the seed's "
+                    "media handles (remove a source by its id once its leases end)")
 
 
 _STATES = Literal["free", "queued", "preparing", "running", "completed", "failed", "cancelled"]

@@ -120,7 +120,7 @@ def test_an_image_is_encoded_and_conditions_the_answer(vsvc: Service) -> None:
         def run(src: dict) -> dict:
             r = ask(c, [{"type": "input_image", "digest": src["digest"]}, *question])
             assert r.status_code == 202, r.text
-            assert r.json()["media"] == [src["digest"]]
+            assert r.json()["media"] == [{"id": src["id"], "digest": src["digest"]}]
             doc = finish(c, r.json()["id"])
             assert doc["state"] == "completed", doc
             return doc
@@ -244,7 +244,8 @@ def test_openai_inline_image_and_audio(vsvc: Service) -> None:
             time.sleep(0.1)
         # the native route takes inline media too, and echoes the digest it leased
         r = ask(c, [{"type": "image_url", "image_url": {"url": image}}, question])
-        assert r.status_code == 202 and r.json()["media"][0].startswith("sha256:")
+        assert r.status_code == 202 and r.json()["media"][0]["digest"].startswith("sha256:")
+        assert r.json()["media"][0]["id"].startswith("src-")  # the ephemeral source's handle
         assert finish(c, r.json()["id"])["state"] == "completed"
     bad = [
         ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "data: URL"),
