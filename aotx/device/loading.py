@@ -40,7 +40,7 @@ class LoadedModel:
     modalities: int = wire.MOD_TEXT
     media_marker: str = MARKER  # where a media part sits in the rendered prompt
     encoder: MediaEncoder | None = None  # the projector, for image/audio input
-    automatic_memory: bool = False  # the exact file, template and processors are qualified
+    automatic_memory: bool = False  # model, template, projector and source profile qualified
 
 
 def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
@@ -60,6 +60,7 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
                                       batch=batch, threads=spec.threads, poll=spec.poll))
     template = _template(spec, engine)
     encoder, mods = _projector(spec, engine, batch)
+    projector = file_sha256(spec.mmproj, hashes) if spec.mmproj else None
     scheduler = Scheduler(
         engine, spec.slots, batch, lock,
         make_sampler=lambda r: Sampler(r.temperature, r.top_p, r.seed),
@@ -69,7 +70,7 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
     scheduler.warm(template_prefix(engine, template))
     model = LoadedModel(spec, engine, template, scheduler, digest,
                         int(os.stat(spec.path).st_mtime), modalities=mods, encoder=encoder,
-                        automatic_memory=qualified(digest, template.source))
+                        automatic_memory=qualified(digest, template.source, projector))
     log.info("event=model.ready alias=%s role=%d sha256=%s params_bytes=%d kv_bytes=%d "
              "threads=%d automatic_memory=%s seconds=%.1f", spec.alias, spec.role, digest.hex(),
              engine.model_bytes, engine.kv_bytes(), engine.threads, model.automatic_memory,

@@ -21,10 +21,18 @@ from dataclasses import dataclass
 
 log = logging.getLogger("aotx.policy")
 
-#: (model SHA-256, chat template SHA-256): profiles qualified for automatic memory.
+#: How the policy makes its sources and reads them: the user's own words of a completed
+#: text request, at most MAX_SOURCE_CHARS, asked of the model with EXTRACTION_PROMPT and
+#: decided line by line by :func:`decide`.  Its name carries the extraction prompt's
+#: SHA-256 (first 16 hex digits): a changed prompt is another profile, not yet qualified.
+SOURCE_PROFILE_NAME = "user-words/v1"
+#: The profiles qualified for automatic memory, exactly as the seed asks: the loaded model
+#: file (SHA-256), its wrapper (the chat template's SHA-256), its processors (the
+#: projector file's SHA-256, or "" for none) and the source profile.
 QUALIFIED_PROFILES = {
     ("b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-     "872be49dbb638044ad01b60388f48d469ff2980e5f0dccdc22ec907db54d0788"),
+     "872be49dbb638044ad01b60388f48d469ff2980e5f0dccdc22ec907db54d0788",
+     "", "user-words/v1:5bb26dc85d46c9b7"),
 }
 MODE_AUTOMATIC_MEMORY = 1
 KEEP_GENERATIONS = 5
@@ -40,9 +48,18 @@ EXTRACTION_PROMPT = (
     "about 'The user' on its own line starting with '- '. If there are none, write NONE.")
 
 
-def qualified(model_sha256: bytes, template_source: str) -> bool:
+def source_profile() -> str:
+    """The source profile in use (its name and its extraction prompt's digest)."""
+    return f"{SOURCE_PROFILE_NAME}:{hashlib.sha256(EXTRACTION_PROMPT.encode()).hexdigest()[:16]}"
+
+
+def qualified(model_sha256: bytes, template_source: str, projector_sha256: bytes | None = None,
+              profile: str | None = None) -> bool:
+    """Is this exact model, template, projector and source profile qualified?"""
     tmpl = hashlib.sha256(template_source.encode()).hexdigest()
-    return (model_sha256.hex(), tmpl) in QUALIFIED_PROFILES
+    key = (model_sha256.hex(), tmpl, projector_sha256.hex() if projector_sha256 else "",
+           profile if profile is not None else source_profile())
+    return key in QUALIFIED_PROFILES
 
 
 _STOP = frozenset("""that this with from have they their there about what when where which

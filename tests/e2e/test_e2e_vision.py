@@ -110,6 +110,10 @@ def test_capabilities_list_the_projector_modalities(vsvc: Service) -> None:
         models = {m["alias"]: m for m in c.get("/aotx/v1/capabilities").json()["models"]}
     assert models["smollm2"]["input_modalities"] == ["text", "image", "audio"]
     assert models["plain"]["input_modalities"] == ["text"]
+    # The seed's qualification names the processors too: the same model file and
+    # template with a projector is not the qualified profile; without one it is.
+    assert models["smollm2"]["automatic_memory"] is False
+    assert models["plain"]["automatic_memory"] is True
 
 
 def test_an_image_is_encoded_and_conditions_the_answer(vsvc: Service) -> None:

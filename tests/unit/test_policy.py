@@ -146,3 +146,34 @@ def test_forget_drops_a_principals_unprocessed_sources_and_its_running_extractio
     core.discard_active, core.active = False, None
     core.forget(2)  # nothing running: every unprocessed source of 2 goes
     assert [s.text for s in core.log] == ["done", "running"]
+
+
+def test_qualification_names_model_template_projector_and_source_profile() -> None:
+    """The seed: the device checks the exact loaded model, wrapper, processors and source
+    profile.  The qualified profile (SmolLM2 without a projector) passes; the same model
+    and template with any projector, with another template, or another source profile
+    (a changed extraction prompt) do not."""
+    import hashlib
+
+    from aotx.device import memory
+
+    ((model, _template, projector, profile),) = memory.QUALIFIED_PROFILES
+    assert projector == "" and profile == memory.source_profile()
+    sha, src = bytes.fromhex(model), _qualified_template()
+    assert memory.qualified(sha, src)
+    assert not memory.qualified(sha, src, projector_sha256=bytes(32))  # a projector
+    assert not memory.qualified(sha, src, projector_sha256=hashlib.sha256(b"x").digest())
+    assert not memory.qualified(sha, src, profile="user-words/v1:0000000000000000")
+    assert not memory.qualified(sha, "{{ messages }}")  # another wrapper
+    assert not memory.qualified(bytes(32), src)  # another model file
+
+
+def _qualified_template() -> str:
+    """The embedded model's chat template, read from the GGUF's metadata (no llama.cpp)."""
+    import gguf
+
+    from aotx.device.models import default_model_path
+
+    reader = gguf.GGUFReader(default_model_path())
+    field = reader.fields["tokenizer.chat_template"]
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
