@@ -395,25 +395,25 @@ REQUEST_FIELDS: dict[Op, tuple[str, ...]] = {
     Op.METRICS: ("principal",), Op.MEMORY: ("principal", "role", "cursor"),
 }
 #: The flag bits each operation defines; other bits are unused, so zero.
-REQUEST_FLAGS = {Op.SUBMIT: SUBMIT_FLAG_SEED | SUBMIT_FLAG_MEMORY_OFF,
+REQUEST_FLAGS: dict[int, int] = {Op.SUBMIT: SUBMIT_FLAG_SEED | SUBMIT_FLAG_MEMORY_OFF,
                  Op.MEDIA_PUT: MEDIA_FLAG_FINAL | MEDIA_FLAG_ABORT | MEDIA_FLAG_EPHEMERAL}
 _ZERO = Header(magic=0, version=0)
-_UNUSED = {op: [i for i, name in enumerate(Header._fields) if name not in (
+_UNUSED: dict[int, list[int]] = {op: [i for i, name in enumerate(Header._fields) if name not in (
     "magic", "version", "op", "tag", "payload_length", *used)] for op, used in REQUEST_FIELDS.items()}
-_UNUSED_GET = {op: (operator.itemgetter(*idx), tuple(_ZERO[i] for i in idx))
-               for op, idx in _UNUSED.items()}
+_UNUSED_GET: dict[int, tuple[Any, tuple[Any, ...]]] = {
+    op: (operator.itemgetter(*idx), tuple(_ZERO[i] for i in idx)) for op, idx in _UNUSED.items()}
 
 
 def check_request(h: Header) -> None:
     """Refuse (WireError 400, NONZERO_FIELD) a request that sets a field its operation
     does not use, a flag bit it does not define, or a SUBMIT seed without its flag."""
-    get, zeros = _UNUSED_GET[Op(h.op)]
+    get, zeros = _UNUSED_GET[h.op]  # (an int key finds the Op's entry: no enum built)
     if get(h) != zeros:
-        i = next(i for i in _UNUSED[Op(h.op)] if h[i] != _ZERO[i])
+        i = next(i for i in _UNUSED[h.op] if h[i] != _ZERO[i])
         name, row = HEADER_FIELDS[i]
         raise WireError(f"{name} is not zero in a {Op(h.op).name} request", 400,
                         Reason.NONZERO_FIELD, row.offset)
-    if h.flags & ~REQUEST_FLAGS.get(Op(h.op), 0):
+    if h.flags & ~REQUEST_FLAGS.get(h.op, 0):
         raise WireError(f"unknown flag bits {h.flags:#x} in a {Op(h.op).name} request", 400,
                         Reason.NONZERO_FIELD, 116)
     if h.op == Op.SUBMIT and h.value and not h.flags & SUBMIT_FLAG_SEED:

@@ -143,13 +143,13 @@ class Broker:
 
     # -- gateway side ------------------------------------------------------
     def _refuse(self, conn: Connection, data: bytes, status: int, reason: wire.Reason,
-                message: str) -> None:
+                message: str, detail: int = 0) -> None:
         """Answer a packet from the broker itself (bad packet or no mailbox): the status
         and reason in the header; the message stays in the log."""
         log.debug("event=broker.refused status=%d reason=%s error=%s", status, reason.name,
                   message)
         try:
-            reply = wire.decode_header(data).refuse(status, reason)
+            reply = wire.decode_header(data).refuse(status, reason, detail)
         except wire.WireError:
             # Undecodable: still echo the tag so the sender can match the refusal.
             tag = struct.unpack_from("<Q", data, 16)[0] if len(data) >= 24 else 0
@@ -164,13 +164,13 @@ class Broker:
         try:
             header, _ = wire.decode_packet(data)
         except wire.WireError as exc:
-            self._refuse(conn, data, exc.status, exc.reason, exc.message)
+            self._refuse(conn, data, exc.status, exc.reason, exc.message, exc.detail)
             return
         if header.op == wire.Op.BROKER_STATS:
             try:
                 wire.check_request(header)
             except wire.WireError as exc:
-                self._refuse(conn, data, exc.status, exc.reason, exc.message)
+                self._refuse(conn, data, exc.status, exc.reason, exc.message, exc.detail)
                 return
             stats = {**self.stats, **self.mailbox_counts(), "connections": len(self.connections),
                      "mailboxes": self.region.count}

@@ -145,7 +145,10 @@ class Admission:
             except MediaInputError as exc:
                 log.info("event=request.media_refused part=%d error=%s", exc.part, exc)
                 status, reason = MEDIA_PROBLEMS[exc.problem]
-                raise DeviceError(status, reason, exc.part) from None
+                # MODALITY names the part's kind, as the device's own check does
+                detail = (int(p.leased[exc.part].kind) if exc.problem is MediaProblem.MODALITY
+                          else exc.part)
+                raise DeviceError(status, reason, detail) from None
             except Exception:
                 log.exception("event=media.error")
                 raise DeviceError(400, Reason.MEDIA_PREPARE) from None

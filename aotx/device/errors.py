@@ -1,7 +1,7 @@
 """The device's one error type.
 
 A handler that refuses raises :class:`DeviceError`; the device catches it in one
-place, where the reply is written (:meth:`aotx.device.runtime.Device.answer`), and
+place, where the reply is written (:meth:`aotx.device.runtime.Device.reply_to`), and
 turns it into a reply header with the status, the :class:`~aotx.wire.Reason` and the
 number the reason names.  No text crosses the wire: the gateway words the reason.
 """

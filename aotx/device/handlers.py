@@ -51,7 +51,7 @@ class Handlers:
         self.wake = wake  # rings the device's own doorbell (the policy has work)
         self.cancelled = cancelled  # answers the WAITs parked on a cancelled request
         self.parked_waits = 0  # kept by the runtime, reported in METRICS
-        self.table: dict[Op, Callable[[int, Header, bytes], Result]] = {
+        self.table: dict[int, Callable[[int, Header, bytes], Result]] = {
             Op.INFO: lambda _m, h, _p: self.ok(h, wire.encode_info(state.info(mailboxes))),
             Op.SUBMIT: lambda m, h, p: admission.submit(h, p, m),
             Op.READ: lambda _m, h, _p: self.read(h),
@@ -70,7 +70,7 @@ class Handlers:
         }
 
     def handle(self, mailbox: int, h: Header, payload: bytes) -> Result:
-        handler = self.table.get(Op(h.op))
+        handler = self.table.get(h.op)  # an int finds its Op's entry
         if handler is None:  # the seed's shared operations (10, 11), BROKER_STATS
             raise DeviceError(501, Reason.NOT_SUPPORTED)
         wire.check_request(h)  # the seed: unused input fields are zero
@@ -159,7 +159,9 @@ class Handlers:
     def policy(self, h: Header, payload: bytes) -> Reply:
         st = self.state
         grant = st.grants.get(h.principal)
-        actions = grant.actions if grant else 0
+        if grant is None:
+            raise DeviceError(403, Reason.NO_GRANT)
+        actions = grant.actions
         if not payload:
             if not actions & (Action.POLICY_READ | Action.POLICY_CONTROL):
                 raise DeviceError(403, Reason.ACTION, Action.POLICY_READ | Action.POLICY_CONTROL)

@@ -40,7 +40,7 @@ from ..cpuslice import request_short_slice
 from ..engine.scheduler import Request
 from ..mailbox import REQUEST, SCAN_ALL, WAKE, Bell, Region
 from ..paths import RuntimePaths
-from ..wire import Header, Op, Reason, WireError
+from ..wire import Action, Header, Op, Reason, WireError
 from .admission import Admission, MediaJob
 from .errors import DeviceError
 from .handlers import Handlers, Park, Reply, wait_ready
@@ -136,8 +136,10 @@ class Device:
     # -- replies -----------------------------------------------------------------------------
     def reply_to(self, h: Header, work: Callable[[], Reply | Park | MediaJob]
                  ) -> Reply | Park | MediaJob:
-        """Run ``work`` for the request ``h``: the one place where a refusal (DeviceError,
-        WireError) or a failure becomes a reply, and where refused submissions are counted."""
+        """Run ``work`` for the request ``h``: the one place where a handler's refusal
+        (DeviceError, WireError) or failure becomes a reply, and where refused submissions
+        are counted.  (A packet the codec cannot read has no request to answer: ``_take``
+        replies with the codec's status; a reply that cannot be encoded becomes a 500.)"""
         epoch = self.state.epoch
         try:
             result = work()
@@ -176,8 +178,9 @@ class Device:
             h, payload = wire.decode_packet(data)
         except WireError as exc:
             log.info("event=device.bad_packet mailbox=%d error=%s", i, exc.message)
-            bad = Header(op=Op.INFO, status=exc.status, reason=int(exc.reason),
-                         epoch=self.state.epoch)
+            tag = int.from_bytes(data[16:24], "little") if len(data) >= 24 else 0
+            bad = Header(op=Op.INFO, status=exc.status, reason=int(exc.reason), tag=tag,
+                         epoch=self.state.epoch, value=exc.detail)
             self._publish(i, bad, b"")
             return
         reply = self.respond(i, h, payload)
@@ -224,12 +227,9 @@ class Device:
         req = self.state.requests.get(identity)
         keep = []
         for p in self.parked.pop(identity, []):
-            if req is None:
-                self._publish(p.mailbox, p.header.refuse(404, Reason.NO_REQUEST,
-                                                         epoch=self.state.epoch), b"")
-            elif force or now >= p.deadline or wait_ready(req, p.header):
-                reply = self.reply_to(p.header,
-                                      functools.partial(self.handlers.read_reply, req, p.header))
+            if req is None or force or now >= p.deadline or wait_ready(req, p.header):
+                # As a READ would answer now (404 if the request was reclaimed meanwhile).
+                reply = self.reply_to(p.header, functools.partial(self._answer_wait, p.header))
                 assert isinstance(reply, tuple)
                 self._publish(p.mailbox, *reply)
             else:
@@ -239,6 +239,9 @@ class Device:
             self.handlers.parked_waits -= 1
         if keep:
             self.parked[identity] = keep
+
+    def _answer_wait(self, h: Header) -> Reply:
+        return self.handlers.read_reply(self.state.lookup(h, Action.READ), h)
 
     # -- the resident policy (control thread, lock held) ------------------------------------
     def policy_tick(self) -> None:

@@ -1,7 +1,7 @@
 """The model engine: llama.cpp through llama-cpp-python's low-level batch API.
 
 One :class:`LlamaEngine` owns one model, one context and one batch.  It knows
-nothing about requests: the scheduler (``aotx.scheduler``) decides which
+nothing about requests: the scheduler (``aotx.engine.scheduler``) decides which
 tokens of which sequences go into each ``llama_decode`` call.  Every ctypes
 call into llama.cpp releases the GIL, so the device's control thread keeps
 answering the mailboxes while a decode step runs.
@@ -247,7 +247,7 @@ class LlamaEngine:
         system prompt and role headers are the same pieces every time, and each
         llama.cpp call costs a fixed ~35 us (it compiles its pre-tokenizer regex),
         so a SmolLM2 chat prompt takes ~100 us instead of ~340 us.  The result is
-        the same as ``_tokenize_llama`` (tests/test_engine.py compares them)."""
+        the same as ``_tokenize_llama`` (tests/e2e/test_engine.py compares them)."""
         if self._specials is None:
             return list(self._tokenize_llama(text.encode("utf-8"), add_special))
         parts: list[bytes | int] = [text.encode("utf-8")]

@@ -3,7 +3,7 @@
 The routes build their JSON by hand (orjson, no validation on the hot path);
 these models exist so that the OpenAPI document describes every response body
 exactly, and schemathesis checks each live response against it
-(``tests/test_schemathesis.py``).  A field added to a route and not here makes
+(``tests/e2e/test_schemathesis.py``).  A field added to a route and not here makes
 that test fail.
 
 64-bit counters and cursors are decimal strings (JSON numbers lose precision

@@ -208,3 +208,22 @@ def test_a_cursor_past_the_result_is_409_with_the_state_fields(device: Pair) -> 
     h, body = call(dev, wire.Header(op=wire.Op.READ, identity=ah.identity, cursor=99))
     assert (h.status, h.reason, body) == (409, wire.Reason.CURSOR, b"")
     assert h.total == 2 and h.cursor == 99 and h.phase == wire.Phase.COMPLETED
+
+
+def test_a_parked_wait_on_a_reclaimed_request_answers_404(device: Pair) -> None:
+    """'A foreign, reclaimed or unknown handle returns 404': a WAIT parked on a request
+    that retention reclaims meanwhile is answered as a READ would be then."""
+    import time
+
+    dev, _ = device
+    ah, _ = call(dev, wire.Header.request(wire.Op.SUBMIT, role=1, max_tokens=3),
+                 text_submission())
+    wait = wire.Header.request(wire.Op.WAIT, principal=7, epoch=dev.epoch, identity=ah.identity,
+                               wait_ms=10_000, phase=int(wire.Phase.QUEUED), tag=4)
+    with dev.state.lock:
+        assert dev.respond(2, wait, b"") is None  # parked: nothing new yet
+        del dev.state.requests[ah.identity]  # reclaimed
+        dev._settle(ah.identity, time.monotonic())
+    h, body = wire.decode_packet(dev.region.read(2))
+    assert (h.status, h.reason, h.tag, body) == (404, wire.Reason.NO_REQUEST, 4, b"")
+    assert not dev.parked and dev.handlers.parked_waits == 0

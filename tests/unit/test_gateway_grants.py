@@ -1,5 +1,5 @@
 """The gateway's grant installation when the broker fails it (the broker layer faked;
-tests/test_e2e_grants.py runs the real service)."""
+tests/e2e/test_e2e_grants.py runs the real service)."""
 
 from __future__ import annotations
 

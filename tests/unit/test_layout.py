@@ -61,8 +61,8 @@ def test_imports_point_one_way() -> None:
         "aotx.device": ("aotx.gateway", "aotx.broker", "llama_cpp"),
         "aotx.engine": ("aotx.gateway", "aotx.broker", "aotx.device"),
     }
-    shared = ("aotx.wire", "aotx.mailbox", "aotx.client", "aotx.paths", "aotx.config",
-              "aotx.cpuslice")
+    shared = ("aotx.wire", "aotx.ids", "aotx.mailbox", "aotx.client", "aotx.paths",
+              "aotx.config", "aotx.cpuslice")
     seen = modules()
     bad = []
     for name, path in seen.items():
