@@ -173,7 +173,7 @@ def _fields(h: wire.Header, call: Call) -> dict[str, object]:
         "kind": _KIND.get(d, str(d)),  # type: ignore[call-overload]
         "digest": call.media[d] if d < len(call.media) else "?",
         "kind_of_part": call.kinds[d] if d < len(call.kinds) else "media",
-        "action": ",".join((a.name or "").lower() for a in wire.Action if d & a) or str(d),
+        "action": " or ".join((a.name or "").lower() for a in wire.Action if d & a) or str(d),
         "content_type": wire.MEDIA_TYPES.get(h.content_type, "its content type"),
     }
 
