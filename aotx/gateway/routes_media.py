@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from .. import wire
@@ -11,12 +11,10 @@ from .calls import parse_cursor
 from .errors import ApiError
 from .guard import BodyTimeout
 from .render import json_response, media_json, media_row
-from .service import Gateway, Principal, authenticated, gateway
+from .service import Caller, Gateway, Principal, Service
 from .uploads import CONTENT_TYPES, MediaUpload
 
 router = APIRouter(tags=["media"])
-Caller = Depends(authenticated)
-Service = Depends(gateway)
 
 
 def parse_source_id(sid: str) -> bytes:

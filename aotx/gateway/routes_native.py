@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from .. import wire
@@ -15,11 +15,9 @@ from . import schemas as S
 from .errors import ApiError
 from .render import dumps, json_response, model_entry, sse, state_fields
 from .requests import ChatRequest, b64
-from .service import Gateway, Principal, authenticated, gateway, parse_id
+from .service import Caller, Gateway, Principal, Service, parse_id
 
 router = APIRouter(tags=["native"])
-Caller = Depends(authenticated)
-Service = Depends(gateway)
 
 
 @router.get("/aotx/v1/capabilities", response_model=S.Capabilities)

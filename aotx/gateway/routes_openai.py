@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
 
 from .. import ids, wire
@@ -21,11 +21,9 @@ from . import schemas as S
 from .errors import ApiError, wording
 from .render import FINISH_NAMES, json_response, openai_model, sse_data, usage
 from .requests import ChatRequest
-from .service import Gateway, Principal, authenticated, gateway
+from .service import Caller, Gateway, Principal, Service
 
 router = APIRouter(tags=["standard"])
-Caller = Depends(authenticated)
-Service = Depends(gateway)
 
 
 @router.get("/v1/models", response_model=S.OpenAIModelList)

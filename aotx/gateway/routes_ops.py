@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import orjson
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, Response
 
 from .. import wire
 from . import schemas as S
 from .broker_client import BrokerUnavailable
 from .render import json_response, render_metrics
-from .service import Gateway, Principal, authenticated, gateway
+from .service import Caller, Gateway, Principal, Service
 
 router = APIRouter(tags=["operations"])
-Caller = Depends(authenticated)
-Service = Depends(gateway)
 
 
 @router.get("/healthz", response_model=S.Health)

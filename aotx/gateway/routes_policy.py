@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from fastapi.responses import Response
 
 from .. import wire
@@ -13,11 +13,9 @@ from . import schemas as S
 from .errors import ApiError, refusal
 from .render import json_response, policy_json
 from .requests import PolicyControlBody
-from .service import Gateway, Principal, authenticated, gateway
+from .service import Caller, Gateway, Principal, Service
 
 router = APIRouter(tags=["policy"])
-Caller = Depends(authenticated)
-Service = Depends(gateway)
 _DECIMAL = frozenset("0123456789")
 
 

@@ -14,6 +14,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from fastapi import Depends
 from starlette.requests import Request
 
 from .. import ids, wire
@@ -249,3 +250,8 @@ async def authenticated(request: Request) -> Principal:
     """The caller.  As a dependency it runs before FastAPI validates the body: no token,
     no validation details."""
     return await gateway(request).authenticate(request)
+
+
+#: The dependencies as route defaults: ``principal: Principal = Caller, g: Gateway = Service``.
+Caller = Depends(authenticated)
+Service = Depends(gateway)
