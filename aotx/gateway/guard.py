@@ -32,7 +32,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from ..config import MAX_BODY
 from . import calls
 from .errors import ApiError, error_body
-from .render import dumps
+from .render import dumps, send_json
 from .requests import ChatRequest
 
 if TYPE_CHECKING:
@@ -185,15 +185,12 @@ class Guard:
     async def _answer(send: Send, status: int, body: Callable[[], Awaitable[bytes]]) -> None:
         """Send ``status`` and the JSON ``body()`` returns, or the standard error object
         of the ApiError it raises (as the app's exception handler would)."""
-        headers = [(b"content-type", b"application/json")]
+        headers: dict[str, str] = {}
         try:
             out = await body()
         except ApiError as exc:
-            status, out = exc.status, dumps(exc.body())
-            headers += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
-        headers.append((b"content-length", str(len(out)).encode()))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": out})
+            status, out, headers = exc.status, dumps(exc.body()), exc.headers
+        await send_json(send, status, out, headers)
 
     async def _window_fast_path(self, scope: Scope, send: Send) -> None:
         """GET /aotx/v1/requests/{id}: the hottest read, without the framework's layers."""
@@ -340,12 +337,8 @@ class Guard:
 
     @staticmethod
     async def _refuse(send: Send, status: int, message: str) -> None:
-        body = dumps(error_body(status, message))
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        await send_json(send, status, dumps(error_body(status, message)),
+                        {"connection": "close"})
 
 
 class BodyTimeout(Exception):

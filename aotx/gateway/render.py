@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 from starlette.responses import Response
+from starlette.types import Send
 
 from .. import ids, wire
 from .errors import ApiError, error_body, wording
@@ -31,6 +32,15 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
 
 def error_response(exc: ApiError) -> Response:
     return json_response(exc.body(), exc.status, exc.headers or None)
+
+
+async def send_json(send: Send, status: int, body: bytes,
+                    headers: dict[str, str] | None = None) -> None:
+    """A JSON response sent as raw ASGI messages: for the guard, below the framework."""
+    raw = [(b"content-type", JSON.encode()), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
 
 
 def sse(event: str | None, data: bytes, event_id: str | None = None) -> bytes:
