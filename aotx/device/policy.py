@@ -38,6 +38,7 @@ import enum
 import logging
 import re
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from .. import wire
@@ -161,7 +162,7 @@ class Policy:
     def record(self, source: Source) -> None:
         self.log.append(source)
 
-    def tick(self, foreground_busy: bool) -> Source | None:
+    def tick(self, foreground_busy: Callable[[], bool]) -> Source | None:
         """Collect a finished extraction; return the next source to extract, if the
         policy should start one now (the device then calls :meth:`started`)."""
         if not self.enabled:
@@ -173,7 +174,7 @@ class Policy:
         if self.frontier >= len(self.log):
             self._on(E.SETTLE)
             return None
-        if foreground_busy:
+        if foreground_busy():
             self._on(E.FOREGROUND)
             return None
         return self.log[self.frontier]

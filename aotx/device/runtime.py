@@ -246,8 +246,11 @@ class Device:
     # -- the resident policy (control thread, lock held) ------------------------------------
     def policy_tick(self) -> None:
         st = self.state
-        busy = any(not r.background for m in st.models.values()
-                   for r in (*m.scheduler.queue, *m.scheduler.active))
+
+        def busy() -> bool:  # asked only when the policy would start work (every pass)
+            return any(not r.background for m in st.models.values()
+                       for r in (*m.scheduler.queue, *m.scheduler.active))
+
         source = st.policy.tick(busy)
         if source is None:
             return

@@ -159,6 +159,15 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]", "::1"})
 _WINDOW_PATH = re.compile(r"^/aotx/v1/requests/[^/]+$")
 
 
+def foreign_host(scope: Scope) -> str | None:
+    """The request's Host when it names anything but loopback (while bound to loopback,
+    only a loopback Host is served: a page whose name resolves to 127.0.0.1 must not
+    reach the API), else None."""
+    host = next((v for k, v in scope["headers"] if k == b"host"), b"").decode("latin-1")
+    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    return None if name.lower() in LOOPBACK_HOSTS else host
+
+
 class Guard:
     """ASGI middleware in front of every route.
 
@@ -230,7 +239,9 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.loopback_only and not await self._loopback_host(scope, send):
+        if self.loopback_only and (host := foreign_host(scope)) is not None:
+            await self._refuse(send, 421, f"the Host header {host!r} is not a loopback name; "
+                                          "this service only answers 127.0.0.1")
             return
         streamed = (scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS")
                     or scope["path"] == "/aotx/v1/media")
@@ -242,16 +253,6 @@ class Guard:
             await self._streamed(scope, receive, send, has_body)
         else:
             await self._buffered(scope, receive, send)
-
-    async def _loopback_host(self, scope: Scope, send: Send) -> bool:
-        """While bound to loopback, only a loopback Host is served (else 421)."""
-        host = next((v for k, v in scope["headers"] if k == b"host"), b"").decode("latin-1")
-        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-        if name.lower() in LOOPBACK_HOSTS:
-            return True
-        await self._refuse(send, 421, f"the Host header {host!r} is not a loopback name; "
-                                      "this service only answers 127.0.0.1")
-        return False
 
     def _paced(self, receive: Receive) -> Receive:
         async def paced() -> Any:
