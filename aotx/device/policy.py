@@ -49,7 +49,7 @@ from .memory import MAX_FACTS, MODE_AUTOMATIC_MEMORY, Lineage, Pending, Source, 
 log = logging.getLogger("aotx.policy")
 
 
-class Event(enum.Enum):
+class Event(enum.IntEnum):  # an int hash: the table is looked up on every pass
     PAUSE = enum.auto()
     RESUME = enum.auto()
     STOP = enum.auto()
