@@ -440,11 +440,13 @@ class Scheduler:
                             self.active.remove(req)
                             self._finish(req, Phase.FAILED, failure=Failure.NO_MEMORY
                                          if status == 1 else Failure.DECODE)
+                    self.tick += 1
             else:
                 out.sampled = self._sample(entries, samples, advances)
-        if out.ran:
+        elif media is not None:
             with self.lock:
                 self.tick += 1
+        if out.ran:
             self.on_step()
         return out
 
@@ -462,6 +464,7 @@ class Scheduler:
                     self.prompt_tokens_in += n
             for req, tok, piece in pieces:
                 self._accept(req, tok, piece, now)
+            self.tick += 1  # here, not in a lock of its own: one acquisition a step
             self.steps_with_tokens += 1
             self.tokens_decoded += len(entries)
         return len(sampled)
