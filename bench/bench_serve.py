@@ -416,7 +416,7 @@ def main() -> None:
     raw = RawEngine(slots)
     proc: subprocess.Popen[bytes] | None = None
     peer = None
-    rows = []
+    itl_p50s: list[float] = []  # each N's aotx median inter-token time
     try:
         proc, base, headers, _ = start_aotx(slots)
         for n in ns:
@@ -439,8 +439,7 @@ def main() -> None:
                     peer = None
                 rounds.append(rnd)
             a = summary(rounds, "aotx")
-            row = {"n": n, "aotx": a}
-            rows.append(row)
+            itl_p50s.append(a["itl_p50"])
             line = (f"N={n:2d}  aotx {a['tok_s']:6.1f} tok/s  "
                     f"limit {statistics.mean(r['limit']['tok_s'] for r in rounds):6.1f}  "
                     f"ratio {ratios(rounds, 'aotx', 'limit')}  (engine alone on the same requests "
@@ -468,7 +467,7 @@ def main() -> None:
         rps = asyncio.run(window_reads(base, headers, args.seconds))
         print(f"window reads (GET /aotx/v1/requests/{{id}}, 2 keep-alive connections): "
               f"{rps:.0f} req/s", flush=True)
-        print(f"median ITL across N: {statistics.median(r['aotx']['itl_p50'] for r in rows) * 1e3:.1f} ms")
+        print(f"median ITL across N: {statistics.median(itl_p50s) * 1e3:.1f} ms")
         steal = steal_share(times0, cpu_times())
         if steal is not None:
             # A virtual machine whose host is busy loses CPU time to it, and every

@@ -88,8 +88,8 @@ async def follow(c: httpx.AsyncClient, rid: str, rng: random.Random) -> bytes:
     got, last, cursor = b"", None, None
     drops = rng.randint(0, 2)
     while True:
-        headers = {"Last-Event-ID": last} if last and rng.random() < 0.5 else {}
-        params = {"cursor": str(cursor)} if cursor is not None and not headers else {}
+        headers: dict[str, str] = {"Last-Event-ID": last} if last and rng.random() < 0.5 else {}
+        params: dict[str, str] = {"cursor": str(cursor)} if cursor is not None and not headers else {}
         async with c.stream("GET", f"/aotx/v1/requests/{rid}/events", headers=headers,
                             params=params) as r:
             r.raise_for_status()
