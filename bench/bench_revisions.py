@@ -11,6 +11,7 @@ measures what ``bench_serve`` measures for these paths: 60 admissions one after
 another while 8 streams decode (p50), then window reads on 2 keep-alive
 connections for ``--seconds``.  It prints each round, the medians and the ratios
 NEW/OLD per round: only ratios from one run count on a machine whose speed drifts.
+OLD and NEW may name the same revision: the ratios then show the machine's noise.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import bench_serve as bench
 REPO = Path(__file__).resolve().parent.parent
 
 
-def worktree(rev: str, parent: str) -> str:
-    path = os.path.join(parent, rev.replace("/", "_"))
+def worktree(rev: str, parent: str, name: str) -> str:
+    path = os.path.join(parent, name)
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", path, rev],
                    check=True, capture_output=True)
     return path
@@ -58,24 +59,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args()
-    results: dict[str, list[tuple[float, float]]] = {args.old: [], args.new: []}
+    names = {"OLD": args.old, "NEW": args.new}
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="aotx-revs-") as parent:
-        trees = {rev: worktree(rev, parent) for rev in results}
+        trees = {name: worktree(rev, parent, name) for name, rev in names.items()}
         try:
             for rnd in range(1, args.rounds + 1):
-                for rev, tree in trees.items():
+                for name, tree in trees.items():
                     p50, rate = measure(tree, args.seconds)
-                    results[rev].append((p50, rate))
-                    print(f"round {rnd} {rev}: admission p50 {p50:.2f} ms, "
+                    results[name].append((p50, rate))
+                    print(f"round {rnd} {name} {names[name]}: admission p50 {p50:.2f} ms, "
                           f"window reads {rate:.0f} req/s", flush=True)
         finally:
             for tree in trees.values():
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", tree],
                                check=False, capture_output=True)
-    for rev, rows in results.items():
-        print(f"{rev}: admission p50 median {statistics.median(r[0] for r in rows):.2f} ms, "
+    for name, rows in results.items():
+        print(f"{name} {names[name]}: admission p50 median "
+              f"{statistics.median(r[0] for r in rows):.2f} ms, "
               f"window reads median {statistics.median(r[1] for r in rows):.0f} req/s")
-    pairs = list(zip(results[args.new], results[args.old], strict=True))
+    pairs = list(zip(results["NEW"], results["OLD"], strict=True))
     print("NEW/OLD per round: admission", [round(n[0] / o[0], 2) for n, o in pairs],
           "window reads", [round(n[1] / o[1], 2) for n, o in pairs])
 
