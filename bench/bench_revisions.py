@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -71,6 +72,8 @@ def main() -> None:
                     print(f"round {rnd} {name} {names[name]}: admission p50 {p50:.2f} ms, "
                           f"window reads {rate:.0f} req/s", flush=True)
         finally:
+            for state in bench.STATES:  # each server's state folder
+                shutil.rmtree(state, ignore_errors=True)
             for tree in trees.values():
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", tree],
                                check=False, capture_output=True)
