@@ -158,17 +158,13 @@ class Handlers:
     # -- the resident policy and a principal's memory ----------------------------------------
     def policy(self, h: Header, payload: bytes) -> Reply:
         st = self.state
-        grant = st.grants.get(h.principal)
-        if grant is None:
-            raise DeviceError(403, Reason.NO_GRANT)
-        actions = grant.actions
-        if not payload:
-            if not actions & (Action.POLICY_READ | Action.POLICY_CONTROL):
-                raise DeviceError(403, Reason.ACTION, Action.POLICY_READ | Action.POLICY_CONTROL)
+        if not payload:  # a read: either action will do (grant_for takes any bit of a mask)
+            st.grant_for(h, Action.POLICY_READ | Action.POLICY_CONTROL)
             return self.ok(h, wire.encode_policy_status(st.policy.status()))
+        if h.principal not in st.grants:  # before the payload is looked at
+            raise DeviceError(403, Reason.NO_GRANT)
         control = wire.decode_policy_control(payload)
-        if not actions & Action.POLICY_CONTROL:
-            raise DeviceError(403, Reason.ACTION, Action.POLICY_CONTROL)
+        st.grant_for(h, Action.POLICY_CONTROL)
         if h.epoch != st.epoch:  # the seed: the frame epoch must match for mutations
             if 0 < h.epoch < st.epoch:
                 raise DeviceError(410, Reason.EPOCH_ENDED)
