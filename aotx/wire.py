@@ -544,6 +544,7 @@ def decode_submission(data: bytes | memoryview) -> Submission:
 
 MOD_TEXT, MOD_IMAGE, MOD_AUDIO = 1, 2, 4
 MODALITY_BITS = {"text": MOD_TEXT, "image": MOD_IMAGE, "audio": MOD_AUDIO}
+PART_MODALITY = {PartKind.IMAGE_DIGEST: "image", PartKind.AUDIO_DIGEST: "audio"}  # media parts
 
 
 def modality_names(mods: int) -> list[str]:

@@ -104,8 +104,7 @@ class Admission:
                 if part.kind is PartKind.TEXT:
                     text.append(part.text)
                     continue
-                bit = wire.MOD_IMAGE if part.kind is PartKind.IMAGE_DIGEST else wire.MOD_AUDIO
-                if not model.modalities & bit:
+                if not model.modalities & wire.MODALITY_BITS[wire.PART_MODALITY[part.kind]]:
                     raise DeviceError(400, Reason.MODALITY, int(part.kind))
                 src = st.media.ready_by_digest(h.principal, part.data)
                 if src is None or src.kind is not part.kind:
@@ -139,8 +138,7 @@ class Admission:
         try:
             try:
                 prompt, segments = p.model.encoder.tokenize(
-                    p.prompt_text, [("image" if s.kind is PartKind.IMAGE_DIGEST else "audio",
-                                     s.data) for s in p.leased],
+                    p.prompt_text, [(wire.PART_MODALITY[s.kind], s.data) for s in p.leased],
                     add_special=p.model.engine.add_bos)
             except MediaInputError as exc:
                 log.info("event=request.media_refused part=%d error=%s", exc.part, exc)

@@ -70,8 +70,7 @@ def submission(body: ChatRequest, m: wire.ModelInfo, principal: Principal, allow
                 parts.append(wire.Part(wire.PartKind.TEXT, _utf8(part.text)))
             if parts[-1].kind is not wire.PartKind.TEXT:
                 digests.append("sha256:" + parts[-1].data.hex())
-                kinds.append("image" if parts[-1].kind is wire.PartKind.IMAGE_DIGEST
-                             else "audio")
+                kinds.append(wire.PART_MODALITY[parts[-1].kind])
         messages.append(wire.Message(_ROLES[msg.role], tuple(parts)))
     try:
         payload = wire.encode_submission(wire.Submission(tuple(messages), tuple(body.stops)))

@@ -97,7 +97,7 @@ def media_json(h: wire.Header, meta: wire.MediaMeta) -> dict[str, Any]:
 def media_row(source_id: bytes, meta: wire.MediaMeta, reason: str | None = None) -> dict[str, Any]:
     return {"schema": "aotx.media.v1", "id": f"src-{source_id.hex()}",
             "digest": f"sha256:{meta.digest.hex()}",
-            "kind": "image" if meta.kind is wire.PartKind.IMAGE_DIGEST else "audio",
+            "kind": wire.PART_MODALITY[meta.kind],
             "content_type": wire.MEDIA_TYPES[meta.content_type], "bytes": str(meta.size),
             "state": meta.state.name.lower(), "reason": reason, "leases": meta.leases,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(meta.created_ms / 1000))}
