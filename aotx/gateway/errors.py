@@ -70,8 +70,6 @@ class Wording:
     param: str | None = None
 
 
-_KIND = {wire.PartKind.IMAGE_DIGEST: "image", wire.PartKind.AUDIO_DIGEST: "audio"}
-
 #: Reason -> the standard error object's message (and code, param).  Fields: {detail}
 #: (the reply's number), {cursor}, {total}, {prompt_tokens}, {model}, {max_tokens},
 #: {input_bytes}, {kind} (detail as a PartKind), {digest} (media part detail's digest),
@@ -170,7 +168,7 @@ def _fields(h: wire.Header, call: Call) -> dict[str, object]:
     return {
         "detail": d, "cursor": h.cursor, "total": h.total, "prompt_tokens": h.prompt_tokens,
         "model": call.model, "max_tokens": call.max_tokens, "input_bytes": call.input_bytes,
-        "kind": _KIND.get(d, str(d)),  # type: ignore[call-overload]
+        "kind": wire.PART_MODALITY.get(d, str(d)),  # type: ignore[call-overload]
         "digest": call.media[d] if d < len(call.media) else "?",
         "kind_of_part": call.kinds[d] if d < len(call.kinds) else "media",
         "action": " or ".join((a.name or "").lower() for a in wire.Action if d & a) or str(d),
