@@ -17,10 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import wire
+from ..engine.fair import common_prefix
 from ..engine.llama import EngineConfig, LlamaEngine
 from ..engine.multimodal import MARKER, MediaEncoder, MediaInputError
 from ..engine.sampling import Sampler
-from ..engine.scheduler import Request, Scheduler, common_prefix
+from ..engine.scheduler import Request, Scheduler
 from .memory import qualified
 from .models import ModelSpec, file_sha256
 from .template import ChatTemplate, TemplateError

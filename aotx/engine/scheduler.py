@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..wire import Finish, Phase
+from .fair import NOBODY, FairQueue, owner_of, usable_prefix
 from .llama import BatchEntry
 from .multimodal import MediaInputError, MediaSegment, release_all
 
@@ -71,14 +72,6 @@ BACKGROUND_CHUNK = 16
 #: saves at least this many prompt tokens over the best free sequence's cache
 #: (a stream copy costs milliseconds; evaluating 16 tokens costs more).
 COPY_MIN_TOKENS = 16
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def utf8_complete_length(data: bytes | bytearray) -> int:
@@ -223,7 +216,7 @@ class Scheduler:
         self.batch = batch
         self.lock = lock
         self.cond = threading.Condition(lock)
-        self.queue: collections.deque[Request] = collections.deque()
+        self.queue: FairQueue[Request] = FairQueue()  # one FIFO per principal (fair.py)
         self.active: list[Request] = []  # preparing or running, in admission order
         self.free_seqs = list(range(slots - 1, -1, -1))
         self.make_sampler = make_sampler
@@ -239,6 +232,8 @@ class Scheduler:
         self.reused_tokens = 0
         self.copies = 0  # prefixes copied from a sequence in use
         self.cached: dict[int, list[int]] = {}  # seq -> tokens held in its KV cells
+        self.owner: dict[int, int] = {}  # seq -> whose request computed them (fair.owner_of)
+        self.public: list[int] = []  # the template's fixed start: anybody may reuse it
         self.tokens_out = 0
         self.finished: collections.Counter[str] = collections.Counter()
         self._ended: list[Request] = []  # the step's terminal requests (StepOutcome.ended)
@@ -281,6 +276,7 @@ class Scheduler:
                 self.cached[req.seq] = []
             else:
                 self.cached[req.seq] = (req.prompt + req.generated)[:req.n_past]
+            self.owner[req.seq] = owner_of(req)
             self.free_seqs.append(req.seq)
             req.seq = -1
         if req.sampler is not None:
@@ -294,8 +290,12 @@ class Scheduler:
                              list[tuple[Request, int]], tuple[Request, MediaSegment] | None]:
         """Choose this step's tokens, and at most one media segment.  Lock held."""
         self._drop_cancelled()
-        while self.queue and self.free_seqs:
-            self._start(self.queue.popleft())
+        if self.queue and self.free_seqs:
+            running = collections.Counter(owner_of(r) for r in self.active)
+            while self.queue and self.free_seqs:
+                req = self.queue.pop_next(running)
+                running[owner_of(req)] += 1
+                self._start(req)
         return self._choose()
 
     def _drop_cancelled(self) -> None:
@@ -317,13 +317,16 @@ class Scheduler:
                 self._finish(req, Phase.CANCELLED)
 
     def _start(self, req: Request) -> None:
-        """Give a queued request a sequence, with as much of its prompt cached as can be."""
-        # The free sequence whose cached tokens share the longest prefix with
+        """Give a queued request a sequence, with as much of its prompt cached as it may
+        reuse (its principal's own cells, or the public prefix: fair.usable_prefix)."""
+        # The free sequence whose cached tokens share the longest usable prefix with
         # this prompt; at least the prompt's last token is evaluated again,
         # since its logits are needed for the first sample.
         # Prefer the longest cached prefix, then the lowest sequence id: streams
         # in use stay a compact range, which llama.cpp batches fastest.
-        held = {q: common_prefix(self.cached.get(q, []), req.prompt) for q in self.free_seqs}
+        who = owner_of(req)
+        held = {q: usable_prefix(self.cached.get(q, []), self.owner.get(q, NOBODY), req.prompt,
+                                 who, self.public) for q in self.free_seqs}
         seq = max(self.free_seqs, key=lambda q: (held[q], -q))
         have = held[seq]
         # A sequence in use may hold a longer prefix (requests arriving together
@@ -331,7 +334,8 @@ class Scheduler:
         # sequence instead of evaluating it again.
         source, shared = None, 0
         for other in self.active:
-            n = min(common_prefix(other.prompt, req.prompt), other.n_past)
+            n = min(usable_prefix(other.prompt, owner_of(other), req.prompt, who, self.public),
+                    other.n_past)
             if n > shared:
                 source, shared = other, n
         if source is not None and shared - have >= COPY_MIN_TOKENS:
@@ -348,6 +352,7 @@ class Scheduler:
             self.engine.clear_sequence(seq)
             keep = 0
         self.cached[seq] = req.prompt[:keep]
+        self.owner[seq] = who
         req.seq = seq
         req.n_past = keep
         req.reused_tokens = keep
@@ -505,6 +510,7 @@ class Scheduler:
         """Evaluate ``prefix`` (the chat template's fixed start) into sequence 0 before
         serving, so that the first requests, and every request copied from them,
         start with it in cache.  Called before the engine thread starts."""
+        self.public = list(prefix)  # the same for everybody, cached or not
         if not prefix or not self.free_seqs:
             return
         for start in range(0, len(prefix), self.batch):
@@ -515,6 +521,7 @@ class Scheduler:
                 self.engine.clear_sequence(0)
                 return
         self.cached[0] = list(prefix)
+        self.owner[0] = NOBODY
 
     def run(self) -> None:
         """The engine thread: step while there is work, sleep on the condition otherwise."""

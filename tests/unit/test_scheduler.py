@@ -437,3 +437,84 @@ def test_warm_puts_the_template_prefix_in_sequence_zero() -> None:
     submit(sched, r)
     sched.step()
     assert r.seq == 0 and r.reused_tokens == 20
+
+
+# -- fair sharing between principals (engine/fair.py) ------------------------------------------
+def of(principal: int, r: Request) -> Request:
+    r.principal = principal
+    return r
+
+
+def test_a_principal_with_nothing_running_takes_the_next_free_slot() -> None:
+    sched, _ = make(slots=2)
+    flood = [of(1, req(i, [1] * (3 + i))) for i in range(1, 31)]  # 30 queued by principal 1
+    for r in flood:
+        submit(sched, r)
+    sched.step()  # two of principal 1's requests run, 28 wait
+    late = of(2, req(99, [2]))
+    submit(sched, late)
+    while late.phase is Phase.QUEUED:
+        assert sched.step()
+    # the first slot that freed went to principal 2, ahead of principal 1's 28
+    assert sum(1 for r in flood if r.phase is Phase.COMPLETED) >= 1
+    assert sum(1 for r in flood if r.phase is not Phase.QUEUED) == 2
+    run_until_idle(sched, limit=5000)
+    assert late.phase is Phase.COMPLETED
+
+
+def test_principals_with_queued_requests_take_turns() -> None:
+    sched, _ = make(slots=1)
+    a = [of(1, req(i, [1])) for i in range(1, 5)]
+    b = [of(2, req(i, [1])) for i in range(11, 15)]
+    for r in [*a, *b]:  # principal 1 queued all of its requests first
+        submit(sched, r)
+    run_until_idle(sched)
+    order = sorted([*a, *b], key=lambda r: r.first_token_ns)
+    assert [r.principal for r in order] == [1, 2] * 4
+
+
+def test_another_principals_cached_prompt_is_evaluated_again() -> None:
+    sched, engine = make(slots=1)
+    public = list(range(500, 510))
+    sched.warm(public)
+    mine = of(1, req(1, [1]))
+    mine.prompt = [*public, *range(600, 640)]  # the template's start, then private text
+    submit(sched, mine)
+    run_until_idle(sched)
+    theirs = of(2, req(2, [1]))
+    theirs.prompt = list(mine.prompt)  # the same text from someone else
+    submit(sched, theirs)
+    sched.step()
+    assert theirs.reused_tokens == len(public)  # only the public prefix is reused
+    run_until_idle(sched)
+    again = of(1, req(3, [1]))
+    again.prompt = list(mine.prompt)
+    submit(sched, again)
+    sched.step()
+    # principal 2's run left its own cells: principal 1 now reuses only the public prefix
+    assert again.reused_tokens == len(public)
+    run_until_idle(sched)
+    once_more = of(1, req(4, [1]))
+    once_more.prompt = list(mine.prompt)
+    submit(sched, once_more)
+    sched.step()
+    assert once_more.reused_tokens == len(mine.prompt) - 1  # its own cells: all but the last
+
+
+def test_a_running_sequence_is_copied_only_within_a_principal() -> None:
+    sched, engine = make(slots=3)
+    shared = list(range(500, 540))
+    first = of(1, req(1, [1] * 10))
+    first.prompt = [*shared, 7]
+    submit(sched, first)
+    sched.step()
+    other = of(2, req(2, [2]))
+    other.prompt = [*shared, 9]
+    same = of(1, req(3, [2]))
+    same.prompt = [*shared, 8]
+    submit(sched, other)
+    submit(sched, same)
+    sched.step()
+    assert other.reused_tokens == 0 and same.reused_tokens == 40
+    assert len(engine.copies) == 1
+    run_until_idle(sched)
