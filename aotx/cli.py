@@ -20,11 +20,17 @@ def _device_limits(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retention-seconds", type=int, default=900,
                    help="keep terminal results this long (default 900)")
     p.add_argument("--retention-requests", type=int, default=4096,
-                   help="keep at most this many terminal results, oldest reclaimed first")
+                   help="keep at most this many terminal results per principal, oldest "
+                        "reclaimed first (default 4096)")
     p.add_argument("--max-active", type=int, default=1024,
                    help="queued + running requests the device accepts (default 1024)")
     p.add_argument("--window-bytes", type=int, default=32768,
                    help="largest output window one read returns (default 32768)")
+    p.add_argument("--media-pool-bytes", type=int, default=1 << 30,
+                   help="bytes all media sources may hold together (default 1 GiB)")
+    p.add_argument("--principal-share", type=float, default=0.5,
+                   help="the part of the active requests and of the media pool one "
+                        "principal may hold unless its grant says (default 0.5)")
 
 
 def build_parser(settings: Settings | None = None) -> argparse.ArgumentParser:
@@ -374,7 +380,9 @@ def _component(args: argparse.Namespace, paths: RuntimePaths, settings: Settings
         device_args = ["--retention-seconds", str(args.retention_seconds),
                        "--retention-requests", str(args.retention_requests),
                        "--max-active", str(args.max_active),
-                       "--window-bytes", str(args.window_bytes)]
+                       "--window-bytes", str(args.window_bytes),
+                       "--media-pool-bytes", str(args.media_pool_bytes),
+                       "--principal-share", str(args.principal_share)]
         return serve(paths, args.host, args.port, args.models, args.mailboxes, device_args,
                      log_level=args.log_level)
     if args.command == "device":
@@ -384,7 +392,9 @@ def _component(args: argparse.Namespace, paths: RuntimePaths, settings: Settings
         limits = DeviceLimits(retention_seconds=args.retention_seconds,
                               retention_requests=args.retention_requests,
                               max_active=args.max_active,
-                              window_bytes=max(1, min(args.window_bytes, 65408)))
+                              window_bytes=max(1, min(args.window_bytes, 65408)),
+                              media_total_bytes=args.media_pool_bytes,
+                              principal_share=min(1.0, max(0.01, args.principal_share)))
         runtime.run(paths, args.mailboxes, args.models, limits, settings)
     elif args.command == "broker":
         from .broker import server

@@ -52,6 +52,7 @@ class Op(enum.IntEnum):
     METRICS = 16  #: Device counters for /metrics (payload: UTF-8 JSON; not a hot path).
     BROKER_STATS = 17  #: Broker counters, answered by the broker itself (payload: UTF-8 JSON).
     MEMORY = 18  #: The caller's automatic memory (sub-operation at offset 72, payload UTF-8 JSON).
+    UNPARK = 19  #: Answer the caller's WAITs parked on a request now (their stream was closed).
 
 
 class MemoryOp(enum.IntEnum):
@@ -131,6 +132,7 @@ MAX_AUDIO_SECONDS = 600  # decoded as float32 at the projector's rate
 #: Header flags for SUBMIT (offset 116).
 SUBMIT_FLAG_SEED = 1  # the seed field at 120 is meaningful
 SUBMIT_FLAG_MEMORY_OFF = 2  # the request opts out of automatic memory
+CANCEL_FLAG_ADMIN = 1  # cancel any principal's request (needs Action.ADMIN)
 
 
 class Reason(enum.IntEnum):
@@ -179,6 +181,8 @@ class Reason(enum.IntEnum):
     LEASED = 45  #: the source is leased by requests; detail: how many
     EMPTY = 46  #: a refused source: it is empty
     MAGIC = 47  #: a refused source: its bytes are not its declared content type
+    MEDIA_SHARE = 48  #: the principal's sources would pass its share of media bytes; detail: it
+    MEDIA_POOL = 49  #: the device's media pool (all principals' sources) is full (507)
     POLICY_OFF = 50  #: the resident policy is off (no qualified model)
     STALE_REVISION = 51  #: the control revision is stale; the 160-byte status says the current one
     NO_DECISION = 52  #: no such pending memory decision
@@ -281,6 +285,7 @@ class Header(_Fields):
     max_rows = _View[int]("limit", "MEDIA_LIST")
     retry_after = _View[int]("limit", "429 reply: seconds")
     submit_flags = _View[int]("flags", "SUBMIT: SUBMIT_FLAG_*")
+    cancel_flags = _View[int]("flags", "CANCEL: CANCEL_FLAG_*")
     media_flags = _View[int]("flags", "MEDIA_PUT: MEDIA_FLAG_*")
     seed = _View[int]("value", "SUBMIT, with SUBMIT_FLAG_SEED")
     detail = _View[int]("value", "refusal: the number its reason names")
@@ -386,7 +391,8 @@ REQUEST_FIELDS: dict[Op, tuple[str, ...]] = {
     Op.SUBMIT: ("principal", "role", "limit", "temperature", "top_p", "flags", "value"),
     Op.READ: ("principal", "epoch", "identity", "cursor"),
     Op.WAIT: ("principal", "epoch", "identity", "cursor", "phase", "cancel_requested", "limit"),
-    Op.CANCEL: ("principal", "epoch", "identity"),
+    Op.CANCEL: ("principal", "epoch", "identity", "flags"),
+    Op.UNPARK: ("principal", "epoch", "identity"),
     Op.GRANT_INSTALL: ("total",), Op.GRANT_READ: ("cursor",),
     Op.MEDIA_PUT: ("principal", "identity", "cursor", "role", "flags"),
     Op.MEDIA_LIST: ("principal", "cursor", "limit"),
@@ -396,6 +402,7 @@ REQUEST_FIELDS: dict[Op, tuple[str, ...]] = {
 }
 #: The flag bits each operation defines; other bits are unused, so zero.
 REQUEST_FLAGS: dict[int, int] = {Op.SUBMIT: SUBMIT_FLAG_SEED | SUBMIT_FLAG_MEMORY_OFF,
+                 Op.CANCEL: CANCEL_FLAG_ADMIN,
                  Op.MEDIA_PUT: MEDIA_FLAG_FINAL | MEDIA_FLAG_ABORT | MEDIA_FLAG_EPHEMERAL}
 _ZERO = Header(magic=0, version=0)
 _UNUSED: dict[int, list[int]] = {op: [i for i, name in enumerate(Header._fields) if name not in (

@@ -186,12 +186,13 @@ class Admission:
         if st.log_prompts:
             log.info("event=request.prompt id=%s text=%r", st.request_id(identity), p.prompt_text)
         st.requests[identity] = req
+        st.active[h.principal] += 1
         if p.leased:  # leased when the request came in (Admission.submit)
             st.leases[identity] = [src.id for src in p.leased]
             req.media = [src.data for src in p.leased]
         model.scheduler.submit(req)
         st.counters.admitted += 1
-        log.info("event=request.admitted id=%s role=%d prompt_tokens=%d max_tokens=%d",
+        log.debug("event=request.admitted id=%s role=%d prompt_tokens=%d max_tokens=%d",
                  st.request_id(identity), h.role, len(prompt), max_tokens)
         # The payload: the leased sources' ids, in prompt order (the seed's media handles).
         return (h.reply(202, epoch=st.epoch, identity=identity, **st.state_fields(req)),
@@ -210,15 +211,17 @@ class Admission:
         return min(asked or ctx - prompt_tokens, ctx - prompt_tokens, limit)
 
     def _check_capacity(self, h: Header, grant: wire.Grant) -> None:
-        """The device's and the grant's limits on active requests and admissions (429)."""
+        """The device's and the principal's limits on active requests and admissions (429).
+
+        A principal holds at most its share of the device's active requests (the grant's
+        ``max_active``, else ``principal_share`` of them), so a flood by one leaves room for
+        the others; the refusal names the principal's own limit and nothing of the others'."""
         st = self.state
-        if sum(m.scheduler.depth for m in st.models.values()) >= st.limits.max_active:
+        if sum(st.active.values()) >= st.limits.max_active:
             raise DeviceError(429, Reason.DEVICE_BUSY, retry_after=1)
-        if grant.max_active:
-            mine = sum(1 for r in st.requests.values()
-                       if r.principal == h.principal and not r.phase.terminal)
-            if mine >= grant.max_active:
-                raise DeviceError(429, Reason.ACTIVE_LIMIT, grant.max_active, retry_after=1)
+        share = grant.max_active or st.limits.share(st.limits.max_active)
+        if st.active[h.principal] >= share:
+            raise DeviceError(429, Reason.ACTIVE_LIMIT, share, retry_after=1)
         if grant.rate_per_minute:
             recent = st.admissions[h.principal]
             now = time.monotonic()
@@ -236,7 +239,7 @@ class Admission:
         st = self.state
         if req.background:
             return True  # the control thread collects the policy's result
-        st.terminal_order.append(req.identity)
+        st.ended(req)
         wake = False
         if req.source_text and req.phase is wire.Phase.COMPLETED:
             # The user's own words are the source: facts about the user come from what the

@@ -57,6 +57,7 @@ class Handlers:
             Op.READ: lambda _m, h, _p: self.read(h),
             Op.WAIT: lambda _m, h, _p: self.read(h),
             Op.CANCEL: lambda _m, h, _p: self.cancel(h),
+            Op.UNPARK: lambda _m, h, _p: self.unpark(h),
             Op.GRANT_INSTALL: lambda _m, h, p: self.grant_install(h, p),
             Op.GRANT_READ: lambda _m, h, _p: self.grant_read(h),
             Op.MEDIA_PUT: lambda _m, h, p: self.media_put(h, p),
@@ -93,24 +94,51 @@ class Handlers:
 
     def cancel(self, h: Header) -> Reply:
         st = self.state
-        req = st.lookup(h, Action.CANCEL)
+        req = self._admin_lookup(h) if h.cancel_flags & wire.CANCEL_FLAG_ADMIN else st.lookup(
+            h, Action.CANCEL)
         if not req.phase.terminal:
             st.models[req.role].scheduler.cancel(req)
-            log.info("event=request.cancel id=%s", st.request_id(req.identity))
+            log.debug("event=request.cancel id=%s", st.request_id(req.identity))
             self.cancelled(req.identity)
         return h.reply(202, epoch=st.epoch, **st.state_fields(req)), b""
+
+    def _admin_lookup(self, h: Header) -> Request:
+        """Any principal's request, for a caller whose grant has the admin action."""
+        st = self.state
+        st.grant_for(h, Action.ADMIN)
+        req = st.requests.get(h.identity) if h.epoch == st.epoch else None
+        if req is None:
+            if 0 < h.epoch < st.epoch:
+                raise DeviceError(410, Reason.EPOCH_ENDED)
+            raise DeviceError(404, Reason.NO_REQUEST)
+        log.info("event=request.admin_cancel id=%s principal=%d by=%d",
+                 st.request_id(req.identity), req.principal, h.principal)
+        return req
+
+    def unpark(self, h: Header) -> Reply:
+        """The caller's stream on a request was closed: answer its parked WAITs now, so
+        that their mailboxes are free at once (not at the WAITs' timeouts)."""
+        req = self.state.lookup(h, Action.READ)
+        self.cancelled(req.identity)
+        return self.ok(h)
 
     # -- grants: only same-uid processes reach the mailboxes (the broker checks
     # SO_PEERCRED), so grant installation is trusted to the gateway.
     def grant_install(self, h: Header, payload: bytes) -> Reply:
         st = self.state
-        installed = []
+        installed, stopped = [], 0
         for g in wire.decode_grants(payload, h.row_count):
             st.grant_revision += 1  # revisions only increase
             ng = g._replace(revision=st.grant_revision)
             st.grants[g.principal] = ng
             installed.append(ng)
-        log.info("event=grant.install rows=%d revision=%d", len(installed), st.grant_revision)
+            # The principal's requests were admitted under an earlier revision: nobody can
+            # read them any more (a revoked token, a replaced grant), so they stop now.
+            for r in st.cancel_all(g.principal, keep_revision=ng.revision):
+                self.cancelled(r.identity)
+                stopped += 1
+        log.info("event=grant.install rows=%d revision=%d cancelled=%d", len(installed),
+                 st.grant_revision, stopped)
         return self.ok(h, wire.encode_grants(installed), total=len(installed))
 
     def grant_read(self, h: Header) -> Reply:

@@ -16,6 +16,7 @@ ordinary one.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import secrets
 import time
@@ -29,6 +30,19 @@ UPLOAD_IDLE_SECONDS = 60.0
 EPHEMERAL_SECONDS = 60.0  # an ephemeral source no request leased is removed after this
 #: Refused sources kept (for their reason) per principal; older ones are dropped.
 MAX_REFUSED = 64
+#: Removing a source at least this large hands freed heap memory back to the system.
+TRIM_BYTES = 1 << 20
+
+_libc = ctypes.CDLL(None)
+
+
+def give_back_memory() -> None:
+    """Return the allocator's free memory to the system: glibc serves allocations below its
+    mmap threshold (raised up to 32 MiB by earlier large frees) from the heap, and a freed
+    source there would stay in the device's RSS (glibc's ``malloc_trim``)."""
+    trim = getattr(_libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def magic_matches(code: int, data: bytes) -> bool:
@@ -91,9 +105,10 @@ class Upload:
 class MediaTable:
     """All sources of this device activation.  Guarded by the device lock."""
 
-    def __init__(self, max_source_bytes: int, max_total_bytes: int) -> None:
+    def __init__(self, max_source_bytes: int, max_total_bytes: int, share_bytes: int) -> None:
         self.max_source_bytes = max_source_bytes
         self.max_total_bytes = max_total_bytes
+        self.share_bytes = share_bytes  # what one principal may hold unless its grant says
         self.sources: dict[bytes, Source] = {}
         self.by_digest: dict[tuple[int, bytes], bytes] = {}  # (principal, digest) -> ready id
         self.uploads: dict[tuple[int, bytes], Upload] = {}
@@ -131,14 +146,7 @@ class MediaTable:
             self.uploads[key] = up
         elif offset != len(up.buf) or content_type != up.content_type:
             raise DeviceError(409, Reason.UPLOAD_OFFSET)
-        _, used = self._usage(principal, but=key)
-        size = len(up.buf) + len(chunk)
-        limit = min(self.max_source_bytes, (grant.max_media_bytes - used)
-                    if grant.max_media_bytes else self.max_source_bytes)
-        if size > limit or self.total_bytes + len(chunk) > self.max_total_bytes:
-            self.total_bytes -= len(up.buf)
-            del self.uploads[key]
-            raise DeviceError(413, Reason.SOURCE_BYTES, max(limit, 0))
+        self._check_room(key, len(up.buf) + len(chunk), len(chunk), grant)
         up.buf += chunk
         up.touched = time.monotonic()
         self.total_bytes += len(chunk)
@@ -176,6 +184,24 @@ class MediaTable:
         self.sources[src.id] = src
         return 201, src
 
+    def _check_room(self, key: tuple[int, bytes], size: int, adding: int,
+                    grant: wire.Grant) -> None:
+        """Refuse (and drop the upload) a chunk that would make the source larger than a
+        source may be, the principal's sources larger than its share of the pool (the
+        grant's media bytes, else ``share_bytes``), or the pool larger than it is: three
+        different answers, each naming its own limit."""
+        refusal: tuple[int, Reason, int] | None = None
+        share = grant.max_media_bytes or self.share_bytes
+        if size > self.max_source_bytes:
+            refusal = (413, Reason.SOURCE_BYTES, self.max_source_bytes)
+        elif self._usage(key[0], but=key)[1] + size > share:
+            refusal = (413, Reason.MEDIA_SHARE, share)
+        elif self.total_bytes + adding > self.max_total_bytes:
+            refusal = (507, Reason.MEDIA_POOL, 0)
+        if refusal is not None:
+            self.total_bytes -= len(self.uploads.pop(key).buf)
+            raise DeviceError(*refusal)
+
     def get(self, principal: int, source_id: bytes) -> Source:
         src = self.sources.get(source_id)
         if src is None or src.principal != principal:
@@ -190,6 +216,9 @@ class MediaTable:
         if src.state is wire.MediaState.READY:
             self.total_bytes -= src.size
             self.by_digest.pop((principal, src.digest), None)
+            if src.size >= TRIM_BYTES:
+                src.data = b""
+                give_back_memory()
 
     def page(self, principal: int, cursor: int, limit: int) -> tuple[list[Source], int]:
         """The caller's non-refused sources from table position ``cursor``; next cursor or 0."""

@@ -38,10 +38,16 @@ class DeviceLimits:
     window_bytes: int = 32768
     max_active: int = 1024  # queued + running, device-wide
     retention_seconds: int = 900
-    retention_requests: int = 4096
+    retention_requests: int = 4096  # terminal results kept, per principal
     max_output_tokens: int = 8192
     media_bytes: int = 64 << 20  # largest single source
     media_total_bytes: int = 1 << 30  # all sources of the activation together
+    #: What one principal may hold of a device-wide limit (active requests, media bytes)
+    #: unless its grant says otherwise: whatever it does, the rest stays for the others.
+    principal_share: float = 0.5
+
+    def share(self, total: int) -> int:
+        return max(1, int(total * self.principal_share))
 
 
 @dataclass
@@ -69,14 +75,18 @@ class DeviceState:
         self.clock0 = time.monotonic_ns()
         self.lock = threading.Lock()
         self.requests: collections.OrderedDict[bytes, Request] = collections.OrderedDict()
-        self.terminal_order: collections.deque[bytes] = collections.deque()
+        # Terminal results in the order they ended, one queue per principal: retention
+        # counts each principal's own, so nobody's requests reclaim another's results.
+        self.terminal_order: dict[int, collections.deque[bytes]] = {}
+        self.active: collections.Counter[int] = collections.Counter()  # principal -> queued+running
         self.grants: dict[int, wire.Grant] = {}
         self.grant_revision = 0
         self.admissions: dict[int, collections.deque[float]] = collections.defaultdict(
             collections.deque)
         self.counters = Counters()
         self.models: dict[int, LoadedModel] = {}
-        self.media = MediaTable(limits.media_bytes, limits.media_total_bytes)
+        self.media = MediaTable(limits.media_bytes, limits.media_total_bytes,
+                                limits.share(limits.media_total_bytes))
         self.leases: dict[bytes, list[bytes]] = {}  # request identity -> leased source ids
         self.policy = policy
 
@@ -172,17 +182,35 @@ class DeviceState:
 
     # -- retention -------------------------------------------------------------------------------
     def reclaim(self, now_ns: int) -> None:
-        """Drop terminal results past their retention (time or count), oldest first."""
+        """Drop terminal results past their retention (time, or each principal's count),
+        oldest first."""
         horizon = now_ns - self.limits.retention_seconds * 1_000_000_000
-        while self.terminal_order:
-            identity = self.terminal_order[0]
-            req = self.requests.get(identity)
-            if req is None:
-                self.terminal_order.popleft()
-                continue
-            if (req.finished_ns > horizon
-                    and len(self.terminal_order) <= self.limits.retention_requests):
-                break
-            self.terminal_order.popleft()
-            del self.requests[identity]
-            log.info("event=request.reclaimed id=%s", self.request_id(identity))
+        for principal, order in list(self.terminal_order.items()):
+            while order:
+                req = self.requests.get(order[0])
+                if req is not None and (req.finished_ns > horizon
+                                        and len(order) <= self.limits.retention_requests):
+                    break
+                identity = order.popleft()
+                if req is not None:
+                    del self.requests[identity]
+                    log.debug("event=request.reclaimed id=%s", self.request_id(identity))
+            if not order:
+                del self.terminal_order[principal]
+
+    def ended(self, req: Request) -> None:
+        """A foreground request became terminal: its principal holds one active request
+        less, and one more result to retain."""
+        self.active[req.principal] -= 1
+        if self.active[req.principal] <= 0:
+            del self.active[req.principal]
+        self.terminal_order.setdefault(req.principal, collections.deque()).append(req.identity)
+
+    def cancel_all(self, principal: int, keep_revision: int = -1) -> list[Request]:
+        """Cancel the principal's queued and running requests (but those admitted under
+        ``keep_revision``): a revoked or replaced grant can no longer read them."""
+        mine = [r for r in self.requests.values() if r.principal == principal
+                and not r.phase.terminal and r.revision != keep_revision]
+        for r in mine:
+            self.models[r.role].scheduler.cancel(r)
+        return mine

@@ -36,6 +36,7 @@ ERROR_TYPES: dict[int, tuple[str, str]] = {
     502: ("internal_error", "bad_gateway"),
     503: ("service_unavailable", "unavailable"),
     505: ("internal_error", "protocol_version"),
+    507: ("service_unavailable", "insufficient_storage"),
 }
 
 
@@ -100,8 +101,10 @@ REASONS: dict[Reason, Wording] = {
                                   "context_length_exceeded", "messages"),
     Reason.OUTPUT_TOKENS: Wording("max_tokens {max_tokens} exceeds the limit of {detail}",
                                   param="max_tokens"),
-    Reason.DEVICE_BUSY: Wording("the device holds its maximum of active requests"),
-    Reason.ACTIVE_LIMIT: Wording("the grant allows {detail} active requests"),
+    Reason.DEVICE_BUSY: Wording("the service is at capacity; try again shortly",
+                                "service_busy"),
+    Reason.ACTIVE_LIMIT: Wording("you may hold {detail} active (queued or running) requests; "
+                                 "wait for one to finish", "active_limit_exceeded"),
     Reason.RATE_LIMIT: Wording("the grant allows {detail} admissions a minute"),
     Reason.TEMPLATE: Wording("the model's chat template refused these messages",
                              param="messages"),
@@ -133,7 +136,11 @@ REASONS: dict[Reason, Wording] = {
     Reason.UPLOAD_OFFSET: Wording("the upload's chunks do not follow each other"),
     Reason.CONTENT_TYPE: Wording("unsupported content type"),
     Reason.SOURCE_COUNT: Wording("the grant allows {detail} media sources"),
-    Reason.SOURCE_BYTES: Wording("the source exceeds the {detail} bytes allowed"),
+    Reason.SOURCE_BYTES: Wording("a media source may have at most {detail} bytes"),
+    Reason.MEDIA_SHARE: Wording("your media sources may hold {detail} bytes in all; remove "
+                                "some first", "media_quota_exceeded"),
+    Reason.MEDIA_POOL: Wording("the service's media storage is full; try again later",
+                               "media_storage_full"),
     Reason.LEASED: Wording("the source is leased by {detail} request(s)"),
     Reason.EMPTY: Wording("the source is empty"),
     Reason.MAGIC: Wording("the bytes are not {content_type} (their magic number does not "

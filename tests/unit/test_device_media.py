@@ -104,7 +104,7 @@ def test_ephemeral_sources_go_with_their_last_lease() -> None:
     when the last request holding it ends, or by the sweep if no request ever leased it."""
     from aotx.device.media import EPHEMERAL_SECONDS, MediaTable
 
-    t = MediaTable(1 << 20, 1 << 24)
+    t = MediaTable(1 << 20, 1 << 24, 1 << 24)
     g = wire.Grant(principal=7, actions=int(wire.Action.all()), model_mask=2, revision=1)
 
     def put(data: bytes, ephemeral: bool = True) -> tuple[int, object]:
@@ -338,7 +338,7 @@ def test_parallel_uploads_share_the_grant_and_refused_rows_are_bounded() -> None
     from aotx.device.errors import DeviceError
     from aotx.device.media import MAX_REFUSED, MediaTable
 
-    t = MediaTable(1 << 20, 1 << 24)
+    t = MediaTable(1 << 20, 1 << 24, 1 << 24)
     g = wire.Grant(principal=7, actions=int(wire.Action.all()), model_mask=2, revision=1,
                    max_media_bytes=100)
     assert t.put(7, b"a" * 16, 0, 1, b"\x89PNG" + bytes(56), False, False, g)[0] == 202
