@@ -3,9 +3,11 @@ envelope as a submission payload), read a window, wait for more, follow to the e
 cancel.
 
 Streams wait with WAIT packets parked on the device, one mailbox each.  A principal's
-streams park at most :data:`WAIT_SHARE` of the mailboxes; its streams beyond that poll
-with READs (holding no mailbox between them) and answer as the WAIT would, so one
-principal's many open streams cannot leave every mailbox taken.
+calls hold at most its share of the mailboxes (``Gateway.call``), and its streams park
+at most half of that; its streams beyond that poll with READs (holding no mailbox
+between them) and answer as the WAIT would, so one principal's many open streams
+cannot leave every mailbox taken.  A stream whose client leaves has the device answer
+its parked WAIT at once (UNPARK).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from .. import ids, wire
 from .errors import ApiError, Call, refusal
@@ -23,7 +26,6 @@ from .service import Gateway, Principal, parse_id
 from .uploads import upload_inline
 
 WAIT_MS = 10_000  # a parked WAIT answers at least this often (keep-alive cadence)
-WAIT_SHARE = 0.5
 WAIT_POLL_S = 0.05
 _CURSOR_RE = re.compile(r"[0-9]{1,20}")  # ASCII digits only (str.isdigit takes "²")
 _ROLES = {"system": wire.Role.SYSTEM, "developer": wire.Role.SYSTEM, "user": wire.Role.USER,
@@ -153,22 +155,43 @@ async def read(g: Gateway, principal: Principal, epoch: int, identity: bytes, cu
                             cursor=cursor, wait_ms=timeout_ms,
                             phase=seen.phase if seen else 0,
                             cancel_requested=seen.cancel_requested if seen else 0)
+    # The WAIT holds a mailbox until the device answers it, even when this task is
+    # cancelled (the stream's client left): it runs as a task of its own, counted in
+    # ``parked`` until its reply comes, and a cancelled caller has the device answer it
+    # at once (UNPARK) instead of at its timeout.
     g.parked[pid] = g.parked.get(pid, 0) + 1
+    task = asyncio.ensure_future(g.call(h, timeout=timeout_ms / 1000 + 30))
+    task.add_done_callback(lambda t: _waited(g, pid, t))
     try:
-        rh, body = await g.call(h, timeout=timeout_ms / 1000 + 30)
-    finally:
-        g.parked[pid] -= 1
-        if not g.parked[pid]:
-            del g.parked[pid]
+        rh, body = await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if not task.done():
+            unpark = wire.Header(op=wire.Op.UNPARK, principal=pid, epoch=epoch,
+                                 identity=identity)
+            later = asyncio.ensure_future(g.call(unpark, timeout=5))
+            g.background.add(later)
+            later.add_done_callback(lambda t: _waited(g, 0, t))
+        raise
     if rh.status != 200:
         raise refusal(rh)
     return rh, body
 
 
+def _waited(g: Gateway, pid: int, task: asyncio.Future[Any]) -> None:
+    """A WAIT's (or an UNPARK's) reply came: its mailbox is free again."""
+    if pid:
+        g.parked[pid] -= 1
+        if not g.parked[pid]:
+            del g.parked[pid]
+    g.background.discard(task)
+    if not task.cancelled():
+        task.exception()  # retrieved: a stream nobody reads any more needs no error
+
+
 def _over_wait_share(g: Gateway, pid: int) -> bool:
-    if g.info is None:
-        return False
-    return g.parked.get(pid, 0) >= max(1, int(g.info.mailboxes * WAIT_SHARE))
+    """Parked WAITs take at most half of the principal's mailbox share: the other half
+    stays for its submissions and reads."""
+    return g.parked.get(pid, 0) >= max(1, g.mailbox_share() // 2)
 
 
 async def follow(g: Gateway, principal: Principal, epoch: int, identity: bytes, cursor: int,
@@ -204,8 +227,12 @@ async def window_body(g: Gateway, principal: Principal, rid: str, cursor: str | 
                              "total_bytes": str(rh.total)}})
 
 
-async def cancel(g: Gateway, principal: Principal, epoch: int, identity: bytes) -> wire.Header:
-    h = wire.Header(op=wire.Op.CANCEL, principal=principal.id, epoch=epoch, identity=identity)
+async def cancel(g: Gateway, principal: Principal, epoch: int, identity: bytes,
+                 admin: bool = False) -> wire.Header:
+    """Cancel the caller's request; ``admin``: anybody's (the grant needs the admin action)."""
+    h = wire.Header.request(wire.Op.CANCEL, principal=principal.id, epoch=epoch,
+                            identity=identity,
+                            cancel_flags=wire.CANCEL_FLAG_ADMIN if admin else 0)
     rh, _ = await g.ask(h, ok=(202,))
     return rh
 

@@ -73,6 +73,16 @@ async def cancel_request(rid: str, principal: Principal = Caller,
     return json_response({"schema": "aotx.request.v1", **state_fields(rh, g.by_role)}, 202)
 
 
+@router.post("/aotx/v1/admin/requests/{rid}/cancel", status_code=202,
+             response_model=S.RequestState)
+async def admin_cancel_request(rid: str, principal: Principal = Caller,
+                               g: Gateway = Service) -> Response:
+    """Cancel any principal's request (the grant needs the ``admin`` action)."""
+    epoch, identity = parse_id(rid)
+    rh = await calls.cancel(g, principal, epoch, identity, admin=True)
+    return json_response({"schema": "aotx.request.v1", **state_fields(rh, g.by_role)}, 202)
+
+
 @router.get("/aotx/v1/requests/{rid}/events", response_class=StreamingResponse,
             responses={200: {"content": {"text/event-stream": {}},
                              "description": "SSE: emission, status and error events"}})

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Depends
 from starlette.requests import Request
@@ -27,6 +28,9 @@ from .errors import NO_CALL, ApiError, Call, refusal
 log = logging.getLogger("aotx.gateway")
 
 UNREACHABLE = "the device is not reachable; try again"
+#: The share of the broker's mailboxes one principal's calls may hold at once (parked
+#: WAITs included); its further calls wait in the gateway, so the others always find one.
+MAILBOX_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,8 @@ class Gateway:
         # the poll loop, and requests wait for it rather than run under old grants.
         self.grants_dirty = False
         self.parked: dict[int, int] = {}  # principal id -> WAITs it has in flight
+        self._mailboxes: dict[int, asyncio.Semaphore] = {}  # principal id -> its share
+        self.background: set[asyncio.Future[Any]] = set()  # tasks nobody awaits (unparks)
         self._load_credentials()
 
     # -- authentication --------------------------------------------------------------------
@@ -180,8 +186,22 @@ class Gateway:
                 log.info("event=gateway.device_unreachable error=%s", exc)
                 raise ApiError(503, UNREACHABLE) from None
 
+    def mailbox_share(self) -> int:
+        """How many mailboxes one principal's calls may hold at once."""
+        return max(2, int(self.info.mailboxes * MAILBOX_SHARE)) if self.info else 2
+
     async def call(self, h: wire.Header, payload: bytes = b"",
                    timeout: float = 120.0) -> tuple[wire.Header, bytes]:
+        if not h.principal or h.op == wire.Op.UNPARK:  # the gateway's own; frees a mailbox
+            return await self._call(h, payload, timeout)
+        share = self._mailboxes.get(h.principal)
+        if share is None:
+            share = self._mailboxes[h.principal] = asyncio.Semaphore(self.mailbox_share())
+        async with share:
+            return await self._call(h, payload, timeout)
+
+    async def _call(self, h: wire.Header, payload: bytes, timeout: float
+                    ) -> tuple[wire.Header, bytes]:
         await self.ensure_ready()
         try:
             rh, body = await self.broker.call(h, payload, timeout)

@@ -169,9 +169,9 @@ class StreamingBroker(FlakyBroker):
 
 
 def test_one_principal_parks_at_most_its_share_of_the_mailboxes(gateway: Gateway) -> None:
-    """INFO says 8 mailboxes: one principal's streams park 4 WAITs at most, the rest
-    poll with READs (holding no mailbox) and see the output as soon as it comes;
-    another principal's stream still parks."""
+    """INFO says 8 mailboxes: one principal's calls hold 2 at most (MAILBOX_SHARE), its
+    streams park 1 WAIT, the rest poll with READs (holding no mailbox) and see the output
+    as soon as it comes; another principal's stream still parks."""
     from aotx.gateway.service import Principal
 
     broker = StreamingBroker()
@@ -186,15 +186,54 @@ def test_one_principal_parks_at_most_its_share_of_the_mailboxes(gateway: Gateway
                                                 op=wire.Op.WAIT, seen=seen))
                  for _ in range(10)]
         await asyncio.sleep(0.3)
-        assert broker.parked_by == {1: 4} and broker.reads > 0  # 4 parked, 6 polling
+        assert broker.parked_by == {1: 1} and broker.reads > 0  # 1 parked, 9 polling
         other = asyncio.create_task(calls.read(gateway, bob, INFO.epoch, bytes(16), 0,
                                                op=wire.Op.WAIT, seen=seen))
         await asyncio.sleep(0.1)
-        assert broker.parked_by == {1: 4, 2: 1}
+        assert broker.parked_by == {1: 1, 2: 1}
         broker.out = b"hello"
         broker.changed.set()
         done = await asyncio.wait_for(asyncio.gather(*waits, other), 5)
         return [body for _, body in done]
 
     assert asyncio.run(main()) == [b"hello"] * 11
-    assert broker.most_parked == 5 and not gateway.parked
+    assert broker.most_parked == 2 and not gateway.parked
+
+
+def test_a_cancelled_wait_keeps_its_mailbox_counted_until_the_device_answers(
+        gateway: Gateway) -> None:
+    """A stream's client leaves while its WAIT is parked: the gateway sends UNPARK, and
+    counts the WAIT as parked until its reply comes (the mailbox is held until then)."""
+    from aotx.gateway.service import Principal
+
+    broker = StreamingBroker()
+    unparked: list[wire.Header] = []
+    plain_call = broker.call
+
+    async def call(h: wire.Header, payload: bytes = b"",
+                   timeout: float = 120.0) -> tuple[wire.Header, bytes]:
+        if h.op is wire.Op.UNPARK:
+            unparked.append(h)
+            await asyncio.sleep(0.2)  # the device answers the WAIT a little later
+            broker.changed.set()
+            return h.reply(200, epoch=INFO.epoch), b""
+        return await plain_call(h, payload, timeout)
+
+    broker.call = call  # type: ignore[method-assign]
+    gateway.broker = broker  # type: ignore[assignment]
+    asyncio.run(gateway.refresh())
+    alice = Principal(1, "admin", gateway.principals[1])
+    seen = wire.Header(op=wire.Op.WAIT, phase=int(wire.Phase.RUNNING))
+
+    async def main() -> None:
+        wait = asyncio.create_task(calls.read(gateway, alice, INFO.epoch, bytes([7]) * 16, 0,
+                                              op=wire.Op.WAIT, seen=seen))
+        await asyncio.sleep(0.05)
+        wait.cancel()  # the client left
+        await asyncio.sleep(0.05)
+        assert wait.cancelled() and gateway.parked == {1: 1}  # still held on the device
+        assert [(h.principal, h.identity) for h in unparked] == [(1, bytes([7]) * 16)]
+        await asyncio.sleep(0.3)
+        assert gateway.parked == {} and not gateway.background
+
+    asyncio.run(main())
