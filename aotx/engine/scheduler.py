@@ -72,6 +72,9 @@ BACKGROUND_CHUNK = 16
 #: saves at least this many prompt tokens over the best free sequence's cache
 #: (a stream copy costs milliseconds; evaluating 16 tokens costs more).
 COPY_MIN_TOKENS = 16
+#: Choosing a sequence, each cached token it would discard counts this much less than a
+#: token it lets the request reuse.
+DISCARD_WEIGHT = 4
 
 
 def utf8_complete_length(data: bytes | bytearray) -> int:
@@ -322,12 +325,15 @@ class Scheduler:
         # The free sequence whose cached tokens share the longest usable prefix with
         # this prompt; at least the prompt's last token is evaluated again,
         # since its logits are needed for the first sample.
-        # Prefer the longest cached prefix, then the lowest sequence id: streams
-        # in use stay a compact range, which llama.cpp batches fastest.
+        # Prefer the longest cached prefix, less a quarter of the cached tokens it would
+        # throw away (another principal's 600 private tokens are worth keeping for it
+        # more than 20 public ones are worth reusing), then the lowest sequence id:
+        # streams in use stay a compact range, which llama.cpp batches fastest.
         who = owner_of(req)
         held = {q: usable_prefix(self.cached.get(q, []), self.owner.get(q, NOBODY), req.prompt,
                                  who, self.public) for q in self.free_seqs}
-        seq = max(self.free_seqs, key=lambda q: (held[q], -q))
+        seq = max(self.free_seqs, key=lambda q: (
+            held[q] * DISCARD_WEIGHT - (len(self.cached.get(q, ())) - held[q]), -q))
         have = held[seq]
         # A sequence in use may hold a longer prefix (requests arriving together
         # share the chat template's system prompt): copy it into the lowest free

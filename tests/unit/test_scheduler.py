@@ -501,6 +501,27 @@ def test_another_principals_cached_prompt_is_evaluated_again() -> None:
     assert once_more.reused_tokens == len(mine.prompt) - 1  # its own cells: all but the last
 
 
+def test_another_principal_takes_an_empty_sequence_over_ones_private_cells() -> None:
+    sched, _ = make(slots=2)
+    public = list(range(500, 510))
+    sched.warm(public)
+    mine = of(1, req(1, [1]))
+    mine.prompt = [*public, *range(600, 700)]
+    submit(sched, mine)
+    run_until_idle(sched)
+    theirs = of(2, req(2, [1]))
+    theirs.prompt = [*public, *range(800, 850)]
+    submit(sched, theirs)
+    sched.step()
+    assert theirs.seq == 1  # not sequence 0, where principal 1's 110 tokens are kept
+    run_until_idle(sched)
+    again = of(1, req(3, [1]))
+    again.prompt = list(mine.prompt)
+    submit(sched, again)
+    sched.step()
+    assert again.reused_tokens == len(mine.prompt) - 1
+
+
 def test_a_running_sequence_is_copied_only_within_a_principal() -> None:
     sched, engine = make(slots=3)
     shared = list(range(500, 540))
