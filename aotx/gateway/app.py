@@ -61,7 +61,10 @@ def create_app(paths: RuntimePaths, settings: Settings | None = None, loopback_o
         await g.broker.close()
         g.store.close()
 
-    app = FastAPI(title="aotx", version="0.1.0", lifespan=lifespan,
+    # No slash redirects (here and on every router): Starlette answers a path with an
+    # extra or missing "/" with a 307 before any route runs, so before authentication,
+    # with a Location built from the client's Host header.  Such a path is a 404.
+    app = FastAPI(title="aotx", version="0.1.0", lifespan=lifespan, redirect_slashes=False,
                   description="Local LLM inference: standard OpenAI routes and the native "
                               "aotx API.")
     _handle_errors(app)

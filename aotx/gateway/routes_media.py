@@ -14,7 +14,7 @@ from .render import json_response, media_json, media_row
 from .service import Caller, Gateway, Principal, Service
 from .uploads import CONTENT_TYPES, MediaUpload
 
-router = APIRouter(tags=["media"])
+router = APIRouter(tags=["media"], redirect_slashes=False)
 
 
 def parse_source_id(sid: str) -> bytes:

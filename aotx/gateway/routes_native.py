@@ -17,7 +17,7 @@ from .render import dumps, json_response, model_entry, sse, state_fields
 from .requests import ChatRequest, b64
 from .service import Caller, Gateway, Principal, Service, parse_id
 
-router = APIRouter(tags=["native"])
+router = APIRouter(tags=["native"], redirect_slashes=False)
 
 
 @router.get("/aotx/v1/capabilities", response_model=S.Capabilities)

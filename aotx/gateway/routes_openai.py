@@ -23,7 +23,7 @@ from .render import FINISH_NAMES, json_response, openai_model, sse_data, usage
 from .requests import ChatRequest
 from .service import Caller, Gateway, Principal, Service
 
-router = APIRouter(tags=["standard"])
+router = APIRouter(tags=["standard"], redirect_slashes=False)
 
 
 @router.get("/v1/models", response_model=S.OpenAIModelList)

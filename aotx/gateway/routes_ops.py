@@ -12,7 +12,7 @@ from .broker_client import BrokerUnavailable
 from .render import json_response, render_metrics
 from .service import Caller, Gateway, Principal, Service
 
-router = APIRouter(tags=["operations"])
+router = APIRouter(tags=["operations"], redirect_slashes=False)
 
 
 @router.get("/healthz", response_model=S.Health)

@@ -15,7 +15,7 @@ from .render import json_response, policy_json
 from .requests import PolicyControlBody
 from .service import Caller, Gateway, Principal, Service
 
-router = APIRouter(tags=["policy"])
+router = APIRouter(tags=["policy"], redirect_slashes=False)
 _DECIMAL = frozenset("0123456789")
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from aotx import ids, wire
 from aotx.config import Settings
+from aotx.gateway import routes_media, routes_native, routes_openai, routes_ops, routes_policy
 from aotx.gateway.app import create_app
 from aotx.gateway.broker_client import BrokerUnavailable
 from aotx.paths import RuntimePaths
@@ -119,6 +120,24 @@ def test_the_guard_refuses_foreign_hosts_and_large_bodies(gw: Any) -> None:
         r = await c.post("/v1/chat/completions", content=b"x" * (Settings().max_body + 1),
                          headers={"Content-Type": "application/json"})
         assert r.status_code == 413 and r.headers["connection"] == "close"
+
+    gw(test)
+
+
+def test_a_path_with_a_slash_too_many_or_too_few_is_a_404(gw: Any) -> None:
+    """No redirect (Starlette's would come before authentication, with a Location built
+    from the Host header): the standard 404, with or without a token."""
+    async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
+        for method, path in (("GET", "/aotx/v1/capabilities/"), ("GET", "/healthz/"),
+                             ("POST", "/v1/chat/completions/"), ("GET", "/console"),
+                             ("DELETE", "/aotx/v1/memory/")):
+            for headers in ({}, {"Authorization": ""}):
+                r = await c.request(method, path, headers=headers)
+                assert r.status_code == 404, (method, path, r.status_code)
+                assert "location" not in r.headers and error(r)["type"] == "not_found_error"
+        assert (await c.get("/console/")).status_code == 200
+        assert all(m.router.redirect_slashes is False for m in (
+            routes_media, routes_native, routes_openai, routes_ops, routes_policy))
 
     gw(test)
 
