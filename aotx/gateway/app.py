@@ -17,6 +17,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -120,8 +121,6 @@ def _document_errors(routes: list[BaseRoute]) -> None:
 
 
 def run(paths: RuntimePaths, host: str, port: int, settings: Settings) -> None:
-    import uvicorn
-
     paths.ensure()
     ensure_admin_token(paths.admin_token)
     loopback = host in ("127.0.0.1", "localhost", "::1")
@@ -134,7 +133,12 @@ def run(paths: RuntimePaths, host: str, port: int, settings: Settings) -> None:
     with open(os.path.join(paths.run_dir, "gateway.url"), "w") as f:
         f.write(f"http://{url_host}:{port}\n")
     request_short_slice(settings.short_slice)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            loop="uvloop", http=guarded_protocol(settings.header_timeout),
-                            timeout_graceful_shutdown=3, server_header=False)
-    uvicorn.Server(config).run()
+    uvicorn.Server(server_config(app, host, port, settings)).run()
+
+
+def server_config(app: ASGIApp, host: str, port: int, settings: Settings,
+                  loop: str = "uvloop") -> uvicorn.Config:
+    """uvicorn's configuration for the gateway (tests serve the app with it too)."""
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                          loop=loop, http=guarded_protocol(settings.header_timeout),
+                          timeout_graceful_shutdown=3, server_header=False)

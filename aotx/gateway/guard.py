@@ -8,6 +8,8 @@ Connection level (:class:`GuardedHttpToolsProtocol`, uvicorn's protocol class):
   first byte of the next request on a kept-alive connection), else 408 and close.
 * **Header size**: more than ``MAX_HEADER_BYTES`` before the end of the headers
   answers 431 and closes.
+* **Malformed requests**: bytes the HTTP parser refuses answer 400 with the standard
+  error object (not uvicorn's text) and close.
 
 Request level (:class:`Guard`, ASGI middleware in front of every route): the Host
 header on a loopback bind, body size and pacing (each chunk within ``body_timeout``),
@@ -24,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
+import httptools
 from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -42,7 +45,8 @@ log = logging.getLogger("aotx.gateway.http")
 
 MAX_HEADER_BYTES = 16 * 1024
 
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+NOT_HTTP = "the request is not valid HTTP/1.1"
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -110,7 +114,27 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             if self._header_bytes > MAX_HEADER_BYTES:
                 self._refuse(431, f"request headers exceed {MAX_HEADER_BYTES} bytes")
                 return
-        super().data_received(data)
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
+        """uvicorn's ``data_received``, but bytes the parser refuses get the standard
+        error object, and its complaint goes to the debug log: anyone who can reach the
+        port can send garbage, and a warning line for each would let them fill the log."""
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+        except httptools.HttpParserError as exc:
+            log.debug("event=gateway.bad_request client=%s error=%s", self.client, exc)
+            self.send_400_response(NOT_HTTP)
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn's own answers text/plain; its message is not the client's business.
+        self._refuse(400, NOT_HTTP)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()

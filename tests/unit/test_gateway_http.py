@@ -1,5 +1,7 @@
 """The gateway's HTTP edge in process: the real application (routers, guard, handlers)
-over httpx's ASGI transport, with a scripted broker in place of service.sock.
+over httpx's ASGI transport, with a scripted broker in place of service.sock; and, for
+what only raw bytes reach (malformed requests, request targets, timeouts), the same app
+served by uvicorn on 127.0.0.1 as ``aotx serve`` configures it (``served``).
 
 These are the cases that once only the end-to-end tests reached: authentication, the
 Host guard, body limits, how each device reason is worded, event-stream rules, the
@@ -9,21 +11,27 @@ policy's conflicts, and what a 503 says.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import shutil
-from collections.abc import Awaitable, Callable
+import socket
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
 from aotx import ids, wire
 from aotx.config import Settings
 from aotx.gateway import routes_media, routes_native, routes_openai, routes_ops, routes_policy
-from aotx.gateway.app import create_app
+from aotx.gateway.app import create_app, server_config
 from aotx.gateway.broker_client import BrokerUnavailable
 from aotx.paths import RuntimePaths
 
-from ..helpers import short_tmpdir
+from ..helpers import eventually, free_port, short_tmpdir
 
 EPOCH = 3
 INFO = wire.Info(epoch=EPOCH, models=(wire.ModelInfo(1, "smollm2", bytes(32), wire.MOD_TEXT, 0,
@@ -86,6 +94,54 @@ def gw() -> Any:
         yield lambda test: asyncio.run(run(test))
     finally:
         shutil.rmtree(state, ignore_errors=True)
+
+
+@dataclass
+class Served:
+    port: int
+    broker: ScriptedBroker
+
+    def raw(self, data: bytes, wait: float = 5) -> bytes:
+        """Send ``data`` on a new connection; everything the server answers until it
+        closes (or ``wait`` seconds pass)."""
+        with socket.create_connection(("127.0.0.1", self.port)) as s:
+            s.settimeout(wait)
+            s.sendall(data)
+            out = b""
+            with contextlib.suppress(TimeoutError):
+                while chunk := s.recv(65536):
+                    out += chunk
+        return out
+
+
+@pytest.fixture
+def served() -> Iterator[Served]:
+    """The application served by uvicorn as ``aotx serve`` configures it (the guarded
+    protocol class), on 127.0.0.1, for what only real HTTP bytes reach: malformed
+    requests, request targets, the header timeout."""
+    state = short_tmpdir()
+    broker = ScriptedBroker()
+    settings = Settings(header_timeout=1, body_timeout=1)
+    app = create_app(RuntimePaths(state), settings, broker=broker)  # type: ignore[arg-type]
+    server = uvicorn.Server(server_config(app, "127.0.0.1", free_port(), settings))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        eventually(lambda: server.started, 10)
+        yield Served(server.config.port, broker)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def raw_error(answer: bytes) -> tuple[int, dict[str, Any]]:
+    """The status and error object of a raw HTTP answer (which must be JSON)."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower(), answer[:300]
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "code", "param"}
+    return int(head.split(b" ", 2)[1]), err
 
 
 def state(h: wire.Header, status: int = 200, phase: wire.Phase = wire.Phase.RUNNING,
@@ -297,3 +353,21 @@ def test_the_fast_paths_answer_as_the_routes(gw: Any) -> None:
         assert fast.json()["media"] == []
 
     gw(test)
+
+
+
+def test_a_malformed_request_answers_the_standard_error_object(served: Served) -> None:
+    """Bytes the HTTP parser refuses: a JSON 400 that says nothing of the parser (not
+    uvicorn's text/plain "Invalid HTTP request received."), and the connection closes."""
+    for data in (b"\x00\x01garbage\r\n\r\n",
+                 b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nBad Header\r\n\r\n",
+                 b"GET /healthz HTTP/9.9\r\nHost: 127.0.0.1\r\n\r\n",
+                 b"GET /health z HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+                 b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}"):
+        answer = served.raw(data)
+        status, err = raw_error(answer)
+        assert status == 400 and b"connection: close" in answer.lower(), data
+        assert err == {"message": "the request is not valid HTTP/1.1",
+                       "type": "invalid_request_error", "code": "invalid_request",
+                       "param": None}
