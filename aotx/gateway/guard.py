@@ -10,9 +10,11 @@ Connection level (:class:`GuardedHttpToolsProtocol`, uvicorn's protocol class):
   answers 431 and closes.
 * **Malformed requests**: bytes the HTTP parser refuses answer 400 with the standard
   error object (not uvicorn's text) and close.
+* **Request targets**: a path, or an absolute ``http://host/path`` whose authority then
+  stands for the Host header (RFC 9112 3.2.2); anything else answers 400.
 
-Request level (:class:`Guard`, ASGI middleware in front of every route): the Host
-header on a loopback bind, body size and pacing (each chunk within ``body_timeout``),
+Request level (:class:`Guard`, ASGI middleware in front of every route): one Host
+header, a loopback one on a loopback bind, body size and pacing (each chunk within ``body_timeout``),
 and the fast paths of ``GET /aotx/v1/requests/{id}`` and ``POST /aotx/v1/requests``.
 """
 
@@ -47,6 +49,9 @@ MAX_HEADER_BYTES = 16 * 1024
 
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 NOT_HTTP = "the request is not valid HTTP/1.1"
+#: An absolute-form request target: http(s), an authority without user information
+#: (group 1), then the path and query.
+_ABSOLUTE_FORM = re.compile(rb"https?://([^/?#@]*)(/[^#]*)", re.IGNORECASE)
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -153,7 +158,24 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._refused:
             return  # the connection is closing: never start the application
         self._disarm()
+        if not self.url.startswith(b"/") and not self._absolute_form():
+            return
         super().on_headers_complete()
+
+    def _absolute_form(self) -> bool:
+        """A request target that is not a path.  RFC 9112 3.2.2: a server must accept the
+        absolute-form (``GET http://host/path``), and must ignore the Host header for the
+        host the target names; so the target's authority replaces the Host header here,
+        and the Guard checks that.  Authority-form, asterisk-form, another scheme, or user
+        information in the authority (``http://127.0.0.1:80@evil/``) are refused: 400."""
+        m = _ABSOLUTE_FORM.fullmatch(self.url)
+        if m is None:
+            self._refuse(400, "the request target must be a path, or an http URL with no "
+                              "user information")
+            return False
+        self.headers[:] = [(k, v) for k, v in self.headers if k != b"host"]  # scope's list
+        self.headers.append((b"host", m.group(1)))
+        return True
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:
@@ -179,25 +201,35 @@ def guarded_protocol(header_timeout: float) -> type[GuardedHttpToolsProtocol]:
                 {"header_timeout": header_timeout})
 
 
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]", "::1"})
+#: A Host naming loopback: exactly one of these names, then at most a numeric port.
+#: Nothing looser: a check that splits or strips the value can take one that names
+#: another host ("127.0.0.1:80@evil", "localhost.evil") for loopback.
+LOOPBACK_HOST = re.compile(r"(?:127\.0\.0\.1|localhost|\[::1\])(?::[0-9]{1,5})?", re.IGNORECASE)
 _WINDOW_PATH = re.compile(r"^/aotx/v1/requests/[^/]+$")
 
 
-def foreign_host(scope: Scope) -> str | None:
-    """The request's Host when it names anything but loopback (while bound to loopback,
-    only a loopback Host is served: a page whose name resolves to 127.0.0.1 must not
-    reach the API), else None."""
-    host = next((v for k, v in scope["headers"] if k == b"host"), b"").decode("latin-1")
-    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-    return None if name.lower() in LOOPBACK_HOSTS else host
+def host_refusal(scope: Scope, loopback_only: bool) -> tuple[int, str] | None:
+    """(status, message) when the request's Host header is refused, else None.
+
+    RFC 9112 3.2: an HTTP/1.1 request has exactly one Host header (else 400).  While
+    bound to loopback, only a loopback Host is served (else 421): a page whose name
+    resolves to 127.0.0.1 must not reach the API (DNS rebinding)."""
+    hosts = [v for k, v in scope["headers"] if k == b"host"]
+    if len(hosts) > 1 or (not hosts and scope.get("http_version", "1.1") == "1.1"):
+        return 400, "a request must carry exactly one Host header"
+    host = hosts[0].decode("latin-1") if hosts else ""
+    if loopback_only and not LOOPBACK_HOST.fullmatch(host):
+        return 421, (f"the Host header {host!r} is not a loopback name; this service only "
+                     "answers 127.0.0.1, localhost or [::1]")
+    return None
 
 
 class Guard:
     """ASGI middleware in front of every route.
 
-    * While bound to loopback, a Host header naming anything but a loopback name is
-      refused with 421 (DNS rebinding: a page from another origin that resolves its
-      own name to 127.0.0.1 must not reach the API).
+    * One Host header (400 otherwise); while bound to loopback, it must be exactly a
+      loopback name with an optional port, else 421 (DNS rebinding: a page from another
+      origin that resolves its own name to 127.0.0.1 must not reach the API).
     * Request bodies: at most ``limit`` bytes (413), and each chunk must arrive within
       ``body_timeout`` seconds (408), so slow clients cannot hold a request open for
       ever.  Bodies are read in full before the route runs, except media uploads,
@@ -263,9 +295,8 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.loopback_only and (host := foreign_host(scope)) is not None:
-            await self._refuse(send, 421, f"the Host header {host!r} is not a loopback name; "
-                                          "this service only answers 127.0.0.1")
+        if (refused := host_refusal(scope, self.loopback_only)) is not None:
+            await self._refuse(send, *refused)
             return
         streamed = (scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS")
                     or scope["path"] == "/aotx/v1/media")

@@ -43,7 +43,8 @@ def raw(port: int, data: bytes, wait: float = 5) -> bytes:
 
 
 def test_foreign_host_headers_are_refused_on_loopback(rsvc: Service) -> None:
-    for host in ("evil.example", "127.0.0.1.evil.example", "localhost.evil", "10.0.0.1"):
+    for host in ("evil.example", "127.0.0.1.evil.example", "localhost.evil", "10.0.0.1",
+                 "127.0.0.1:80@evil.example"):
         r = httpx.get(rsvc.url + "/v1/models", headers={**rsvc.headers, "Host": host})
         assert r.status_code == 421, host
         assert r.json()["error"]["type"]

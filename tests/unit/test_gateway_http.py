@@ -173,6 +173,17 @@ def test_the_guard_refuses_foreign_hosts_and_large_bodies(gw: Any) -> None:
     async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
         r = await c.get("/v1/models", headers={"Host": "evil.example:8000"})
         assert r.status_code == 421 and "loopback" in error(r)["message"]
+        # Only exactly a loopback name and a numeric port: nothing a looser reading
+        # (split at the last ":", strip brackets) would take for loopback.
+        for host in ("127.0.0.1:80@evil", "127.0.0.1@evil", "localhost.evil", "localhost.",
+                     "127.0.0.1:", "127.0.0.1:http", "127.0.0.1:80:80", "::1", "[::1]evil",
+                     "127.0.0.1,evil", "127.0.0.2", "evil:127.0.0.1", ""):
+            r = await c.get("/v1/models", headers={"Host": host})
+            assert r.status_code == 421, host
+            assert error(r)["code"] == "misdirected_request"
+        for host in ("127.0.0.1", "127.0.0.1:8000", "LocalHost:1", "localhost", "[::1]",
+                     "[::1]:65535"):
+            assert (await c.get("/v1/models", headers={"Host": host})).status_code == 200, host
         r = await c.post("/v1/chat/completions", content=b"x" * (Settings().max_body + 1),
                          headers={"Content-Type": "application/json"})
         assert r.status_code == 413 and r.headers["connection"] == "close"
@@ -371,3 +382,30 @@ def test_a_malformed_request_answers_the_standard_error_object(served: Served) -
         assert err == {"message": "the request is not valid HTTP/1.1",
                        "type": "invalid_request_error", "code": "invalid_request",
                        "param": None}
+
+
+def test_request_targets_and_host_headers_on_the_wire(served: Served) -> None:
+    """What only raw requests can send: an absolute-form target names its own host (RFC
+    9112 3.2.2: it stands for the Host header, which is ignored), so it is checked as
+    the Host is; user information in it, another form of target, no Host or two: 400."""
+    def status(target: bytes, *headers: bytes, version: bytes = b"1.1") -> int:
+        answer = served.raw(b"GET %s HTTP/%s\r\n%sConnection: close\r\n\r\n"
+                            % (target, version, b"".join(h + b"\r\n" for h in headers)))
+        if answer.startswith(b"HTTP/1.1 200"):
+            return 200
+        return raw_error(answer)[0]
+
+    local = b"Host: 127.0.0.1"
+    assert status(b"/healthz", local) == 200
+    assert status(b"http://127.0.0.1/healthz", b"Host: evil.example") == 200
+    assert status(b"HTTP://[::1]:%d/healthz?x=1" % served.port, local) == 200
+    assert status(b"http://evil.example/healthz", local) == 421
+    assert status(b"http://evil.example:80/healthz") == 421
+    assert status(b"http://127.0.0.1.evil.example/healthz", local) == 421
+    for target in (b"http://127.0.0.1:80@evil.example/healthz", b"http://u:p@127.0.0.1/healthz",
+                   b"ftp://127.0.0.1/healthz", b"evil.example:443", b"*", b"http://127.0.0.1"):
+        assert status(target, local) == 400, target
+    assert status(b"/healthz", b"Host: 127.0.0.1:80@evil.example") == 421
+    assert status(b"/healthz", local, b"Host: evil.example") == 400
+    assert status(b"/healthz") == 400
+    assert status(b"/healthz", version=b"1.0") == 421  # 1.0 may omit Host; not loopback
