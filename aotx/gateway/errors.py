@@ -4,13 +4,16 @@ device's refusals.
 The device and the broker answer with a status and a :class:`~aotx.wire.Reason` code,
 never with text.  :data:`REASONS` turns the code (and the number its reply carries) into
 the message, code and param of the standard error object; :data:`ERROR_TYPES` gives
-the object's ``type`` for each status.  Errors found by the gateway itself (bad JSON,
+the object's ``type`` and default ``code`` for each status (a status it does not list
+gets its reason phrase as the code).  Errors found by the gateway itself (bad JSON,
 no token, a bad cursor) are :class:`ApiError` with their own message.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any
 
 from .. import wire
@@ -42,10 +45,20 @@ ERROR_TYPES: dict[int, tuple[str, str]] = {
 
 def error_body(status: int, message: str, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
-    etype, default_code = ERROR_TYPES.get(status, ("internal_error" if status >= 500
-                                                   else "invalid_request_error", str(status)))
+    etype, default_code = ERROR_TYPES.get(status) or _unlisted(status)
     return {"error": {"message": message, "type": etype, "code": code or default_code,
                       "param": param}}
+
+
+def _unlisted(status: int) -> tuple[str, str]:
+    """The type and code of a status the table does not list (a device status the gateway
+    does not know yet): the code is a word, its reason phrase, never the number."""
+    server = status >= 500
+    try:
+        code = re.sub(r"[^a-z0-9]+", "_", HTTPStatus(status).phrase.lower()).strip("_")
+    except ValueError:
+        code = "internal_error" if server else "invalid_request"
+    return ("internal_error" if server else "invalid_request_error"), code
 
 
 class ApiError(Exception):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import shutil
 import socket
 import threading
@@ -29,6 +30,7 @@ from aotx.config import Settings
 from aotx.gateway import routes_media, routes_native, routes_openai, routes_ops, routes_policy
 from aotx.gateway.app import create_app, server_config
 from aotx.gateway.broker_client import BrokerUnavailable
+from aotx.gateway.errors import error_body
 from aotx.paths import RuntimePaths
 
 from ..helpers import eventually, free_port, short_tmpdir
@@ -100,6 +102,7 @@ def gw() -> Any:
 class Served:
     port: int
     broker: ScriptedBroker
+    token: str
 
     def raw(self, data: bytes, wait: float = 5) -> bytes:
         """Send ``data`` on a new connection; everything the server answers until it
@@ -128,7 +131,8 @@ def served() -> Iterator[Served]:
     thread.start()
     try:
         eventually(lambda: server.started, 10)
-        yield Served(server.config.port, broker)
+        yield Served(server.config.port, broker,
+                     open(RuntimePaths(state).admin_token).read().strip())
     finally:
         server.should_exit = True
         thread.join(10)
@@ -237,6 +241,21 @@ def test_device_reasons_are_worded_by_the_gateway(gw: Any) -> None:
                 assert r.headers["retry-after"] == "7"
 
     gw(test)
+
+
+def test_an_unlisted_status_has_a_word_for_its_code(gw: Any) -> None:
+    """A status the errors table does not list (a device status the gateway does not
+    know yet) gets its reason phrase as its code, never the number."""
+    async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
+        broker.script[wire.Op.SUBMIT] = lambda h, p: (
+            h.refuse(507, wire.Reason.INTERNAL, epoch=EPOCH), b"")
+        r = await c.post("/aotx/v1/requests", json=BODY)
+        assert r.status_code == 507 and error(r)["code"] == "insufficient_storage"
+
+    gw(test)
+    for status in range(400, 600):
+        code = error_body(status, "x")["error"]["code"]
+        assert re.fullmatch(r"[a-z][a-z_]*[a-z]", code), (status, code)
 
 
 BODY = {"model": "smollm2", "max_tokens": 100, "messages": [{"role": "user", "content": "hi"}]}
@@ -409,3 +428,20 @@ def test_request_targets_and_host_headers_on_the_wire(served: Served) -> None:
     assert status(b"/healthz", local, b"Host: evil.example") == 400
     assert status(b"/healthz") == 400
     assert status(b"/healthz", version=b"1.0") == 421  # 1.0 may omit Host; not loopback
+
+
+def test_every_timeout_answers_408_request_timeout(served: Served) -> None:
+    """Headers that never end, a JSON body that stalls, an upload that stalls: each a 408
+    whose code is the word request_timeout, and the connection closes."""
+    served.broker.script[wire.Op.MEDIA_PUT] = lambda h, p: (h.reply(200, epoch=EPOCH), b"")
+    for data in (b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n",
+                 b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: 10\r\n\r\n{}",
+                 b"POST /aotx/v1/media HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+                 + served.token.encode() + b"\r\nContent-Type: image/png\r\n"
+                 b"Content-Length: 100\r\n\r\n\x89PNG"):
+        answer = served.raw(data)
+        status, err = raw_error(answer)
+        assert (status, err["code"], err["type"]) == (408, "request_timeout",
+                                                      "invalid_request_error"), data
+        assert b"connection: close" in answer.lower()
