@@ -137,10 +137,16 @@ class ChatRequest(BaseModel):
     logprobs: bool | None = None
     response_format: dict[str, Any] | None = None
 
-    @field_validator("stop")
+    @field_validator("stop", mode="before")
     @classmethod
-    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
-        items = [v] if isinstance(v, str) else (v or [])
+    def _stops(cls, v: Any) -> Any:
+        # Before pydantic's own check of ``str | list[str]``, whose errors are located at
+        # the union member it tried ("stop.str"): every bad stop here is located "stop".
+        if v is None:
+            return v
+        items = [v] if isinstance(v, str) else v
+        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+            raise ValueError("stop must be a string or an array of strings")
         if len(items) > MAX_STOP:
             raise ValueError(f"at most {MAX_STOP} stop sequences")
         if any(not s for s in items):

@@ -261,6 +261,29 @@ def test_an_unlisted_status_has_a_word_for_its_code(gw: Any) -> None:
 BODY = {"model": "smollm2", "max_tokens": 100, "messages": [{"role": "user", "content": "hi"}]}
 
 
+def test_a_bad_stop_is_reported_as_stop(gw: Any) -> None:
+    """Whatever is wrong with ``stop`` (its type, count, length, a lone surrogate), the
+    error's param is "stop", on both routes (and past the admission fast path); a lone
+    surrogate in a message is the messages' fault."""
+    stops = ['5', '[5]', '["a", 3]', '{}', 'true', json.dumps(["a"] * 17), '[""]',
+             json.dumps("x" * (wire.MAX_STOP_BYTES + 1)), '"\\ud800"', '["a", "\\udc00b"]']
+
+    async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
+        broker.script[wire.Op.SUBMIT] = lambda h, p: (state(h, 202, wire.Phase.QUEUED), b"")
+        json_type = {"Content-Type": "application/json"}
+        for path in ("/aotx/v1/requests", "/v1/chat/completions"):
+            for stop in stops:
+                body = json.dumps(BODY)[:-1] + f', "stop": {stop}}}'
+                r = await c.post(path, content=body, headers=json_type)
+                assert (r.status_code, error(r)["param"]) == (400, "stop"), (path, stop, r.text)
+            body = json.dumps({**BODY, "messages": [{"role": "user", "content": "x"}]})
+            r = await c.post(path, content=body.replace('"x"', '"\\ud800"'), headers=json_type)
+            assert (r.status_code, error(r)["param"]) == (400, "messages"), r.text
+        assert not any(h.op == wire.Op.SUBMIT for h in broker.sent)
+
+    gw(test)
+
+
 def p_of() -> bytes:
     """The submission payload BODY becomes (what INPUT_BYTES compares)."""
     return wire.encode_submission(wire.Submission((wire.Message(wire.Role.USER, (
