@@ -120,7 +120,7 @@ class Admission:
         try:
             prompt_text = model.template.render(messages)
         except TemplateError as exc:
-            log.info("event=request.template_refused role=%d error=%s", h.role, exc)
+            log.debug("event=request.template_refused role=%d error=%s", h.role, exc)
             raise DeviceError(400, Reason.TEMPLATE if exc.refused else Reason.TEMPLATE_FAILED
                               ) from None
         return Prepared(h, grant, model, sub, prompt_text, messages, leased, memory_on)
@@ -141,7 +141,7 @@ class Admission:
                     p.prompt_text, [(wire.PART_MODALITY[s.kind], s.data) for s in p.leased],
                     add_special=p.model.engine.add_bos)
             except MediaInputError as exc:
-                log.info("event=request.media_refused part=%d error=%s", exc.part, exc)
+                log.debug("event=request.media_refused part=%d error=%s", exc.part, exc)
                 status, reason = MEDIA_PROBLEMS[exc.problem]
                 # MODALITY names the part's kind, as the device's own check does
                 detail = (int(p.leased[exc.part].kind) if exc.problem is MediaProblem.MODALITY
@@ -192,6 +192,8 @@ class Admission:
             req.media = [src.data for src in p.leased]
         model.scheduler.submit(req)
         st.counters.admitted += 1
+        # A request's own events are DEBUG: at INFO every admission wrote a line to a log
+        # that nothing rotates (the service's start, stop, errors and grants stay INFO).
         log.debug("event=request.admitted id=%s role=%d prompt_tokens=%d max_tokens=%d",
                  st.request_id(identity), h.role, len(prompt), max_tokens)
         # The payload: the leased sources' ids, in prompt order (the seed's media handles).

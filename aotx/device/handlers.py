@@ -159,8 +159,8 @@ class Handlers:
         if src is None:
             return h.reply(status, epoch=self.state.epoch), b""
         if status == 201:
-            log.info("event=media.%s source=src-%s bytes=%d", src.state.name.lower(),
-                     src.id.hex(), src.size)
+            log.debug("event=media.%s source=src-%s bytes=%d", src.state.name.lower(),
+                      src.id.hex(), src.size)
         return (h.reply(status, epoch=self.state.epoch, identity=src.id, role=src.content_type,
                         reason=int(src.reason)), wire.encode_media_meta(src.meta()))
 
@@ -180,7 +180,7 @@ class Handlers:
     def media_delete(self, h: Header) -> Reply:
         self.state.grant_for(h, Action.MEDIA)
         self.state.media.remove(h.principal, h.source_id)
-        log.info("event=media.removed source=src-%s", h.source_id.hex())
+        log.debug("event=media.removed source=src-%s", h.source_id.hex())
         return self.ok(h)
 
     # -- the resident policy and a principal's memory ----------------------------------------

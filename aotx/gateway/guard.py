@@ -99,7 +99,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _headers_too_slow(self) -> None:
         self._header_timer = None
         if self._in_headers and not self.transport.is_closing():
-            log.info("event=gateway.header_timeout client=%s", self.client)
+            log.debug("event=gateway.header_timeout client=%s", self.client)
             self._refuse(408, f"request headers not received within {self.header_timeout:.0f} s")
 
     def data_received(self, data: bytes) -> None:

@@ -6,6 +6,7 @@ Each test names the seed statement it checks.
 
 from __future__ import annotations
 
+import logging
 import struct
 
 import pytest
@@ -227,3 +228,28 @@ def test_a_parked_wait_on_a_reclaimed_request_answers_404(device: Pair) -> None:
     h, body = wire.decode_packet(dev.region.read(2))
     assert (h.status, h.reason, h.tag, body) == (404, wire.Reason.NO_REQUEST, 4, b"")
     assert not dev.parked and dev.handlers.parked_waits == 0
+
+
+def test_a_requests_own_events_are_logged_at_debug(device: Pair,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Every admission was an INFO line, in a log nothing rotates: a request's and a media
+    source's own events (admitted, cancel, reclaimed, stored, removed) are DEBUG, so the
+    default INFO level writes none of them."""
+    dev, sched = device
+    caplog.set_level(logging.DEBUG, logger="aotx")
+    ah, _ = call(dev, wire.Header.request(wire.Op.SUBMIT, role=1, max_tokens=3),
+                 text_submission())
+    assert call(dev, wire.Header(op=wire.Op.CANCEL, identity=ah.identity))[0].status == 202
+    while sched.step():
+        pass
+    dev.state.reclaim(dev.state.requests[ah.identity].finished_ns + 10**13)
+    assert ah.identity not in dev.state.requests
+    rh, _ = call(dev, wire.Header(op=wire.Op.MEDIA_PUT, identity=b"u" * 16, role=1,
+                                  flags=wire.MEDIA_FLAG_FINAL), png(1))
+    assert call(dev, wire.Header(op=wire.Op.MEDIA_DELETE, identity=rh.identity))[0].status == 200
+    levels = {r.getMessage().split()[0]: r.levelno for r in caplog.records
+              if r.getMessage().startswith("event=")}
+    own = {"event=request.admitted", "event=request.cancel", "event=request.reclaimed",
+           "event=media.ready", "event=media.removed"}
+    assert own <= set(levels), levels
+    assert all(levels[e] == logging.DEBUG for e in own), levels
