@@ -34,7 +34,7 @@ from . import routes_media, routes_native, routes_openai, routes_ops, routes_pol
 from . import schemas as S
 from .broker_client import BrokerClient
 from .credentials import ensure_admin_token
-from .errors import ApiError, error_body
+from .errors import INTERNAL, ApiError, error_body
 from .guard import Guard, guarded_protocol
 from .render import error_response, json_response
 from .service import Gateway
@@ -96,6 +96,13 @@ def _handle_errors(app: FastAPI) -> None:
             msg, loc = "the body is not valid JSON", []
         return json_response(error_body(400, f"{'.'.join(loc) + ': ' if loc else ''}{msg}",
                                         param=".".join(loc) or None), 400)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        # A bug: the standard object with a fixed message, never the exception's text
+        # (it may hold a path).  Starlette re-raises it after this answer, and uvicorn
+        # logs the traceback.
+        return json_response(error_body(500, INTERNAL), 500)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:

@@ -42,7 +42,12 @@ class BrokerClient:
         async with self._connect_lock:
             if self._sock is not None:
                 return self._sock
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            # Any OSError, the socket's creation included (no file descriptor left), is
+            # BrokerUnavailable: callers answer that with a fixed 503 and log its text.
+            try:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            except OSError as exc:
+                raise BrokerUnavailable(f"no socket for the broker: {exc}") from None
             sock.setblocking(False)
             try:
                 await asyncio.get_running_loop().sock_connect(sock, self.path)

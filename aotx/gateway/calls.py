@@ -77,7 +77,9 @@ def submission(body: ChatRequest, m: wire.ModelInfo, principal: Principal, allow
     try:
         payload = wire.encode_submission(wire.Submission(tuple(messages), tuple(body.stops)))
     except wire.WireError as exc:
-        raise ApiError(exc.status, f"the request does not fit one packet: {exc.message}") from None
+        # The codec's message is for a log; the client gets the table's wording of the
+        # reason, as when the device refuses a packet.
+        raise refusal(wire.Header().refuse(exc.status, exc.reason, exc.detail)) from None
     except UnicodeEncodeError:
         raise ApiError(400, "text is not valid UTF-8 (lone surrogate)", param="stop") from None
     limit = body.token_limit or 0

@@ -43,6 +43,10 @@ ERROR_TYPES: dict[int, tuple[str, str]] = {
 }
 
 
+#: The message of an unexpected failure in the gateway (its detail goes to the log only).
+INTERNAL = "internal error in the gateway; its log has the details"
+
+
 def error_body(status: int, message: str, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     etype, default_code = ERROR_TYPES.get(status) or _unlisted(status)

@@ -36,7 +36,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ..config import MAX_BODY
 from . import calls
-from .errors import ApiError, error_body
+from .errors import INTERNAL, ApiError, error_body
 from .render import dumps, send_json
 from .requests import ChatRequest
 
@@ -249,12 +249,16 @@ class Guard:
     @staticmethod
     async def _answer(send: Send, status: int, body: Callable[[], Awaitable[bytes]]) -> None:
         """Send ``status`` and the JSON ``body()`` returns, or the standard error object
-        of the ApiError it raises (as the app's exception handler would)."""
+        of the ApiError it raises (as the app's exception handlers would: any other
+        exception is a 500 with a fixed message, its text in the log only)."""
         headers: dict[str, str] = {}
         try:
             out = await body()
         except ApiError as exc:
             status, out, headers = exc.status, dumps(exc.body()), exc.headers
+        except Exception:
+            log.exception("event=gateway.error")
+            status, out = 500, dumps(error_body(500, INTERNAL))
         await send_json(send, status, out, headers)
 
     async def _window_fast_path(self, scope: Scope, send: Send) -> None:

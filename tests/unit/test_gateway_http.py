@@ -17,7 +17,7 @@ import re
 import shutil
 import socket
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,14 @@ import uvicorn
 
 from aotx import ids, wire
 from aotx.config import Settings
-from aotx.gateway import routes_media, routes_native, routes_openai, routes_ops, routes_policy
+from aotx.gateway import (
+    broker_client,
+    routes_media,
+    routes_native,
+    routes_openai,
+    routes_ops,
+    routes_policy,
+)
 from aotx.gateway.app import create_app, server_config
 from aotx.gateway.broker_client import BrokerUnavailable
 from aotx.gateway.errors import error_body
@@ -79,23 +86,34 @@ class ScriptedBroker:
 
 @pytest.fixture
 def gw() -> Any:
+    """``gw(test)`` runs ``test(client, broker)`` against the app; ``gw(test, False)``
+    lets the client see the 500 an unexpected exception answers instead of raising it."""
     state = short_tmpdir()
     broker = ScriptedBroker()
     app = create_app(RuntimePaths(state), Settings(body_timeout=2), broker=broker)  # type: ignore[arg-type]
 
-    async def run(test: Callable[[httpx.AsyncClient, ScriptedBroker], Awaitable[None]]) -> None:
-        fastapi_app = app.app  # type: ignore[attr-defined]
-        async with fastapi_app.router.lifespan_context(fastapi_app):
-            token = open(RuntimePaths(state).admin_token).read().strip()
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1",
-                                         headers={"Authorization": f"Bearer {token}"}) as c:
-                await test(c, broker)
+    async def run(test: Callable[[httpx.AsyncClient, ScriptedBroker], Awaitable[None]],
+                  raise_app_exceptions: bool) -> None:
+        async with asgi_client(app, RuntimePaths(state), raise_app_exceptions) as c:
+            await test(c, broker)
 
     try:
-        yield lambda test: asyncio.run(run(test))
+        yield lambda test, raises=True: asyncio.run(run(test, raises))
     finally:
         shutil.rmtree(state, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def asgi_client(app: Any, paths: RuntimePaths,
+                      raise_app_exceptions: bool = True) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of ``app`` in process (its lifespan running), with the admin token."""
+    fastapi_app = app.app
+    async with fastapi_app.router.lifespan_context(fastapi_app):
+        token = open(paths.admin_token).read().strip()
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1",
+                                     headers={"Authorization": f"Bearer {token}"}) as c:
+            yield c
 
 
 @dataclass
@@ -391,6 +409,88 @@ def test_an_unreachable_device_is_a_plain_503(gw: Any) -> None:
         assert "not reachable" in error(r)["message"]
 
     gw(test)
+
+
+ROUTES = [("POST", "/v1/chat/completions", BODY), ("POST", "/aotx/v1/requests", BODY),
+          ("GET", "/v1/models", None), ("GET", "/v1/models/smollm2", None),
+          ("GET", "/aotx/v1/capabilities", None), ("GET", f"/aotx/v1/requests/{RID}", None),
+          ("GET", f"/aotx/v1/requests/{RID}/events", None),
+          ("POST", f"/aotx/v1/requests/{RID}/cancel", None), ("GET", "/aotx/v1/telemetry", None),
+          ("GET", "/metrics", None), ("GET", "/aotx/v1/media", None),
+          ("GET", "/aotx/v1/policy", None), ("GET", "/aotx/v1/memory", None)]
+
+
+def test_an_unreachable_broker_shows_no_internals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real broker client with no broker behind its socket: no socket file, then one
+    nobody listens on, then no file descriptor left for a socket.  Every route answers
+    the plain 503: the socket's path, its name and the OS error stay in the log."""
+    state = short_tmpdir()
+    paths = RuntimePaths(state)
+    app = create_app(paths, Settings())
+
+    def no_fd(*args: Any) -> socket.socket:
+        raise OSError(24, f"Too many open files: {paths.socket}")
+
+    async def routes(c: httpx.AsyncClient) -> None:
+        for method, path, body in ROUTES:
+            r = await c.request(method, path, json=body)
+            assert r.status_code == 503, (path, r.text)
+            assert error(r)["message"] == "the device is not reachable; try again"
+            for leak in ("/", "sock", "rrno", "No such file", "refused", "open files", state):
+                assert leak not in r.text, (path, leak, r.text)
+        r = await c.get("/readyz")
+        assert r.status_code == 503 and "/" not in r.text
+
+    async def run() -> None:
+        async with asgi_client(app, paths) as c:
+            await routes(c)
+            paths.ensure()  # a socket file left behind by a broker that is gone
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+                s.bind(paths.socket)
+            await routes(c)
+            with monkeypatch.context() as m:
+                m.setattr(broker_client.socket, "socket", no_fd)
+                await routes(c)
+
+    try:
+        asyncio.run(run())
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def test_a_submission_over_one_packet_is_worded_by_the_table(gw: Any) -> None:
+    """The codec's own message (how many bytes it counted) is for a log: the client gets
+    the errors table's wording, as when the device refuses a packet."""
+    async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
+        big = {**BODY, "messages": [{"role": "user", "content": "x" * 70_000}]}
+        for path in ("/aotx/v1/requests", "/v1/chat/completions"):
+            r = await c.post(path, json=big)
+            assert r.status_code == 413, r.text
+            assert error(r)["message"] == (f"the request does not fit one packet of "
+                                           f"{wire.MAX_PACKET} bytes")
+
+    gw(test)
+
+
+def test_an_unexpected_failure_is_a_plain_500(gw: Any) -> None:
+    """An exception the gateway does not expect (a bug), in a route or a fast path: the
+    standard object with a fixed message; its text (here a path) stays in the log."""
+    def boom(h: wire.Header, p: bytes) -> tuple[wire.Header, bytes]:
+        raise RuntimeError("/secret/run/service.sock: boom")
+
+    async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
+        for op in (wire.Op.SUBMIT, wire.Op.READ, wire.Op.TELEMETRY):
+            broker.script[op] = boom
+        for method, path, body in (("POST", "/v1/chat/completions", BODY),
+                                   ("POST", "/aotx/v1/requests", BODY),  # fast path
+                                   ("GET", f"/aotx/v1/requests/{RID}", None),  # fast path
+                                   ("GET", "/aotx/v1/telemetry", None)):
+            r = await c.request(method, path, json=body)
+            assert r.status_code == 500, (path, r.text)
+            assert error(r)["code"] == "internal_error" and "gateway" in error(r)["message"]
+            assert "secret" not in r.text and "boom" not in r.text
+
+    gw(test, False)
 
 
 def test_the_fast_paths_answer_as_the_routes(gw: Any) -> None:
