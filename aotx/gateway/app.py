@@ -146,6 +146,9 @@ def run(paths: RuntimePaths, host: str, port: int, settings: Settings) -> None:
 def server_config(app: ASGIApp, host: str, port: int, settings: Settings,
                   loop: str = "uvloop") -> uvicorn.Config:
     """uvicorn's configuration for the gateway (tests serve the app with it too)."""
+    # ws="none": no route speaks WebSocket, and a handshake handed to uvicorn's WebSocket
+    # protocol would skip the Guard (it passes non-HTTP scopes through) and answer a bare
+    # text 403; with none, an Upgrade header is ignored and the request is plain HTTP.
     return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                           loop=loop, http=guarded_protocol(settings.header_timeout),
-                          timeout_graceful_shutdown=3, server_header=False)
+                          ws="none", timeout_graceful_shutdown=3, server_header=False)

@@ -137,6 +137,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             log.debug("event=gateway.bad_request client=%s error=%s", self.client, exc)
             self.send_400_response(NOT_HTTP)
 
+    def _unsupported_upgrade_warning(self) -> None:
+        # uvicorn warns (two lines) for every request with an Upgrade header it does not
+        # serve, and none is served here (no WebSocket): any client could fill the log.
+        log.debug("event=gateway.upgrade_ignored client=%s", self.client)
+
     def send_400_response(self, msg: str) -> None:
         # uvicorn's own answers text/plain; its message is not the client's business.
         self._refuse(400, NOT_HTTP)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import shutil
 import socket
@@ -568,3 +569,22 @@ def test_every_timeout_answers_408_request_timeout(served: Served) -> None:
         assert (status, err["code"], err["type"]) == (408, "request_timeout",
                                                       "invalid_request_error"), data
         assert b"connection: close" in answer.lower()
+
+
+
+def test_an_upgrade_is_plain_http(served: Served, caplog: pytest.LogCaptureFixture,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """No route speaks WebSocket: a handshake is a plain HTTP request, so it meets the
+    Guard (here its Host check: a 421 object, not a bare 403 from a WebSocket protocol
+    the Guard never saw), and an Upgrade header costs no warning line in the log."""
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setattr(logging.getLogger("uvicorn"), "propagate", True)  # to caplog
+    handshake = (b"GET /healthz HTTP/1.1\r\nHost: %s\r\nConnection: Upgrade\r\n"
+                 b"Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+                 b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+    assert raw_error(served.raw(handshake % b"evil.example"))[0] == 421
+    for upgrade in (b"websocket", b"h2c"):
+        answer = served.raw(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: "
+                            b"Upgrade, close\r\nUpgrade: %s\r\n\r\n" % upgrade)
+        assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"status":"ok"}')
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
