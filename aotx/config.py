@@ -13,6 +13,9 @@ import time or in a handler.  Flags on the command line win over the environment
 | ``AOTX_BODY_TIMEOUT`` | ``30`` | seconds between two chunks of a request body (then 408) |
 | ``AOTX_SHORT_SLICE`` | ``1`` | ``0``: path threads keep the kernel's default time slice |
 | ``AOTX_LOG_PROMPTS`` | ``0`` | ``1``: the device logs each admitted prompt's text |
+| ``AOTX_CALL_DEADLINE`` | ``5`` | seconds the gateway waits for a device operation (then 503) |
+| ``AOTX_MEDIA_DEADLINE`` | ``30`` | the same for a submission with media parts |
+| ``AOTX_WAIT_MARGIN`` | ``5`` | seconds past a WAIT's own wait time (then 503) |
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ class Settings:
     short_slice: bool = True
     log_prompts: bool = False
     max_body: int = MAX_BODY
+    # Deadlines of the gateway's device calls (see aotx/gateway/deadlines.py): a device
+    # that stopped answering costs a caller seconds, not minutes.
+    call_deadline: float = 5.0
+    media_deadline: float = 30.0  # the media worker prepares these one at a time
+    wait_margin: float = 5.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -50,6 +58,9 @@ class Settings:
             body_timeout=_seconds(env, "AOTX_BODY_TIMEOUT", d.body_timeout),
             short_slice=env.get("AOTX_SHORT_SLICE", "1") != "0",
             log_prompts=env.get("AOTX_LOG_PROMPTS", "0") == "1",
+            call_deadline=_seconds(env, "AOTX_CALL_DEADLINE", d.call_deadline),
+            media_deadline=_seconds(env, "AOTX_MEDIA_DEADLINE", d.media_deadline),
+            wait_margin=_seconds(env, "AOTX_WAIT_MARGIN", d.wait_margin),
         )
 
 

@@ -22,6 +22,10 @@ class BrokerUnavailable(Exception):
     pass
 
 
+class DeviceSilent(BrokerUnavailable):
+    """The packet was sent but no reply came before the call's deadline."""
+
+
 class BrokerClient:
     def __init__(self, path: str) -> None:
         self.path = path
@@ -110,7 +114,7 @@ class BrokerClient:
             try:
                 return await asyncio.wait_for(fut, timeout)
             except TimeoutError:
-                raise BrokerUnavailable("the device did not answer in time") from None
+                raise DeviceSilent(f"no reply to op {header.op} in {timeout:g} s") from None
         finally:
             self._pending.pop(tag, None)
 

@@ -112,7 +112,9 @@ async def submit(g: Gateway, body: ChatRequest, principal: Principal,
     m = g.model_for(body.model, principal)
     inline = await upload_inline(g, body, m, principal)
     h, payload, call = submission(body, m, principal, allow_media, inline)
-    rh, ids = await g.ask(h, payload, ok=(202,), context=call)
+    # Media parts are prepared by the device's media worker: a longer deadline than text.
+    rh, ids = await g.ask(h, payload, ok=(202,), context=call,
+                          timeout=g.deadlines.of(h, media=bool(call.media)))
     sources = [f"src-{ids[i:i + 16].hex()}" for i in range(0, len(ids), 16)]
     if len(sources) != len(call.media):
         raise ApiError(502, "the device's admission named other media than the request")
@@ -162,7 +164,7 @@ async def read(g: Gateway, principal: Principal, epoch: int, identity: bytes, cu
     # ``parked`` until its reply comes, and a cancelled caller has the device answer it
     # at once (UNPARK) instead of at its timeout.
     g.parked[pid] = g.parked.get(pid, 0) + 1
-    task = asyncio.ensure_future(g.call(h, timeout=timeout_ms / 1000 + 30))
+    task = asyncio.ensure_future(g.call(h))  # deadline: its wait_ms plus the margin
     task.add_done_callback(lambda t: _waited(g, pid, t))
     try:
         rh, body = await asyncio.shield(task)
@@ -170,7 +172,7 @@ async def read(g: Gateway, principal: Principal, epoch: int, identity: bytes, cu
         if not task.done():
             unpark = wire.Header(op=wire.Op.UNPARK, principal=pid, epoch=epoch,
                                  identity=identity)
-            later = asyncio.ensure_future(g.call(unpark, timeout=5))
+            later = asyncio.ensure_future(g.call(unpark))
             g.background.add(later)
             later.add_done_callback(lambda t: _waited(g, 0, t))
         raise

@@ -24,7 +24,8 @@ async def healthz() -> Response:
             responses={503: {"model": S.Ready, "description": "not ready"}})
 async def readyz(g: Gateway = Service) -> Response:
     try:
-        h, _ = await g.broker.call(wire.Header(op=wire.Op.INFO), timeout=5)
+        info = wire.Header(op=wire.Op.INFO)
+        h, _ = await g.broker.call(info, timeout=g.deadlines.of(info))
         ok = h.status == 200 and g.info is not None
     except BrokerUnavailable:
         ok = False

@@ -21,13 +21,25 @@ from starlette.requests import Request
 from .. import ids, wire
 from ..config import Settings
 from ..paths import RuntimePaths
-from .broker_client import BrokerClient, BrokerUnavailable
+from .broker_client import BrokerClient, BrokerUnavailable, DeviceSilent
 from .credentials import CredentialStore, PrincipalGrant, ensure_admin_token, token_hash
+from .deadlines import Deadlines
 from .errors import NO_CALL, ApiError, Call, refusal
 
 log = logging.getLogger("aotx.gateway")
 
 UNREACHABLE = "the device is not reachable; try again"
+SILENT = "the device did not answer in time; try again"
+#: How long the poll loop's own INFO may wait: it holds no caller, and one packet that
+#: waits out a model load (or a restart) takes one mailbox, where one per deadline
+#: would take a mailbox every few seconds until the device answers them all.
+POLL_WAIT = 60.0
+
+
+def unavailable(exc: BrokerUnavailable) -> ApiError:
+    """The 503 for a failed broker call: a fixed message, the detail in the log only."""
+    log.info("event=gateway.device_unreachable error=%s", exc)
+    return ApiError(503, SILENT if isinstance(exc, DeviceSilent) else UNREACHABLE)
 #: The share of the broker's mailboxes one principal's calls may hold at once (parked
 #: WAITs included); its further calls wait in the gateway, so the others always find one.
 MAILBOX_SHARE = 0.25
@@ -46,6 +58,7 @@ class Gateway:
         self.paths = paths
         self.settings = settings or Settings()
         self.broker = broker or BrokerClient(paths.socket)
+        self.deadlines = Deadlines.from_settings(self.settings)
         self.info: wire.Info | None = None
         self.epoch = 0
         self.models: dict[str, wire.ModelInfo] = {}
@@ -95,7 +108,7 @@ class Gateway:
                 await self.sync_grants()
             except BrokerUnavailable as exc:
                 log.info("event=gateway.grants_pending error=%s", exc)
-                raise ApiError(503, UNREACHABLE) from None
+                raise unavailable(exc) from None
         # The lookup is keyed by SHA-256 of the presented token, never by the token:
         # timing can at most reveal something about a hash, which does not help anyone
         # forge a 256-bit token (the timing-safe design of hashed lookup).
@@ -120,9 +133,8 @@ class Gateway:
             rows = [g for g in self.grants() if self.installed.get(g.principal) != g]
             for i in range(0, len(rows), wire.GRANT_PAGE):
                 chunk = rows[i:i + wire.GRANT_PAGE]
-                gh, _ = await self.broker.call(
-                    wire.Header(op=wire.Op.GRANT_INSTALL, total=len(chunk)),
-                    wire.encode_grants(chunk))
+                h = wire.Header(op=wire.Op.GRANT_INSTALL, total=len(chunk))
+                gh, _ = await self.broker.call(h, wire.encode_grants(chunk), self.deadlines.of(h))
                 if gh.status != 200:
                     raise BrokerUnavailable(f"grant installation refused: {gh.status}")
                 for g in chunk:
@@ -138,7 +150,8 @@ class Gateway:
         held: list[wire.Grant] = []
         while True:
             start = held[-1].principal + 1 if held else 0
-            rh, rows = await self.broker.call(wire.Header(op=wire.Op.GRANT_READ, cursor=start))
+            h = wire.Header(op=wire.Op.GRANT_READ, cursor=start)
+            rh, rows = await self.broker.call(h, timeout=self.deadlines.of(h))
             if rh.status != 200:
                 raise BrokerUnavailable(f"grant read refused: {rh.status}")
             page = wire.decode_grants(rows, rh.row_count)
@@ -147,14 +160,17 @@ class Gateway:
                 return held
 
     # -- the device --------------------------------------------------------------------------
-    async def refresh(self) -> None:
+    async def refresh(self, info_timeout: float | None = None) -> None:
         """Learn the device's models and epoch; install grants when the epoch is new.
 
         Grants are installed once per epoch only: installing bumps revisions, and a bumped
-        revision hides results admitted under the previous one.
+        revision hides results admitted under the previous one.  ``info_timeout``: how
+        long the INFO may wait (its deadline unless given).
         """
         async with self._refresh_lock:
-            h, body = await self.broker.call(wire.Header(op=wire.Op.INFO))
+            info_h = wire.Header(op=wire.Op.INFO)
+            h, body = await self.broker.call(info_h, timeout=info_timeout
+                                             or self.deadlines.of(info_h))
             if h.status != 200:
                 raise BrokerUnavailable(f"device information refused: {h.status}")
             info = wire.decode_info(body)
@@ -181,17 +197,24 @@ class Gateway:
     async def ensure_ready(self) -> None:
         if self.info is None:
             try:
-                await self.refresh()
+                # The whole refresh within INFO's deadline, waiting for the lock included:
+                # the poll loop may hold it for a while, its INFO waiting out a model load.
+                async with asyncio.timeout(self.deadlines.of(wire.Header(op=wire.Op.INFO))):
+                    await self.refresh()
+            except TimeoutError:
+                raise unavailable(DeviceSilent("no device information in time")) from None
             except BrokerUnavailable as exc:
-                log.info("event=gateway.device_unreachable error=%s", exc)
-                raise ApiError(503, UNREACHABLE) from None
+                raise unavailable(exc) from None
 
     def mailbox_share(self) -> int:
         """How many mailboxes one principal's calls may hold at once."""
         return max(2, int(self.info.mailboxes * MAILBOX_SHARE)) if self.info else 2
 
     async def call(self, h: wire.Header, payload: bytes = b"",
-                   timeout: float = 120.0) -> tuple[wire.Header, bytes]:
+                   timeout: float | None = None) -> tuple[wire.Header, bytes]:
+        """One broker call within ``timeout`` (the operation's deadline unless given);
+        503 when the broker is unreachable or the device does not answer in time.  A
+        principal's calls hold at most its share of the mailboxes at once."""
         if not h.principal or h.op == wire.Op.UNPARK:  # the gateway's own; frees a mailbox
             return await self._call(h, payload, timeout)
         share = self._mailboxes.get(h.principal)
@@ -200,9 +223,10 @@ class Gateway:
         async with share:
             return await self._call(h, payload, timeout)
 
-    async def _call(self, h: wire.Header, payload: bytes, timeout: float
+    async def _call(self, h: wire.Header, payload: bytes, timeout: float | None
                     ) -> tuple[wire.Header, bytes]:
         await self.ensure_ready()
+        timeout = self.deadlines.of(h) if timeout is None else timeout
         try:
             rh, body = await self.broker.call(h, payload, timeout)
             if rh.epoch and rh.epoch != self.epoch:
@@ -211,14 +235,14 @@ class Gateway:
                 if rh.status == 403:
                     rh, body = await self.broker.call(h, payload, timeout)
         except BrokerUnavailable as exc:
-            log.info("event=gateway.device_unreachable error=%s", exc)
-            raise ApiError(503, UNREACHABLE) from None
+            raise unavailable(exc) from None
         return rh, body
 
     async def ask(self, h: wire.Header, payload: bytes = b"", ok: tuple[int, ...] = (200,),
-                  context: Call = NO_CALL) -> tuple[wire.Header, bytes]:
+                  context: Call = NO_CALL, timeout: float | None = None,
+                  ) -> tuple[wire.Header, bytes]:
         """One operation; a refusal becomes the ApiError the errors table words."""
-        rh, body = await self.call(h, payload)
+        rh, body = await self.call(h, payload, timeout)
         if rh.status not in ok:
             raise refusal(rh, context)
         return rh, body
@@ -228,9 +252,10 @@ class Gateway:
         while True:
             try:
                 if self.info is None:
-                    await self.refresh()
+                    await self.refresh(info_timeout=POLL_WAIT)
                 else:
-                    h, _ = await self.broker.call(wire.Header(op=wire.Op.INFO), timeout=5)
+                    h, _ = await self.broker.call(wire.Header(op=wire.Op.INFO),
+                                                  timeout=POLL_WAIT)
                     if h.epoch != self.epoch:
                         await self.refresh()
                     elif self._load_credentials() or self.grants_dirty:

@@ -37,7 +37,7 @@ from aotx.gateway import (
     routes_policy,
 )
 from aotx.gateway.app import create_app, server_config
-from aotx.gateway.broker_client import BrokerUnavailable
+from aotx.gateway.broker_client import BrokerUnavailable, DeviceSilent
 from aotx.gateway.errors import error_body
 from aotx.paths import RuntimePaths
 
@@ -63,6 +63,7 @@ class ScriptedBroker:
         self.sent: list[wire.Header] = []
         self.down = False
         self.packets_sent = 0
+        self.timeouts: dict[int, float] = {}  # op -> the deadline of its latest call
 
     async def call(self, h: wire.Header, payload: bytes = b"",
                    timeout: float = 120.0) -> tuple[wire.Header, bytes]:
@@ -70,6 +71,7 @@ class ScriptedBroker:
             raise BrokerUnavailable("cannot reach the broker at /secret/run/service.sock")
         wire.check_request(h)  # the gateway sends nothing the device would refuse
         self.sent.append(h)
+        self.timeouts[h.op] = timeout
         if h.op == wire.Op.INFO:
             return h.reply(200, epoch=EPOCH), wire.encode_info(INFO)
         if h.op == wire.Op.GRANT_READ:
@@ -469,6 +471,33 @@ def test_a_submission_over_one_packet_is_worded_by_the_table(gw: Any) -> None:
             assert r.status_code == 413, r.text
             assert error(r)["message"] == (f"the request does not fit one packet of "
                                            f"{wire.MAX_PACKET} bytes")
+
+    gw(test)
+
+
+def test_a_silent_device_is_a_503_within_the_operation_deadline(gw: Any) -> None:
+    """Each call carries its operation's deadline (a WAIT's: its own wait plus the margin);
+    one that runs out is a 503 with a fixed message."""
+    async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
+        d = Settings()
+        broker.script[wire.Op.READ] = lambda h, p: (state(h, total=0), b"")
+        broker.script[wire.Op.WAIT] = lambda h, p: (
+            state(h, phase=wire.Phase.COMPLETED, total=0, finish=1), b"")
+        r = await c.get(f"/aotx/v1/requests/{RID}/events")  # a READ, a WAIT, the end
+        assert r.status_code == 200 and "event: status" in r.text
+        wait = next(h for h in reversed(broker.sent) if h.op == wire.Op.WAIT)
+        assert broker.timeouts[wire.Op.WAIT] == wait.wait_ms / 1000 + d.wait_margin
+        assert broker.timeouts[wire.Op.READ] == d.call_deadline
+
+        def silent(h: wire.Header, p: bytes) -> tuple[wire.Header, bytes]:
+            raise DeviceSilent("no reply to op 2 in 5 s")
+
+        broker.script[wire.Op.SUBMIT] = silent
+        for route in ("/aotx/v1/requests", "/v1/chat/completions"):
+            r = await c.post(route, json=BODY)
+            assert r.status_code == 503, r.text
+            assert error(r)["message"] == "the device did not answer in time; try again"
+        assert broker.timeouts[wire.Op.SUBMIT] == d.call_deadline  # text: no media worker
 
     gw(test)
 
