@@ -384,7 +384,7 @@ def _component(args: argparse.Namespace, paths: RuntimePaths, settings: Settings
                        "--media-pool-bytes", str(args.media_pool_bytes),
                        "--principal-share", str(args.principal_share)]
         return serve(paths, args.host, args.port, args.models, args.mailboxes, device_args,
-                     log_level=args.log_level)
+                     log_level=args.log_level, settings=settings)
     if args.command == "device":
         from .device import runtime
         from .device.state import DeviceLimits

@@ -16,6 +16,7 @@ import time or in a handler.  Flags on the command line win over the environment
 | ``AOTX_CALL_DEADLINE`` | ``5`` | seconds the gateway waits for a device operation (then 503) |
 | ``AOTX_MEDIA_DEADLINE`` | ``30`` | the same for a submission with media parts |
 | ``AOTX_WAIT_MARGIN`` | ``5`` | seconds past a WAIT's own wait time (then 503) |
+| ``AOTX_HANG_SECONDS`` | ``10`` | seconds a live device may stay silent before it is restarted |
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class Settings:
     call_deadline: float = 5.0
     media_deadline: float = 30.0  # the media worker prepares these one at a time
     wait_margin: float = 5.0
+    # The supervisor's health check (aotx/watchdog.py).
+    hang_seconds: float = 10.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -61,6 +64,7 @@ class Settings:
             call_deadline=_seconds(env, "AOTX_CALL_DEADLINE", d.call_deadline),
             media_deadline=_seconds(env, "AOTX_MEDIA_DEADLINE", d.media_deadline),
             wait_margin=_seconds(env, "AOTX_WAIT_MARGIN", d.wait_margin),
+            hang_seconds=_seconds(env, "AOTX_HANG_SECONDS", d.hang_seconds),
         )
 
 

@@ -4,7 +4,8 @@ Each component is its own process (``python -m aotx device|broker|gateway``).
 The supervisor starts them in order (device, broker, gateway), waits until the
 gateway answers ``/readyz``, prints how to call the service, restarts a
 component that dies with exponential backoff, and on SIGINT/SIGTERM stops them
-in reverse order (SIGTERM, then SIGKILL after a grace period).
+in reverse order (SIGTERM, then SIGKILL after a grace period).  A device that is alive
+but stops answering is killed and so restarted too (:mod:`aotx.watchdog`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .config import Settings
 from .paths import RuntimePaths
+from .watchdog import DeviceWatch
 
 log = logging.getLogger("aotx.serve")
 
@@ -63,9 +66,11 @@ def _wait_ready(url: str, children: list[Child], timeout: float,
 
 
 def serve(paths: RuntimePaths, host: str, port: int, models_file: str | None,
-          mailboxes: int, device_args: list[str] | None = None, log_level: str = "INFO") -> int:
+          mailboxes: int, device_args: list[str] | None = None, log_level: str = "INFO",
+          settings: Settings | None = None) -> int:
     from .gateway.credentials import ensure_admin_token
 
+    settings = settings or Settings()
     paths.ensure()
     ensure_admin_token(paths.admin_token)
     base = [sys.executable, "-m", "aotx", "--log-level", log_level]
@@ -106,23 +111,61 @@ def serve(paths: RuntimePaths, host: str, port: int, models_file: str | None,
               flush=True)
     elif not stopping:
         log.error("event=serve.not_ready url=%s", url)
-    while not stopping:
-        now = time.monotonic()
-        for c in children:
-            if c.proc is not None and c.proc.poll() is not None:
-                code = c.proc.returncode
-                if now - c.started_at > 60:
-                    c.backoff = 0.5  # it ran for a while: start the backoff afresh
-                log.warning("event=serve.exited component=%s code=%s restart_in=%.1fs",
-                            c.name, code, c.backoff)
-                c.proc = None
-                c.next_start = now + c.backoff
-                c.backoff = min(c.backoff * 2, MAX_BACKOFF)
-            if c.proc is None and now >= c.next_start:
-                c.restarts += 1
-                log.info("event=serve.restart component=%s restarts=%d", c.name, c.restarts)
-                c.start()
-        time.sleep(0.1)
+    watch = DeviceWatch(paths.socket, settings.hang_seconds)
+    try:
+        while not stopping:
+            now = time.monotonic()
+            for c in children:
+                if _restart_if_exited(c, now) and c.name == "device":
+                    watch.device_started()
+            _check_device(children[0], children[1], watch, now)
+            time.sleep(0.1)
+    finally:
+        watch.close()
+    _stop_all(children)
+    return 0
+
+
+def _restart_if_exited(c: Child, now: float) -> bool:
+    """Note a child that exited and start it again once its backoff has passed;
+    True when it was started."""
+    if c.proc is not None and c.proc.poll() is not None:
+        code = c.proc.returncode
+        if now - c.started_at > 60:
+            c.backoff = 0.5  # it ran for a while: start the backoff afresh
+        log.warning("event=serve.exited component=%s code=%s restart_in=%.1fs",
+                    c.name, code, c.backoff)
+        c.proc = None
+        c.next_start = now + c.backoff
+        c.backoff = min(c.backoff * 2, MAX_BACKOFF)
+    if c.proc is None and now >= c.next_start:
+        c.restarts += 1
+        log.info("event=serve.restart component=%s restarts=%d", c.name, c.restarts)
+        c.start()
+        return True
+    return False
+
+
+def _check_device(device: Child, broker: Child, watch: DeviceWatch, now: float) -> None:
+    """Health-check the device through the broker; kill it when it is alive but hung
+    (its exit then restarts it, a new epoch, like any exit)."""
+    if not broker.alive():
+        watch.close()  # the broker's own failure: nothing to learn of the device
+        return
+    if not device.alive() or not watch.tick(now):
+        return
+    assert device.proc is not None
+    log.error("event=serve.device_hung pid=%d silent_s=%.1f", device.proc.pid,
+              watch.rule.silent_for(now))
+    device.proc.kill()  # SIGKILL: a stopped process would not act on SIGTERM
+    try:
+        device.proc.wait(GRACE_SECONDS)
+    except subprocess.TimeoutExpired:
+        log.error("event=serve.kill_failed component=device pid=%d", device.proc.pid)
+    watch.device_started()  # no verdict on this device any more; its successor starts afresh
+
+
+def _stop_all(children: list[Child]) -> None:
     log.info("event=serve.stopping")
     for c in reversed(children):
         if c.alive():
@@ -135,7 +178,6 @@ def serve(paths: RuntimePaths, host: str, port: int, models_file: str | None,
                 c.proc.kill()
                 c.proc.wait()
     log.info("event=serve.stopped")
-    return 0
 
 
 def configure_logging(level: str = "INFO") -> None:

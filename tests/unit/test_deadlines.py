@@ -30,9 +30,9 @@ def test_media_submissions_and_waits_get_their_own_time() -> None:
 
 def test_the_deadlines_come_from_the_environment() -> None:
     s = Settings.from_env({"AOTX_CALL_DEADLINE": "2", "AOTX_MEDIA_DEADLINE": "45",
-                           "AOTX_WAIT_MARGIN": "1.5"})
+                           "AOTX_WAIT_MARGIN": "1.5", "AOTX_HANG_SECONDS": "20"})
     d = Deadlines.from_settings(s)
-    assert (d.control, d.media, d.wait_margin) == (2, 45, 1.5)
+    assert (d.control, d.media, d.wait_margin, s.hang_seconds) == (2, 45, 1.5, 20)
     assert Deadlines.from_settings(Settings()) == Deadlines()
     with pytest.raises(ConfigError):
         Settings.from_env({"AOTX_CALL_DEADLINE": "0"})
