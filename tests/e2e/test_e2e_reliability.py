@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
 
 from ..helpers import Service, eventually, running_service
@@ -290,3 +292,44 @@ def test_device_kill_new_epoch_410_grants_reinstalled(fresh_service: Service) ->
             {"role": "user", "content": "hi"}]})
         assert new.status_code == 202 and new.json()["runtime_epoch"] == "2"
         assert poll_until_terminal(c, new.json()["id"])["state"] == "completed"
+
+
+def test_a_hung_device_answers_503_in_seconds_then_is_restarted(fresh_service: Service) -> None:
+    """A device that is alive but silent (SIGSTOP): a chat completion answers 503 within
+    its deadline rather than after minutes, and the supervisor's health check kills the
+    device and starts a new epoch, after which chat works again (issue 19, item 7)."""
+    fresh_service.start()
+    oai = openai.OpenAI(base_url=fresh_service.url + "/v1", api_key=fresh_service.token,
+                        max_retries=0, timeout=30)
+
+    def chat() -> str | None:
+        return oai.chat.completions.create(model="smollm2", max_tokens=4, messages=[
+            {"role": "user", "content": "hi"}]).choices[0].message.content
+
+    def epoch() -> str:
+        with fresh_service.client() as c:
+            return str(c.get("/aotx/v1/capabilities").json()["runtime_epoch"])
+
+    assert chat() is not None
+    first = epoch()
+    pid = fresh_service.children()["device"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as err:
+            chat()
+        elapsed = time.monotonic() - t0
+        assert err.value.status_code == 503 and elapsed < 10, elapsed
+        assert "did not answer in time" in err.value.message, err.value.message
+        eventually(lambda: epoch() != first, timeout=90, interval=0.5,
+                   ignore=(httpx.HTTPError, KeyError))
+        recovered = time.monotonic() - t0
+        assert f"event=serve.device_hung pid={pid}" in fresh_service.read_log()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)  # only if the supervisor has not killed it yet
+    assert eventually(chat, timeout=60, interval=0.5, ignore=(openai.APIError,)) is not None
+    assert fresh_service.children()["device"] != pid
+    print(f"503 after {elapsed:.1f} s; new epoch after {recovered:.1f} s")
+    print("\n".join(ln for ln in fresh_service.read_log().splitlines()
+                    if any(e in ln for e in ("serve.", "device.ready", "device_epoch"))))
