@@ -17,6 +17,7 @@ import ctypes
 import functools
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import llama_cpp
@@ -33,8 +34,8 @@ _backend_ready = False
 FRAGMENT_CACHE = 1024
 #: Pieces longer than this (bytes) are tokenized every time, not cached.
 MAX_CACHED_FRAGMENT = 4096
-#: Vocabularies with more special tokens than this tokenize without the cache
-#: (splitting on each of them would cost more than it saves).
+#: Vocabularies with more special tokens than this tokenize a whole text (``tokenize``)
+#: through llama.cpp (splitting on each of them would cost more than it saves).
 MAX_SPECIALS = 256
 
 
@@ -180,32 +181,36 @@ class LlamaEngine:
         # the width of one input embedding row (what a projector must produce)
         self.n_embd = int(llama_cpp.llama_model_n_embd_inp(self.model))
         self._embd_batch: llama_cpp.llama_batch | None = None
-        self._specials = self._special_texts()
-        self._fragment = functools.lru_cache(maxsize=FRAGMENT_CACHE)(self._tokenize_llama)
+        self._specials, self._lstrip, self._rstrip = self._special_texts()
+        #: every token special parsing can produce (control, user-defined, unknown)
+        self.special_ids = frozenset(t for _, t in self._specials)
+        # llama.cpp's own tokenization of a whole text is matched here (and cheaper) for a
+        # BPE vocabulary with few special tokens, none of which strips whitespace.
+        self._fast = (llama_cpp.llama_vocab_type(self.vocab) == llama_cpp.LLAMA_VOCAB_TYPE_BPE
+                      and not (self._lstrip or self._rstrip) and len(self._specials) <= MAX_SPECIALS)
+        self._fragment = functools.lru_cache(maxsize=FRAGMENT_CACHE)(self._tokenize_text)
+        self._markup_cached = functools.lru_cache(maxsize=FRAGMENT_CACHE)(self._split_specials)
 
-    def _special_texts(self) -> list[tuple[bytes, int]] | None:
+    def _special_texts(self) -> tuple[list[tuple[bytes, int]], frozenset[int], frozenset[int]]:
         """The texts llama.cpp splits a prompt on before tokenizing its pieces (its
-        special-token cache: control, user-defined and unknown tokens), longest first;
-        None where the fragment cache must not be used: vocabularies other than BPE,
-        tokens that strip the whitespace around them, or too many special tokens."""
-        if llama_cpp.llama_vocab_type(self.vocab) != llama_cpp.LLAMA_VOCAB_TYPE_BPE:
-            return None
+        special-token cache: control, user-defined and unknown tokens), longest first,
+        and which of those tokens strip the whitespace before (LSTRIP) or after (RSTRIP)
+        them."""
         special = (llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
                    | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN)
-        strip = llama_cpp.LLAMA_TOKEN_ATTR_LSTRIP | llama_cpp.LLAMA_TOKEN_ATTR_RSTRIP
-        found = []
+        found, lstrip, rstrip = [], set(), set()
         for t in range(self.n_vocab):
             attr = int(llama_cpp.llama_vocab_get_attr(self.vocab, t))
             if attr & special:
-                if attr & strip:
-                    return None
                 text = llama_cpp.llama_vocab_get_text(self.vocab, t) or b""
                 if text:
                     found.append((bytes(text), t))
-        if len(found) > MAX_SPECIALS:
-            return None
+                    if attr & llama_cpp.LLAMA_TOKEN_ATTR_LSTRIP:
+                        lstrip.add(t)
+                    if attr & llama_cpp.LLAMA_TOKEN_ATTR_RSTRIP:
+                        rstrip.add(t)
         found.sort(key=lambda x: -len(x[0]))  # stable: equal lengths in token order
-        return found
+        return found, frozenset(lstrip), frozenset(rstrip)
 
     def _attach_threadpool(self, threads: int, poll: int) -> None:
         """One pool for single-token and batch decodes alike (the same thread count)."""
@@ -239,7 +244,9 @@ class LlamaEngine:
 
     # -- tokens --------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        """``text``'s tokens, special-token texts parsed as those tokens.
+        """``text``'s tokens, every special-token text in it parsed as that token (as
+        llama.cpp's ``llama_tokenize`` with ``parse_special``).  For a chat prompt use
+        :meth:`tokenize_pieces`: a message's text must not be parsed so.
 
         llama.cpp splits the text on every special token's text (longest first),
         then tokenizes each piece between them on its own.  With a BPE vocabulary
@@ -248,8 +255,58 @@ class LlamaEngine:
         llama.cpp call costs a fixed ~35 us (it compiles its pre-tokenizer regex),
         so a SmolLM2 chat prompt takes ~100 us instead of ~340 us.  The result is
         the same as ``_tokenize_llama`` (tests/e2e/test_engine.py compares them)."""
-        if self._specials is None:
+        if not self._fast:
             return list(self._tokenize_llama(text.encode("utf-8"), add_special))
+        return self.tokenize_pieces([(text, True)], add_special)
+
+    def tokenize_pieces(self, pieces: Sequence[tuple[str, bool]], add_special: bool = True,
+                        start: bool = True, end: bool = True) -> list[int]:
+        """The tokens of the pieces' texts joined, special-token texts parsed as those
+        tokens only inside the pieces marked True (a chat template's own markup); in the
+        others (a message's text) they are text, whatever the text holds.
+
+        This is llama.cpp's own procedure with the special texts looked for in the markup
+        alone: it splits a text on the special texts, then tokenizes each run of text
+        between two special tokens on its own, for every vocabulary type (SentencePiece's
+        space prefix too goes at the start of each run); here a run may join markup and
+        message text, and is tokenized without special parsing.  Runs and markup splits
+        are cached.  ``start`` and ``end``: whether the pieces open and close the prompt
+        (the BOS and EOS go there, where ``add_special`` and the vocabulary say so)."""
+        runs: list[bytes | int] = []
+        for text, markup in pieces:
+            for part in self._markup_parts(text) if markup else (text.encode("utf-8"),):
+                if isinstance(part, bytes) and runs and isinstance(runs[-1], bytes):
+                    runs[-1] += part
+                else:
+                    runs.append(part)
+        if self._lstrip or self._rstrip:
+            self._strip_around(runs)
+        out: list[int] = []
+        if add_special and start and self.add_bos:
+            out.append(self.bos)
+        for p in runs:
+            if isinstance(p, int):
+                out.append(p)
+            elif len(p) <= MAX_CACHED_FRAGMENT:
+                out.extend(self._fragment(p))
+            elif p:
+                out.extend(self._tokenize_text(p))
+        if add_special and end and self.add_eos:
+            out.append(self.eos)
+        return out
+
+    def specials(self, text: str) -> list[int]:
+        """The special tokens that special parsing finds in ``text``, in order."""
+        return [p for p in self._markup_parts(text) if isinstance(p, int)]
+
+    def _markup_parts(self, text: str) -> tuple[bytes | int, ...]:
+        if len(text) <= MAX_CACHED_FRAGMENT:
+            return self._markup_cached(text)
+        return self._split_specials(text)
+
+    def _split_specials(self, text: str) -> tuple[bytes | int, ...]:
+        """``text`` split on the special texts as llama.cpp splits it: each special
+        text in turn, longest first, in every piece of text still left."""
         parts: list[bytes | int] = [text.encode("utf-8")]
         for st, tid in self._specials:
             if not any(isinstance(p, bytes) and st in p for p in parts):
@@ -265,29 +322,37 @@ class LlamaEngine:
                     if piece:
                         split.append(piece)
             parts = split
-        out: list[int] = []
-        if add_special and self.add_bos:
-            out.append(self.bos)
-        for p in parts:
-            if isinstance(p, int):
-                out.append(p)
-            elif len(p) <= MAX_CACHED_FRAGMENT:
-                out.extend(self._fragment(p))
-            else:
-                out.extend(self._tokenize_llama(p))
-        if add_special and self.add_eos:
-            out.append(self.eos)
-        return out
+        return tuple(parts)
 
-    def _tokenize_llama(self, data: bytes, add_special: bool = False) -> tuple[int, ...]:
-        """llama.cpp's own tokenization of ``data`` (special texts parsed)."""
+    def _strip_around(self, runs: list[bytes | int]) -> None:
+        """Drop the whitespace that an LSTRIP token takes before it and an RSTRIP token
+        after it (llama.cpp strips the text run next to the token, as here)."""
+        for i, p in enumerate(runs):
+            if isinstance(p, bytes):
+                continue
+            if p in self._lstrip and i > 0 and isinstance(runs[i - 1], bytes):
+                runs[i - 1] = runs[i - 1].rstrip()  # type: ignore[union-attr]
+            if p in self._rstrip and i + 1 < len(runs) and isinstance(runs[i + 1], bytes):
+                runs[i + 1] = runs[i + 1].lstrip()  # type: ignore[union-attr]
+
+    def _tokenize_text(self, data: bytes) -> tuple[int, ...]:
+        """llama.cpp's tokenization of ``data`` as text (no special parsing, no BOS)."""
+        return self._tokenize_llama(data, False, parse_special=False)
+
+    def _tokenize_llama(self, data: bytes, add_special: bool = False,
+                        parse_special: bool = True) -> tuple[int, ...]:
+        """llama.cpp's own tokenization of ``data``."""
+        if not data and not add_special:
+            return ()
         cap = len(data) + 8
         arr = (llama_cpp.llama_token * cap)()
-        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), arr, cap, add_special, True)
+        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), arr, cap, add_special,
+                                     parse_special)
         if n < 0:
             cap = -n
             arr = (llama_cpp.llama_token * cap)()
-            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), arr, cap, add_special, True)
+            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), arr, cap, add_special,
+                                         parse_special)
         if n < 0:
             raise EngineError("tokenization failed")
         return tuple(arr[:n])
