@@ -272,25 +272,32 @@ class LlamaEngine:
         message text, and is tokenized without special parsing.  Runs and markup splits
         are cached.  ``start`` and ``end``: whether the pieces open and close the prompt
         (the BOS and EOS go there, where ``add_special`` and the vocabulary say so)."""
+        # runs: text, token, text, ..., text (a text may be empty)
         runs: list[bytes | int] = []
+        text_run: list[bytes] = []
         for text, markup in pieces:
-            for part in self._markup_parts(text) if markup else (text.encode("utf-8"),):
-                if isinstance(part, bytes) and runs and isinstance(runs[-1], bytes):
-                    runs[-1] += part
+            if not markup:
+                text_run.append(text.encode("utf-8"))
+                continue
+            for part in self._markup_parts(text):
+                if isinstance(part, int):
+                    runs += (b"".join(text_run), part)
+                    text_run = []
                 else:
-                    runs.append(part)
+                    text_run.append(part)
+        runs.append(b"".join(text_run))
         if self._lstrip or self._rstrip:
             self._strip_around(runs)
         out: list[int] = []
         if add_special and start and self.add_bos:
             out.append(self.bos)
-        for p in runs:
-            if isinstance(p, int):
-                out.append(p)
-            elif len(p) <= MAX_CACHED_FRAGMENT:
-                out.extend(self._fragment(p))
-            elif p:
-                out.extend(self._tokenize_text(p))
+        for i, p in enumerate(runs):
+            if i % 2:
+                out.append(p)  # type: ignore[arg-type]
+            elif len(p) <= MAX_CACHED_FRAGMENT:  # type: ignore[arg-type]
+                out += self._fragment(p)
+            else:
+                out += self._tokenize_text(p)  # type: ignore[arg-type]
         if add_special and end and self.add_eos:
             out.append(self.eos)
         return out
@@ -326,13 +333,12 @@ class LlamaEngine:
 
     def _strip_around(self, runs: list[bytes | int]) -> None:
         """Drop the whitespace that an LSTRIP token takes before it and an RSTRIP token
-        after it (llama.cpp strips the text run next to the token, as here)."""
-        for i, p in enumerate(runs):
-            if isinstance(p, bytes):
-                continue
-            if p in self._lstrip and i > 0 and isinstance(runs[i - 1], bytes):
+        after it (llama.cpp strips the text run next to the token, as here).  ``runs``
+        alternates text and token."""
+        for i in range(1, len(runs), 2):
+            if runs[i] in self._lstrip:
                 runs[i - 1] = runs[i - 1].rstrip()  # type: ignore[union-attr]
-            if p in self._rstrip and i + 1 < len(runs) and isinstance(runs[i + 1], bytes):
+            if runs[i] in self._rstrip:
                 runs[i + 1] = runs[i + 1].lstrip()  # type: ignore[union-attr]
 
     def _tokenize_text(self, data: bytes) -> tuple[int, ...]:
