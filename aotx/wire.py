@@ -173,6 +173,7 @@ class Reason(enum.IntEnum):
     AUDIO_LENGTH = 35  #: media part (detail) lasts longer than ``MAX_AUDIO_SECONDS``, or does not say
     MEDIA_LAST = 36  #: the prompt must end with text after its last media part
     MEDIA_PREPARE = 37  #: the projector could not preprocess the media
+    SPECIAL_TEXT = 38  #: a message's text holds special-token text the chat template changes; detail: the message
     NO_SOURCE_ID = 40  #: no such source of the principal
     UPLOAD_OFFSET = 41  #: no upload in progress at that offset, or the chunk does not follow the last
     CONTENT_TYPE = 42  #: unknown content type code (415)

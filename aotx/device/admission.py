@@ -2,8 +2,10 @@
 
 A text request is admitted on the control thread at once: grant and model checks,
 the payload decoded, the model's chat template rendered over the whole message array
-(automatic memory's facts injected first where the principal enabled it), the prompt
-tokenized, the limits checked, the request queued.
+(automatic memory's facts injected first where the principal enabled it) and cut into
+its markup and the messages' text (:mod:`.prompt`: only the markup's special-token
+texts become control tokens), the prompt tokenized, the limits checked, the request
+queued.
 
 A request with media parts leases its sources (so they cannot be removed meanwhile)
 and becomes a :class:`MediaJob`: decoding and preprocessing an image takes a good part
@@ -31,6 +33,7 @@ from .loading import LoadedModel
 from .media import Source
 from .memory import Source as MemorySource
 from .memory import inject
+from .prompt import Prompt, TextRefused, media_tokens, split, text_tokens
 from .state import DeviceState
 from .template import TemplateError
 
@@ -58,7 +61,7 @@ class Prepared:
     grant: wire.Grant
     model: LoadedModel
     submission: wire.Submission
-    prompt_text: str
+    prompt: Prompt
     messages: list[dict[str, str]]
     leased: list[Source]  # media sources, in prompt order (leased from now on)
     memory_on: bool
@@ -81,7 +84,7 @@ class Admission:
         p = self._prepare(h, payload)
         model = p.model
         if not p.leased:
-            prompt = model.engine.tokenize(p.prompt_text, add_special=model.engine.add_bos)
+            prompt = text_tokens(model.engine, p.prompt, add_special=model.engine.add_bos)
             return self._admit(p, prompt, [])
         if model.encoder is None:
             raise DeviceError(400, Reason.NO_PROJECTOR)
@@ -96,34 +99,59 @@ class Admission:
         if grant.max_input_bytes and len(payload) > grant.max_input_bytes:
             raise DeviceError(413, Reason.INPUT_BYTES, grant.max_input_bytes)
         sub = wire.decode_submission(payload)
-        messages: list[dict[str, str]] = []
-        leased: list[Source] = []
-        for msg in sub.messages:
-            text = []
-            for part in msg.parts:
-                if part.kind is PartKind.TEXT:
-                    text.append(part.text)
-                    continue
-                if not model.modalities & wire.MODALITY_BITS[wire.PART_MODALITY[part.kind]]:
-                    raise DeviceError(400, Reason.MODALITY, int(part.kind))
-                src = st.media.ready_by_digest(h.principal, part.data)
-                if src is None or src.kind is not part.kind:
-                    raise DeviceError(404, Reason.NO_SOURCE, len(leased))
-                leased.append(src)
-                text.append(model.media_marker)
-            messages.append({"role": ("system", "user", "assistant")[msg.role],
-                             "content": "".join(text)})
+        messages, media_at, leased = self._messages(h, model, sub)
         memory_on = bool(model.automatic_memory and grant.flags & wire.GRANT_FLAG_MEMORY
                          and not h.submit_flags & wire.SUBMIT_FLAG_MEMORY_OFF and not leased)
         if memory_on:
             messages = inject(messages, st.policy.memory_for(h.principal))
+            media_at = []  # no media here (memory is off with media)
         try:
-            prompt_text = model.template.render(messages)
+            prompt = split(model.template, messages, model.engine.specials, media_at,
+                           model.media_marker)
         except TemplateError as exc:
             log.debug("event=request.template_refused role=%d error=%s", h.role, exc)
             raise DeviceError(400, Reason.TEMPLATE if exc.refused else Reason.TEMPLATE_FAILED
                               ) from None
-        return Prepared(h, grant, model, sub, prompt_text, messages, leased, memory_on)
+        except TextRefused as exc:
+            log.info("event=request.special_text role=%d message=%d", h.role, exc.message)
+            # the submission's own numbering: automatic memory may have put a message first
+            raise DeviceError(400, Reason.SPECIAL_TEXT,
+                              max(0, exc.message - (len(messages) - len(sub.messages)))
+                              ) from None
+        except MediaInputError as exc:
+            log.info("event=request.media_refused error=%s", exc)
+            raise DeviceError(400, Reason.MEDIA_PREPARE) from None
+        return Prepared(h, grant, model, sub, prompt, messages, leased, memory_on)
+
+    def _messages(self, h: Header, model: LoadedModel, sub: wire.Submission
+                  ) -> tuple[list[dict[str, str]], list[list[int]], list[Source]]:
+        """The message array the template renders, where each message's media parts sit
+        in its text (the model's media marker there), and the sources they name."""
+        messages: list[dict[str, str]] = []
+        media_at: list[list[int]] = []
+        leased: list[Source] = []
+        for msg in sub.messages:
+            text: list[str] = []
+            at: list[int] = []
+            size = 0
+            for part in msg.parts:
+                if part.kind is PartKind.TEXT:
+                    text.append(part.text)
+                    size += len(part.text)
+                    continue
+                if not model.modalities & wire.MODALITY_BITS[wire.PART_MODALITY[part.kind]]:
+                    raise DeviceError(400, Reason.MODALITY, int(part.kind))
+                src = self.state.media.ready_by_digest(h.principal, part.data)
+                if src is None or src.kind is not part.kind:
+                    raise DeviceError(404, Reason.NO_SOURCE, len(leased))
+                leased.append(src)
+                at.append(size)
+                text.append(model.media_marker)
+                size += len(model.media_marker)
+            messages.append({"role": ("system", "user", "assistant")[msg.role],
+                             "content": "".join(text)})
+            media_at.append(at)
+        return messages, media_at, leased
 
     def run_media_job(self, job: MediaJob, held: bool = False) -> Reply:
         """Tokenize a media request without the lock, then admit it under the lock and the
@@ -137,8 +165,9 @@ class Admission:
         admitted = False
         try:
             try:
-                prompt, segments = p.model.encoder.tokenize(
-                    p.prompt_text, [(wire.PART_MODALITY[s.kind], s.data) for s in p.leased],
+                prompt, segments = media_tokens(
+                    p.model.engine, p.model.encoder, p.prompt,
+                    [(wire.PART_MODALITY[s.kind], s.data) for s in p.leased],
                     add_special=p.model.engine.add_bos)
             except MediaInputError as exc:
                 log.debug("event=request.media_refused part=%d error=%s", exc.part, exc)
@@ -184,7 +213,10 @@ class Admission:
             req.source_text = "\n".join(f"{m['role'].capitalize()}: {m['content']}"
                                         for m in p.messages if m["role"] == "user")
         if st.log_prompts:
-            log.info("event=request.prompt id=%s text=%r", st.request_id(identity), p.prompt_text)
+            log.info("event=request.prompt id=%s tokens=%d special_tokens=%d method=%s text=%r",
+                     st.request_id(identity), len(prompt),
+                     sum(1 for t in prompt if t in model.engine.special_ids),
+                     p.prompt.method.value, p.prompt.text)
         st.requests[identity] = req
         st.active[h.principal] += 1
         if p.leased:  # leased when the request came in (Admission.submit)

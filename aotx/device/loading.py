@@ -24,6 +24,7 @@ from ..engine.sampling import Sampler
 from ..engine.scheduler import Request, Scheduler
 from .memory import qualified
 from .models import ModelSpec, file_sha256
+from .prompt import TextRefused, split, text_tokens
 from .template import ChatTemplate, TemplateError
 
 log = logging.getLogger("aotx.device")
@@ -123,9 +124,10 @@ def template_prefix(engine: LlamaEngine, template: ChatTemplate) -> list[int]:
     system prompt and the user's header), found by rendering two different
     conversations and keeping what their tokens have in common."""
     try:
-        a, b = (engine.tokenize(template.render([{"role": "user", "content": c}]),
-                                add_special=engine.add_bos) for c in ("Hi.", "What?"))
-    except TemplateError:
+        a, b = (text_tokens(engine, split(template, [{"role": "user", "content": c}],
+                                          engine.specials), add_special=engine.add_bos)
+                for c in ("Hi.", "What?"))
+    except (TemplateError, TextRefused):
         return []
     n = common_prefix(a, b)
     return a[:n] if n >= 8 else []

@@ -184,6 +184,12 @@ class Policy:
         self.active_started = time.monotonic_ns()
         self._on(E.START)
 
+    def drop(self, why: str) -> None:
+        """Skip the next source: its extraction prompt could not be made (a template that
+        refuses it; the qualified profiles' template never does)."""
+        log.warning("event=policy.source_dropped frontier=%d error=%s", self.frontier, why)
+        self._finish_source()
+
     def _collect(self, work: Work) -> None:
         self.active = None
         self.last_ns = time.monotonic_ns() - self.active_started

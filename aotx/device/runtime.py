@@ -48,7 +48,9 @@ from .loading import load_model
 from .memory import EXTRACTION_MAX_TOKENS, EXTRACTION_PROMPT, MAX_SOURCE_CHARS
 from .models import ModelSpec, load_specs
 from .policy import Policy
+from .prompt import TextRefused, split, text_tokens
 from .state import DeviceLimits, DeviceState
+from .template import TemplateError
 
 log = logging.getLogger("aotx.device")
 
@@ -257,8 +259,14 @@ class Device:
         model = st.models[source.role]
         messages = [{"role": "system", "content": EXTRACTION_PROMPT},
                     {"role": "user", "content": source.text[-MAX_SOURCE_CHARS:]}]
-        prompt = model.engine.tokenize(model.template.render(messages),
-                                       add_special=model.engine.add_bos)
+        try:
+            # The user's words are text: special-token texts in them stay text here too.
+            prompt = text_tokens(model.engine, split(model.template, messages,
+                                                     model.engine.specials),
+                                 add_special=model.engine.add_bos)
+        except (TemplateError, TextRefused) as exc:
+            st.policy.drop(f"{type(exc).__name__}: {exc}")
+            return
         prompt = prompt[-(model.engine.slot_context - EXTRACTION_MAX_TOKENS - 1):]
         work = Request(identity=secrets.token_bytes(16), principal=0, revision=0,
                        role=source.role, prompt=prompt, max_tokens=EXTRACTION_MAX_TOKENS,

@@ -3,14 +3,14 @@
 A model configured with a projector (``mmproj`` in the models file) gets one
 :class:`MediaEncoder`.  It does two things:
 
-* :meth:`MediaEncoder.tokenize` (control thread, at admission): the rendered
-  prompt, with one ``<__media__>`` marker where each media part sits, plus the
-  media bytes, become a token list in which every media position holds a
-  *placeholder* (a negative number no real token has), and one
-  :class:`MediaSegment` per media part: where it starts and how many positions
-  it takes.  The image or audio is decoded and preprocessed here, so the
-  admission knows the exact prompt length and a file that does not decode is a
-  400 at once.
+* :meth:`MediaEncoder.tokenize_media` (media worker, at admission): one media
+  part's bytes become its tokens, in which every media position holds a
+  *placeholder* (a negative number no real token has), and a
+  :class:`MediaSegment` per chunk the projector makes of it: where it starts and
+  how many positions it takes.  The device puts them between the tokens of the
+  prompt's text (``aotx.device.prompt``), where the part sits.  The image or
+  audio is decoded and preprocessed here, so the admission knows the exact
+  prompt length and a file that does not decode is a 400 at once.
 * :meth:`MediaEncoder.encode` (engine thread, when the scheduler reaches the
   segment): runs the projector's encoder and returns the embeddings, which the
   engine decodes into the request's sequence (``LlamaEngine.decode_embeddings``).
@@ -36,6 +36,7 @@ import itertools
 import logging
 import struct
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -257,54 +258,54 @@ class MediaEncoder:
         self.batch = batch  # a non-causal segment must fit one llama_decode call
         self.lock = threading.Lock()
 
-    def tokenize(self, text: str, media: list[tuple[str, bytes]],
-                 add_special: bool) -> tuple[list[int], list[MediaSegment]]:
-        """Tokens (with placeholders) and segments for ``text`` whose markers stand
-        for ``media`` in order.  The caller owns the segments: release them when
-        the request will not run (``release_all``)."""
-        m = self.m
+    def check(self, media: Sequence[tuple[str, bytes]]) -> None:
+        """Refuse, before any is decoded, a part of a kind the projector does not encode
+        or that the bundled decoders cannot read."""
         for n, (kind, data) in enumerate(media):
             if (kind == "image" and not self.vision) or (kind == "audio" and not self.audio):
                 raise MediaInputError(f"the projector does not accept {kind} input",
                                       MediaProblem.MODALITY, n)
             check_media(kind, data, n)
+
+    def tokenize_media(self, kind: str, data: bytes,
+                       n: int) -> tuple[list[int], list[MediaSegment]]:
+        """The tokens (with placeholders) and segments of media part ``n`` alone, starting
+        at position 0: libmtmd's tokenization of one marker with its bitmap, which adds
+        the tokens the projector puts around the media (an image's begin and end tokens)
+        and splits it where the projector does.  The prompt's text is not given to libmtmd:
+        it would take every marker text in it for a media part (the device tokenizes the
+        text itself, ``device.prompt``).  The caller owns the segments: release them when
+        the request will not run (``release_all``)."""
+        m = self.m
         unreadable = {"image": MediaProblem.IMAGE_UNREADABLE,
                       "audio": MediaProblem.AUDIO_UNREADABLE}
-        bitmaps = []
-        chunks = None
+        bitmap = chunks = None
         try:
-            for n, (kind, data) in enumerate(media):
-                buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-                opt = m.mtmd_helper_init_opt_default()
-                # Bytes stb_image cannot decode fall through to libmtmd's video path,
-                # which runs ffprobe/ffmpeg on them: point it at a "directory" that
-                # cannot hold them, so untrusted bytes never reach an ffmpeg.
-                opt.video_params.ffmpeg_bin_dir = _NO_FFMPEG_DIR
-                got = m.mtmd_helper_bitmap_init_from_buf_wrapper(
-                    self.ctx, buf, len(data), False, opt)
-                if got.video_ctx:  # never asked for; free it rather than leak it
-                    m.mtmd_helper_video_free(got.video_ctx)
-                    if got.bitmap:
-                        m.mtmd_bitmap_free(got.bitmap)
-                    raise MediaInputError(f"media part {n} ({kind}) could not be decoded",
-                                          unreadable[kind], n)
-                if not got.bitmap:
-                    raise MediaInputError(f"media part {n} ({kind}) could not be decoded",
-                                          unreadable[kind], n)
-                bitmaps.append(got.bitmap)
-            raw = text.encode("utf-8")
-            inp = m.mtmd_input_text(raw, len(raw), add_special, True)
-            arr = (m.mtmd_bitmap_p_ctypes * max(1, len(bitmaps)))(*bitmaps)
+            buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+            opt = m.mtmd_helper_init_opt_default()
+            # Bytes stb_image cannot decode fall through to libmtmd's video path,
+            # which runs ffprobe/ffmpeg on them: point it at a "directory" that
+            # cannot hold them, so untrusted bytes never reach an ffmpeg.
+            opt.video_params.ffmpeg_bin_dir = _NO_FFMPEG_DIR
+            got = m.mtmd_helper_bitmap_init_from_buf_wrapper(self.ctx, buf, len(data), False, opt)
+            bitmap = got.bitmap  # freed below, whatever happens
+            if got.video_ctx:  # never asked for; free it rather than leak it
+                m.mtmd_helper_video_free(got.video_ctx)
+            if got.video_ctx or not bitmap:
+                raise MediaInputError(f"media part {n} ({kind}) could not be decoded",
+                                      unreadable[kind], n)
+            raw = MARKER.encode()
+            inp = m.mtmd_input_text(raw, len(raw), False, True)
+            arr = (m.mtmd_bitmap_p_ctypes * 1)(bitmap)
             chunks = m.mtmd_input_chunks_init()
-            rc = m.mtmd_tokenize(self.ctx, chunks, ctypes.byref(inp), arr, len(bitmaps))
-            if rc == 1:
-                raise MediaInputError("the prompt's media markers do not match its media parts")
+            rc = m.mtmd_tokenize(self.ctx, chunks, ctypes.byref(inp), arr, 1)
             if rc != 0:
-                raise MediaInputError(f"the media could not be preprocessed (mtmd {rc})")
+                raise MediaInputError(f"media part {n} ({kind}) could not be preprocessed "
+                                      f"(mtmd {rc})", MediaProblem.PREPARE, n)
             return self._flatten(chunks)
         finally:
-            for bmp in bitmaps:
-                m.mtmd_bitmap_free(bmp)
+            if bitmap:
+                m.mtmd_bitmap_free(bitmap)
             if chunks is not None:
                 m.mtmd_input_chunks_free(chunks)
 

@@ -149,6 +149,9 @@ REASONS: dict[Reason, Wording] = {
     Reason.MEDIA_LAST: Wording("a prompt must end with text after its last media part",
                                param="messages"),
     Reason.MEDIA_PREPARE: Wording("the media could not be prepared", param="messages"),
+    Reason.SPECIAL_TEXT: Wording("message {detail} holds special-token text (or a media "
+                                 "marker) that model {model}'s chat template changes, so it "
+                                 "cannot be kept as plain text", param="messages"),
     Reason.NO_SOURCE_ID: Wording("no such media source"),
     Reason.UPLOAD_OFFSET: Wording("the upload's chunks do not follow each other"),
     Reason.CONTENT_TYPE: Wording("unsupported content type"),

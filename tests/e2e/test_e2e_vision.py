@@ -152,6 +152,29 @@ def test_audio_is_encoded(vsvc: Service) -> None:
         assert doc["usage"]["prompt_tokens"] == bare["usage"]["prompt_tokens"] + AUDIO_POSITIONS
 
 
+def test_the_media_marker_written_in_text_stays_text(vsvc: Service) -> None:
+    """The marker that stands for a media part in the rendered prompt, written by the user,
+    is text: only the real image becomes an image (issue 19)."""
+    words = [{"type": "text", "text": "Is <__media__> a picture? <__media__>"}]
+    with client(vsvc, mint(vsvc, "mark")) as c:
+        src = upload(c, png(11, 16)).json()
+        r = ask(c, [{"type": "input_image", "digest": src["digest"]}, *words])
+        assert r.status_code == 202, r.text
+        doc = finish(c, r.json()["id"])
+        assert doc["state"] == "completed", doc
+        text_only = finish(c, ask(c, words).json()["id"])
+        unmarked = finish(c, ask(c, [{"type": "text", "text": "Is  a picture? "}]).json()["id"])
+        # with the text after the image and before it: one image's positions either way
+        before = ask(c, [*words, {"type": "input_image", "digest": src["digest"]},
+                         {"type": "text", "text": "?"}])
+        assert before.status_code == 202, before.text
+        assert finish(c, before.json()["id"])["state"] == "completed"
+    assert text_only["state"] == "completed"
+    assert doc["usage"]["prompt_tokens"] == text_only["usage"]["prompt_tokens"] + IMAGE_POSITIONS
+    # the two marker texts cost several tokens each
+    assert text_only["usage"]["prompt_tokens"] >= unmarked["usage"]["prompt_tokens"] + 2 * 3
+
+
 def test_a_leased_source_cannot_be_removed_until_the_request_ends(vsvc: Service) -> None:
     with client(vsvc, mint(vsvc, "lena")) as c:
         src = upload(c, png(5, 16)).json()

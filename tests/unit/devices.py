@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from aotx import wire
 from aotx.device.loading import LoadedModel
 from aotx.device.models import ModelSpec
 from aotx.device.runtime import Device
 from aotx.device.template import ChatTemplate
-from aotx.engine.multimodal import MARKER, MediaSegment
+from aotx.engine.multimodal import MediaSegment
 from aotx.engine.scheduler import Scheduler
 from aotx.paths import RuntimePaths
 
@@ -21,20 +21,16 @@ from .test_scheduler import ScriptedEngine
 
 
 class FakeEncoder:
+    """Each media part takes two placeholder positions."""
+
     vision, audio = True, False
 
-    def tokenize(self, text: str, media: list[tuple[str, bytes]],
-                 add_special: bool) -> tuple[list[int], list[MediaSegment]]:
-        parts = text.split(MARKER)
-        assert len(parts) == len(media) + 1
-        tokens: list[int] = []
-        segments = []
-        for i, part in enumerate(parts):
-            tokens += [100 + (b % 50) for b in part.encode()]
-            if i < len(media):
-                segments.append(MediaSegment(start=len(tokens), n_tokens=2, kind=media[i][0]))
-                tokens += [-(i + 1)] * 2
-        return tokens, segments
+    def check(self, media: Sequence[tuple[str, bytes]]) -> None:
+        pass
+
+    def tokenize_media(self, kind: str, data: bytes,
+                       n: int) -> tuple[list[int], list[MediaSegment]]:
+        return [-(n + 1)] * 2, [MediaSegment(start=0, n_tokens=2, kind=kind)]
 
     def encode(self, seg: MediaSegment) -> str:
         return "embeddings"
@@ -44,10 +40,17 @@ class FakeEncoder:
 
 
 class TokenizingEngine(ScriptedEngine):
-    add_bos = False
+    """A token a byte; no special tokens."""
 
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        return [100 + (b % 50) for b in text.encode()][:64]
+    add_bos = False
+    special_ids: frozenset[int] = frozenset()
+
+    def tokenize_pieces(self, pieces: Sequence[tuple[str, bool]], add_special: bool = True,
+                        start: bool = True, end: bool = True) -> list[int]:
+        return [100 + (b % 50) for text, _ in pieces for b in text.encode()][:64]
+
+    def specials(self, text: str) -> list[int]:
+        return []
 
     def close(self) -> None:
         pass

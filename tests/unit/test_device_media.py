@@ -207,13 +207,13 @@ class GatedEncoder(FakeEncoder):
         self.closed_while_busy = False
         self.busy = False
 
-    def tokenize(self, text: str, media: list[tuple[str, bytes]],
-                 add_special: bool) -> tuple[list[int], list[MediaSegment]]:
+    def tokenize_media(self, kind: str, data: bytes,
+                       n: int) -> tuple[list[int], list[MediaSegment]]:
         self.busy = True
         self.entered.set()
         assert self.release.wait(10)
         try:
-            return super().tokenize(text, media, add_special)
+            return super().tokenize_media(kind, data, n)
         finally:
             self.busy = False
 
