@@ -77,7 +77,8 @@ class Gateway:
         # the poll loop, and requests wait for it rather than run under old grants.
         self.grants_dirty = False
         self.parked: dict[int, int] = {}  # principal id -> WAITs it has in flight
-        self._mailboxes: dict[int, asyncio.Semaphore] = {}  # principal id -> its share
+        # principal id -> (its share of the mailboxes, the semaphore that enforces it)
+        self._mailboxes: dict[int, tuple[int, asyncio.Semaphore]] = {}
         self.background: set[asyncio.Future[Any]] = set()  # tasks nobody awaits (unparks)
         self._load_credentials()
 
@@ -217,10 +218,12 @@ class Gateway:
         principal's calls hold at most its share of the mailboxes at once."""
         if not h.principal or h.op == wire.Op.UNPARK:  # the gateway's own; frees a mailbox
             return await self._call(h, payload, timeout)
-        share = self._mailboxes.get(h.principal)
-        if share is None:
-            share = self._mailboxes[h.principal] = asyncio.Semaphore(self.mailbox_share())
-        async with share:
+        await self.ensure_ready()  # the share is a part of the mailboxes INFO reports
+        size = self.mailbox_share()
+        held = self._mailboxes.get(h.principal)
+        if held is None or held[0] != size:  # (a new epoch may have other mailboxes)
+            held = self._mailboxes[h.principal] = (size, asyncio.Semaphore(size))
+        async with held[1]:
             return await self._call(h, payload, timeout)
 
     async def _call(self, h: wire.Header, payload: bytes, timeout: float | None
