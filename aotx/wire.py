@@ -174,6 +174,7 @@ class Reason(enum.IntEnum):
     MEDIA_LAST = 36  #: the prompt must end with text after its last media part
     MEDIA_PREPARE = 37  #: the projector could not preprocess the media
     SPECIAL_TEXT = 38  #: a message's text holds special-token text the chat template changes; detail: the message
+    LOGIT_BIAS = 39  #: a logit-bias token id is not in the model's vocabulary; detail: that id
     NO_SOURCE_ID = 40  #: no such source of the principal
     UPLOAD_OFFSET = 41  #: no upload in progress at that offset, or the chunk does not follow the last
     CONTENT_TYPE = 42  #: unknown content type code (415)
@@ -460,9 +461,30 @@ class Message(NamedTuple):
     parts: tuple[Part, ...]
 
 
+class Sampling(NamedTuple):
+    """The sampler beyond temperature, top-p and seed: after the stop strings, a 32-byte
+    record, then ``bias_count`` (u32 token, f32 bias) pairs.  Absent: all defaults."""
+
+    top_k: Annotated[int, F("I", 0, False, "keep the k likeliest tokens (0: off)")] = 0
+    min_p: Annotated[float, F("f", 4, False, "drop tokens below min_p x the likeliest's")] = 0.0
+    presence: Annotated[float, F("f", 8, False, "presence penalty, -2..2")] = 0.0
+    frequency: Annotated[float, F("f", 12, False, "frequency penalty, -2..2")] = 0.0
+    repetition: Annotated[float, F("f", 16, False, "repetition penalty (1: off)")] = 1.0
+    last_n: Annotated[int, F("I", 20, False, "penalties count the last n tokens (0: all)")] = 0
+    bias_count: Annotated[int, F("I", 24, False, "logit-bias pairs that follow")] = 0
+    reserved: Annotated[int, F("I", 28, False, "zero")] = 0
+    bias: tuple[tuple[int, float], ...] = ()
+
+
+SAMPLING = layout(Sampling, 32)
+_BIAS = struct.Struct("<If")
+MAX_BIAS = 1024
+
+
 class Submission(NamedTuple):
     messages: tuple[Message, ...]
     stop: tuple[str, ...] = ()
+    sampling: Sampling = Sampling()
 
 
 def _part(kind: int, data: bytes) -> Part:
@@ -484,11 +506,20 @@ def encode_submission(sub: Submission) -> bytes:
         for part in msg.parts:
             _part(int(part.kind), part.data)
             out += _U32x2.pack(int(part.kind), len(part.data)) + part.data
-    if sub.stop:  # the seed's layout exactly when there are none
+    extended = sub.sampling != Sampling()
+    if sub.stop or extended:  # the seed's layout exactly when there are none
         out += _U32.pack(len(sub.stop))
         for s in sub.stop:
             b = s.encode("utf-8")
             out += _U32.pack(len(b)) + b
+    if extended:
+        if len(sub.sampling.bias) > MAX_BIAS:
+            raise WireError(f"more than {MAX_BIAS} logit-bias entries")
+        try:
+            out += SAMPLING.pack(*sub.sampling._replace(bias_count=len(sub.sampling.bias))[:-1])
+            out += b"".join(_BIAS.pack(t, b) for t, b in sub.sampling.bias)
+        except struct.error as exc:
+            raise WireError(f"sampling field out of range: {exc}") from None
     if len(out) > MAX_PAYLOAD:
         raise WireError(f"submission of {len(out)} bytes exceeds one packet", 413,
                         Reason.TOO_LARGE)
@@ -542,9 +573,22 @@ def decode_submission(data: bytes | memoryview) -> Submission:
                 stops.append(raw.decode("utf-8"))
             except UnicodeDecodeError:
                 raise WireError("stop string is not valid UTF-8") from None
-        if r.pos != len(r.data):
-            raise WireError(f"{len(r.data) - r.pos} trailing bytes after the payload")
-    return Submission(tuple(messages), tuple(stops))
+    sampling = _sampling(r) if r.pos < len(r.data) else Sampling()
+    if r.pos != len(r.data):
+        raise WireError(f"{len(r.data) - r.pos} trailing bytes after the payload")
+    return Submission(tuple(messages), tuple(stops), sampling)
+
+
+def _sampling(r: _Reader) -> Sampling:
+    """The sampling extension (after the stops): its record, then its bias pairs."""
+    head = Sampling._make((*SAMPLING.unpack(r.take(SAMPLING.size)), ()))
+    if (head.reserved or head.bias_count > MAX_BIAS or not 0.0 <= head.min_p <= 1.0
+            or not head.repetition > 0.0 or not all(abs(x) <= 1e6 for x in head[2:4])):
+        raise WireError("bad sampling record")  # (NaN fails every comparison)
+    bias = tuple(_BIAS.iter_unpack(r.take(head.bias_count * _BIAS.size)))
+    if not all(abs(b) <= 1e6 for _, b in bias):
+        raise WireError("bad logit bias")
+    return head._replace(bias_count=0, bias=bias)
 
 
 # -- Information payload: a 192-byte head, ``model_count`` 40-byte rows, then a string
@@ -751,10 +795,6 @@ class MediaMeta(NamedTuple):
 MEDIA_META = layout(MediaMeta, 64)
 
 
-def encode_media_meta(m: MediaMeta) -> bytes:
-    return MEDIA_META.pack(*m)
-
-
 def decode_media_meta(data: bytes | memoryview) -> MediaMeta:
     if len(data) != MEDIA_META.size:
         raise WireError("media metadata must be 64 bytes")
@@ -823,10 +863,6 @@ class PolicyControl(NamedTuple):
 POLICY_CONTROL = layout(PolicyControl, 16)
 
 
-def encode_policy_control(c: PolicyControl) -> bytes:
-    return POLICY_CONTROL.pack(*c)
-
-
 def decode_policy_control(data: bytes | memoryview) -> PolicyControl:
     if len(data) != POLICY_CONTROL.size:
         raise WireError("policy control payload must be 16 bytes")
@@ -866,10 +902,6 @@ class PolicyStatus(NamedTuple):
 POLICY_STATUS = layout(PolicyStatus, 160)
 
 
-def encode_policy_status(s: PolicyStatus) -> bytes:
-    return POLICY_STATUS.pack(*s)
-
-
 def decode_policy_status(data: bytes | memoryview) -> PolicyStatus:
     if len(data) != POLICY_STATUS.size:
         raise WireError("policy status must be 160 bytes")
@@ -893,8 +925,14 @@ class Telemetry(NamedTuple):
 TELEMETRY = layout(Telemetry, 32)
 
 
-def encode_telemetry(t: Telemetry) -> bytes:
-    return TELEMETRY.pack(*t)
+def pack(record: MediaMeta | PolicyControl | PolicyStatus | Telemetry) -> bytes:
+    """A fixed-size payload record as bytes (its layout is its type's)."""
+    return _LAYOUTS[type(record)].pack(*record)
+
+
+encode_media_meta = encode_policy_control = encode_policy_status = encode_telemetry = pack
+_LAYOUTS: dict[type, struct.Struct] = {MediaMeta: MEDIA_META, PolicyControl: POLICY_CONTROL,
+                                       PolicyStatus: POLICY_STATUS, Telemetry: TELEMETRY}
 
 
 def decode_telemetry(data: bytes | memoryview) -> Telemetry:

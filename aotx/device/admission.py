@@ -99,6 +99,9 @@ class Admission:
         if grant.max_input_bytes and len(payload) > grant.max_input_bytes:
             raise DeviceError(413, Reason.INPUT_BYTES, grant.max_input_bytes)
         sub = wire.decode_submission(payload)
+        for token, _ in sub.sampling.bias:
+            if token >= model.engine.n_vocab:
+                raise DeviceError(400, Reason.LOGIT_BIAS, token)
         messages, media_at, leased = self._messages(h, model, sub)
         memory_on = bool(model.automatic_memory and grant.flags & wire.GRANT_FLAG_MEMORY
                          and not h.submit_flags & wire.SUBMIT_FLAG_MEMORY_OFF and not leased)
@@ -207,6 +210,7 @@ class Admission:
                       temperature=max(0.0, h.temperature),
                       top_p=h.top_p if 0.0 < h.top_p <= 1.0 else 1.0, seed=seed,
                       stops=tuple(s.encode() for s in p.submission.stop),
+                      sampling=p.submission.sampling,
                       memory_off=bool(h.submit_flags & wire.SUBMIT_FLAG_MEMORY_OFF),
                       segments=segments)
         if p.memory_on and st.policy.enabled:

@@ -65,7 +65,8 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
     projector = file_sha256(spec.mmproj, hashes) if spec.mmproj else None
     scheduler = Scheduler(
         engine, spec.slots, batch, lock,
-        make_sampler=lambda r: Sampler(r.temperature, r.top_p, r.seed),
+        make_sampler=lambda r: Sampler(r.temperature, r.top_p, r.seed, r.sampling,
+                                       r.max_tokens, engine.n_vocab),
         free_sampler=lambda s: s.free(),  # type: ignore[attr-defined]
         on_step=on_step, on_terminal=on_terminal,
         encode=encoder.encode if encoder is not None else None)

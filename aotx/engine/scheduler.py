@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..wire import Finish, Phase
+from ..wire import Finish, Phase, Sampling
 from .fair import NOBODY, FairQueue, owner_of, usable_prefix
 from .llama import BatchEntry
 from .multimodal import MediaInputError, MediaSegment, release_all
@@ -175,6 +175,7 @@ class Request:
     top_p: float = 1.0
     seed: int = 0
     stops: tuple[bytes, ...] = ()
+    sampling: Sampling = Sampling()  # top-k, min-p, penalties, logit bias
     phase: Phase = Phase.QUEUED
     cancel_requested: bool = False
     finish: Finish = Finish.NONE

@@ -75,7 +75,8 @@ def submission(body: ChatRequest, m: wire.ModelInfo, principal: Principal, allow
                 kinds.append(wire.PART_MODALITY[parts[-1].kind])
         messages.append(wire.Message(_ROLES[msg.role], tuple(parts)))
     try:
-        payload = wire.encode_submission(wire.Submission(tuple(messages), tuple(body.stops)))
+        payload = wire.encode_submission(wire.Submission(tuple(messages), tuple(body.stops),
+                                                         body.sampling))
     except wire.WireError as exc:
         # The codec's message is for a log; the client gets the table's wording of the
         # reason, as when the device refuses a packet.

@@ -149,6 +149,8 @@ REASONS: dict[Reason, Wording] = {
     Reason.MEDIA_LAST: Wording("a prompt must end with text after its last media part",
                                param="messages"),
     Reason.MEDIA_PREPARE: Wording("the media could not be prepared", param="messages"),
+    Reason.LOGIT_BIAS: Wording("logit_bias names token {detail}, which is not in the "
+                               "model's vocabulary", param="logit_bias"),
     Reason.SPECIAL_TEXT: Wording("message {detail} holds special-token text (or a media "
                                  "marker) that model {model}'s chat template changes, so it "
                                  "cannot be kept as plain text", param="messages"),

@@ -4,7 +4,8 @@ The standard message envelope is shared by ``POST /v1/chat/completions`` and
 ``POST /aotx/v1/requests``.  Unknown fields are ignored (OpenAI clients send
 many optional ones); fields that would change the meaning of the request and
 that aotx does not implement (tools, n > 1, logprobs, non-text response
-formats) are refused with 400 instead of being silently dropped.
+formats) are refused with 400 instead of being silently dropped.  The sampler's
+fields (penalties, logit bias, top-k, min-p) are applied on the device.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from ..wire import MAX_STOP_BYTES
+from ..wire import MAX_BIAS, MAX_STOP_BYTES, Sampling
 
 MAX_STOP = 16
 MAX_INLINE_CHARS = 1 << 21  # longer than any body the gateway accepts (1 MiB)
@@ -131,6 +132,15 @@ class ChatRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: int | None = Field(default=None, ge=1)
     memory: Literal["on", "off"] | None = None
+    # The rest of the sampler (wire.Sampling): OpenAI's penalties and logit bias, and the
+    # extensions llama.cpp's server and vLLM accept.
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_BIAS)
+    top_k: int | None = Field(default=None, ge=-1, le=1 << 20)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    repeat_last_n: int | None = Field(default=None, ge=-1, le=1 << 20)
     # Fields we refuse rather than silently ignore:
     tools: list[Any] | None = None
     functions: list[Any] | None = None
@@ -155,6 +165,26 @@ class ChatRequest(BaseModel):
             raise ValueError(f"a stop sequence may have at most {MAX_STOP_BYTES} "
                              f"bytes (UTF-8)")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (v or {}).items():
+            if not token.isascii() or not token.isdigit() or int(token) >= 1 << 31:
+                raise ValueError("logit_bias keys are token ids (decimal strings)")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError("a logit_bias value is between -100 and 100")
+        return v
+
+    @property
+    def sampling(self) -> Sampling:
+        """The sampler beyond temperature and top-p, as the submission carries it."""
+        return Sampling(top_k=max(0, self.top_k or 0), min_p=self.min_p or 0.0,
+                        presence=self.presence_penalty or 0.0,
+                        frequency=self.frequency_penalty or 0.0,
+                        repetition=self.repetition_penalty or 1.0,
+                        last_n=max(0, self.repeat_last_n or 0),
+                        bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()))
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatRequest:

@@ -193,7 +193,9 @@ def test_revoking_a_token_stops_its_running_requests(isvc: Service) -> None:
     assert aotx_cli(isvc, "token", "revoke", tid).returncode == 0
     started = time.monotonic()
     eventually(lambda: _finished(isvc, "cancelled") >= cancelled + 2, 10, interval=0.05)
-    assert time.monotonic() - started < 3  # the CLI's change reaches the device in ~0.5 s
+    # the change reaches the device at the gateway's next poll (0.5 s), the cancel at the
+    # next step: well within a second on a quiet machine, a few under a loaded one
+    assert time.monotonic() - started < 5
 
 
 def _finished(svc: Service, state: str) -> int:

@@ -112,8 +112,16 @@ digest_parts = st.builds(wire.Part, st.sampled_from([wire.PartKind.IMAGE_DIGEST,
                          st.binary(min_size=32, max_size=32))
 messages = st.builds(wire.Message, st.sampled_from(list(wire.Role)),
                      st.lists(text_parts | digest_parts, max_size=4).map(tuple))
+f32 = {"width": 32}
+samplings = st.builds(
+    wire.Sampling, top_k=u32, min_p=st.floats(0, 1, **f32), presence=st.floats(-2, 2, **f32),
+    frequency=st.floats(-2, 2, **f32), repetition=st.floats(0.5, 10, **f32), last_n=u32,
+    bias_count=st.just(0), reserved=st.just(0),
+    bias=st.lists(st.tuples(st.integers(0, 2**31), st.floats(-100, 100, **f32)),
+                  max_size=4).map(tuple))
 submissions = st.builds(wire.Submission, st.lists(messages, min_size=1, max_size=5).map(tuple),
-                        st.lists(st.text(min_size=1, max_size=8), max_size=3).map(tuple))
+                        st.lists(st.text(min_size=1, max_size=8), max_size=3).map(tuple),
+                        st.just(wire.Sampling()) | samplings)
 
 
 @given(submissions)
@@ -139,7 +147,11 @@ P = struct.Struct("<I").pack
     (P(1) + P(1) + P(1) + P(0) + P(2) + b"\xc3\x28" + P(0), "UTF-8"),
     (P(1) + P(1) + P(1) + P(1) + P(31) + bytes(31) + P(0), "exactly 32"),
     (P(1) + P(1) + P(1) + P(2) + P(33) + bytes(33) + P(0), "exactly 32"),
-    (P(1) + P(1) + P(0) + P(0) + b"junk", "trailing"),
+    (P(1) + P(1) + P(0) + P(0) + wire.SAMPLING.pack(*wire.Sampling()[:-1]) + b"junk",
+     "trailing"),
+    (P(1) + P(1) + P(0) + P(0) + b"junk", "overruns"),  # a sampling record is 32 bytes
+    (P(1) + P(1) + P(0) + P(0) + wire.SAMPLING.pack(*wire.Sampling(repetition=0)[:-1]),
+     "sampling"),
     (P(1) + P(1) + P(0) + P(1) + P(0), "empty stop"),
     (P(1) + P(1) + P(0) + P(17), "stop count"),
     (P(1) + P(1) + P(0) + P(1) + P(1025) + b"s" * 1025, "exceeds 1024"),
@@ -171,10 +183,13 @@ def test_decoders_never_raise_anything_but_wire_error(data: bytes) -> None:
 def test_truncated_or_flipped_submissions_are_rejected_cleanly(sub: wire.Submission, data) -> None:
     raw = bytearray(wire.encode_submission(sub))
     cut = data.draw(st.integers(0, len(raw) - 1))
-    seed_layout = len(wire.encode_submission(sub._replace(stop=())))
-    if sub.stop and cut == seed_layout:
-        # cut just after the messages: the seed's own layout, without the stop strings
-        assert wire.decode_submission(bytes(raw[:cut])) == sub._replace(stop=())
+    plain = sub._replace(sampling=wire.Sampling())
+    # Cuts that leave a whole payload: just after the messages (the seed's own layout,
+    # without the extensions), or just after the stop strings (without the sampling).
+    whole = {len(wire.encode_submission(plain._replace(stop=()))): plain._replace(stop=()),
+             len(wire.encode_submission(plain)) + 4 * (not sub.stop): plain}
+    if cut in whole and (sub.stop or sub.sampling != wire.Sampling()):
+        assert wire.decode_submission(bytes(raw[:cut])) == whole[cut]
     else:
         with pytest.raises(WireError):
             wire.decode_submission(bytes(raw[:cut]))
@@ -353,7 +368,8 @@ DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "protocol.md"
 #: The layouts whose tables docs/protocol.md carries, by the name its markers use.
 LAYOUTS = {"Header": wire.Header, "Info": wire.Info, "ModelRow": wire.ModelRow,
            "Grant": wire.Grant, "MediaMeta": wire.MediaMeta,
-           "PolicyStatus": wire.PolicyStatus, "Telemetry": wire.Telemetry}
+           "PolicyStatus": wire.PolicyStatus, "Telemetry": wire.Telemetry,
+           "Sampling": wire.Sampling}
 _TYPES = {"I": "u32", "H": "u16", "Q": "u64", "f": "f32"}
 
 
