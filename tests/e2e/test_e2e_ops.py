@@ -21,6 +21,7 @@ from aotx.device.models import default_model_path
 
 from ..helpers import Service, running_service
 from .test_e2e_foundation import poll_until_terminal
+from .test_e2e_grants import mint
 
 MSG = [{"role": "user", "content": "Write a sentence about the sea."}]
 LONG = [{"role": "user", "content": "Write a very long story about a dragon."}]
@@ -120,24 +121,35 @@ def test_limits_reported_are_the_limits_enforced(osvc: Service) -> None:
         r = c.post("/aotx/v1/requests", content=b" " * (body + 1),
                    headers={"Content-Type": "application/json"})
         assert r.status_code == 413
-        # slots and active requests: 6 active allowed, 4 of them run, the 7th is refused
+        # slots and active requests: 6 active allowed, half of them to one principal
+        # (--principal-share 0.5), 4 of them run, the 7th is refused
         slots, active = int(lim["slots"]), int(lim["active_requests"])
         assert (slots, active) == (4, 6)
-        ids = [submit(c, LONG, max_tokens=1000).json()["id"] for _ in range(active)]
+        other = httpx.Client(base_url=osvc.url, timeout=60, headers={
+            "Authorization": f"Bearer {mint(osvc, 'ops-other')}"})
+        ids = [submit(c, LONG, max_tokens=1000).json()["id"] for _ in range(active // 2)]
         r = submit(c)
-        assert r.status_code == 429
+        assert r.status_code == 429 and r.json()["error"]["code"] == "active_limit_exceeded"
+        assert f"{active // 2} active" in r.json()["error"]["message"]
+        theirs = [submit(other, LONG, max_tokens=1000).json()["id"] for _ in range(active // 2)]
+        r = submit(httpx.Client(base_url=osvc.url, timeout=60, headers={
+            "Authorization": f"Bearer {mint(osvc, 'ops-third')}"}))
+        assert r.status_code == 429 and r.json()["error"]["code"] == "service_busy"
         deadline = time.monotonic() + 20
         while True:
-            states = [c.get(f"/aotx/v1/requests/{i}").json()["state"] for i in ids]
+            states = [cl.get(f"/aotx/v1/requests/{i}").json()["state"]
+                      for cl, rids in ((c, ids), (other, theirs)) for i in rids]
             if states.count("running") == slots:
                 break
             assert time.monotonic() < deadline, states
             time.sleep(0.05)
         assert states.count("queued") == active - slots
-        for i in ids:
-            c.post(f"/aotx/v1/requests/{i}/cancel")
-        for i in ids:
-            poll_until_terminal(c, i)
+        for cl, rids in ((c, ids), (other, theirs)):
+            for i in rids:
+                cl.post(f"/aotx/v1/requests/{i}/cancel")
+            for i in rids:
+                poll_until_terminal(cl, i)
+        other.close()
     # packets: 65536 bytes pass the broker's decoder, 65537 are refused with 413
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.connect(os.path.join(osvc.state_dir, "run", "service.sock"))
