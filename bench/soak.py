@@ -217,7 +217,7 @@ async def drop_streams(c: httpx.AsyncClient, stop: float, rng: random.Random,
 
 
 async def hog_media(c: httpx.AsyncClient, stop: float, report: Report) -> None:
-    """Upload 1 MiB sources until refused, then remove them all, and again."""
+    """Upload 1 MiB sources until refused, hold them 2 s, remove them all, and again."""
     held: list[str] = []
     while time.monotonic() < stop:
         blob = b"\x89PNG\r\n\x1a\n" + os.urandom(1 << 20)
@@ -226,10 +226,10 @@ async def hog_media(c: httpx.AsyncClient, stop: float, report: Report) -> None:
         if r.status_code == 201:
             held.append(r.json()["id"])
             continue
+        await asyncio.sleep(2.0)  # hold the full share a while, then give it back
         for sid in held:
             await c.delete(f"/aotx/v1/media/{sid}")
         held.clear()
-        await asyncio.sleep(0.5)
     for sid in held:
         await c.delete(f"/aotx/v1/media/{sid}")
 
