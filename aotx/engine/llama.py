@@ -19,11 +19,13 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import llama_cpp
 import numpy as np
 from llama_cpp import _logger as _llama_logger
 
+from .grammar import apply_mask
 from .sampling import Sampler
 
 log = logging.getLogger("aotx.engine")
@@ -430,14 +432,25 @@ class LlamaEngine:
                 llama_cpp.llama_set_causal_attn(self.ctx, True)
         return 0
 
-    def sample(self, sampler: Sampler, index: int) -> int:
-        """The next token from the logits of batch entry ``index`` of the last decode."""
-        if sampler.ptr is not None:
+    def sample(self, sampler: Sampler, index: int,
+               mask: np.ndarray[Any, np.dtype[np.int32]] | None = None) -> int:
+        """The next token from the logits of batch entry ``index`` of the last decode.
+
+        ``mask`` (a grammar's bitmask row, grammar.Matcher.fill) first sets the logits
+        of disallowed tokens to -inf, in llama.cpp's own logits buffer, which is what
+        ``llama_sampler_sample`` reads: one numpy pass (~30 us for 49k tokens), cheaper
+        than a custom sampler stage (a ctypes callback per token, over the candidate
+        array llama.cpp builds) or a logit-bias stage rebuilt with every step's mask."""
+        if sampler.ptr is not None and mask is None:
             return int(llama_cpp.llama_sampler_sample(sampler.ptr, self.ctx, index))
         row = llama_cpp.llama_get_logits_ith(self.ctx, index)
         if not row:
             raise EngineError(f"no logits for batch entry {index}")
         logits = np.ctypeslib.as_array(ctypes.cast(row, self._logits_row).contents)
+        if mask is not None:
+            apply_mask(logits, mask)
+            if sampler.ptr is not None:
+                return int(llama_cpp.llama_sampler_sample(sampler.ptr, self.ctx, index))
         return int(logits.argmax())
 
     def clear_sequence(self, seq: int) -> None:

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from ..wire import Finish, Phase, Sampling
 from .fair import NOBODY, FairQueue, owner_of, usable_prefix
+from .grammar import MaskFiller, Matcher
 from .llama import BatchEntry
 from .multimodal import MediaInputError, MediaSegment, release_all
 
@@ -35,6 +36,7 @@ class Failure(enum.Enum):
     NO_MEMORY = enum.auto()  # llama_decode found no KV cells for the batch (it returned 1)
     DECODE = enum.auto()  # llama_decode failed otherwise
     MEDIA = enum.auto()  # the projector could not encode a media segment
+    GRAMMAR = enum.auto()  # the request's grammar matcher failed (a step limit of llguidance)
 
 
 @dataclass
@@ -55,7 +57,7 @@ class Engine(Protocol):
     slot_context: int
 
     def decode(self, entries: list[BatchEntry]) -> int: ...
-    def sample(self, sampler: Any, index: int) -> int: ...
+    def sample(self, sampler: Any, index: int, mask: Any = None) -> int: ...
     def piece(self, token: int) -> bytes: ...
     def is_eog(self, token: int) -> bool: ...
     def clear_sequence(self, seq: int) -> None: ...
@@ -201,6 +203,9 @@ class Request:
     next_token: int = -1
     sampler: object = None
     buffer: OutputBuffer | None = None
+    # Constrained decoding: the request's own matcher (grammar.GrammarCompiler.compile(
+    # spec).matcher()), set before submit; the engine thread owns it from then on.
+    matcher: Matcher | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -243,6 +248,7 @@ class Scheduler:
         self._ended: list[Request] = []  # the step's terminal requests (StepOutcome.ended)
         self.ttft = Histogram()
         self.itl = Histogram()
+        self.masks = MaskFiller()  # constrained requests' bitmasks, filled during the decode
         self._stopping = False
 
     # -- called with the lock held (control thread) -------------------------
@@ -444,7 +450,13 @@ class Scheduler:
         if media is not None:
             self._decode_media(*media)
         if entries:
+            # Constrained samples' masks are computed while the decode runs (both drop
+            # the GIL); a step without any costs one pass over its samples.
+            constrained = [r.matcher for r, _ in samples if r.matcher is not None]
+            if constrained:
+                self.masks.start(constrained)
             status = self.engine.decode(entries)
+            bits = self.masks.wait() if constrained else None
             if status != 0:
                 with self.lock:
                     for req, _ in advances:
@@ -454,7 +466,7 @@ class Scheduler:
                                          if status == 1 else Failure.DECODE)
                     self.tick += 1
             else:
-                out.sampled = self._sample(entries, samples, advances)
+                out.sampled = self._sample(entries, samples, advances, bits)
         elif media is not None:
             with self.lock:
                 self.tick += 1
@@ -463,10 +475,13 @@ class Scheduler:
         return out
 
     def _sample(self, entries: list[BatchEntry], samples: list[tuple[Request, int]],
-                advances: list[tuple[Request, int]]) -> int:
+                advances: list[tuple[Request, int]], bits: Any = None) -> int:
         """Sample after a decode that succeeded, and apply the step to its requests."""
-        sampled = [(req, self.engine.sample(req.sampler, idx)) for req, idx in samples]
-        pieces = [(req, tok, b"" if self.engine.is_eog(tok) else self.engine.piece(tok))
+        if bits is None:
+            sampled = [(req, self.engine.sample(req.sampler, idx)) for req, idx in samples]
+        else:
+            sampled = self._sample_constrained(samples, bits)
+        pieces = [(req, tok, b"" if tok < 0 or self.engine.is_eog(tok) else self.engine.piece(tok))
                   for req, tok in sampled]
         now = time.monotonic_ns()
         with self.lock:
@@ -481,8 +496,35 @@ class Scheduler:
             self.tokens_decoded += len(entries)
         return len(sampled)
 
+    def _sample_constrained(self, samples: list[tuple[Request, int]],
+                            bits: Any) -> list[tuple[Request, int]]:
+        """Sample with each constrained request's bitmask (row k for its k-th matcher, as
+        started), and advance its matcher past the token.  A matcher in error (it ran
+        past a step limit; its mask allows nothing) gives token -1: the request fails."""
+        out: list[tuple[Request, int]] = []
+        k = 0
+        for req, idx in samples:
+            m = req.matcher
+            if m is None:
+                out.append((req, self.engine.sample(req.sampler, idx)))
+                continue
+            row = bits[k]
+            k += 1
+            if m.error:
+                out.append((req, -1))
+                continue
+            tok = self.engine.sample(req.sampler, idx, row)
+            if not self.engine.is_eog(tok) and not m.consume(tok):
+                tok = -1
+            out.append((req, tok))
+        return out
+
     def _accept(self, req: Request, token: int, piece: bytes, now: int) -> None:
         if req.phase.terminal:
+            return
+        if token < 0:  # the grammar's matcher failed (_sample_constrained)
+            self.active.remove(req)
+            self._finish(req, Phase.FAILED, failure=Failure.GRAMMAR)
             return
         req.sampled += 1
         self.tokens_out += 1
@@ -499,7 +541,9 @@ class Scheduler:
         assert req.buffer is not None
         published, stopped = req.buffer.push(piece)
         req.out += published
-        if stopped:
+        if stopped or (req.matcher is not None and req.matcher.finished):
+            # A stop string, or a grammar that admits nothing more (EOS alone): a
+            # finished grammar is a complete output even at the max_tokens-th token.
             self.active.remove(req)
             self._finish(req, Phase.COMPLETED, Finish.STOP)
         elif req.sampled >= req.max_tokens or req.n_past + 1 >= self.engine.slot_context:
@@ -537,8 +581,9 @@ class Scheduler:
                 while not self._stopping and not self.queue and not self.active:
                     self.cond.wait()
                 if self._stopping:
-                    return
+                    break
             self.step()
+        self.masks.close()  # here, on the engine thread: no step is using it
 
     def stop(self) -> None:
         with self.lock:
