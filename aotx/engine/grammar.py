@@ -26,6 +26,7 @@ import hashlib
 import json
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -303,8 +304,11 @@ class GrammarCompiler:
         from llguidance.llamacpp import lltokenizer_from_vocab
 
         eog = [t for t in range(engine.n_vocab) if engine.is_eog(t)] or [engine.eos]
-        return cls(lltokenizer_from_vocab(engine.vocab, n_vocab=engine.n_vocab, eos_token=eog),
-                   limits)
+        with warnings.catch_warnings():  # the helper calls a llama_cpp alias deprecated
+            warnings.simplefilter("ignore", DeprecationWarning)  # once per token
+            tokenizer = lltokenizer_from_vocab(engine.vocab, n_vocab=engine.n_vocab,
+                                               eos_token=eog)
+        return cls(tokenizer, limits)
 
     def compile(self, spec: GrammarSpec) -> Grammar:
         """The compiled grammar for ``spec`` (cached); raises :class:`GrammarError`."""
@@ -336,14 +340,27 @@ class GrammarCompiler:
         return self.compile(spec).matcher()
 
 
+#: Row b of this table is byte b of a bitmask spread over 8 logits: 0 where the bit is
+#: set, -inf where it is clear.  Adding the rows of a mask's bytes to the logits masks
+#: them with no branch per token: ~25 us for 49k tokens whatever the pattern, where a
+#: boolean ``copyto(where=)`` took 18-230 us (slow on a mask of mixed bits).
+_BYTE_BIAS = np.where((np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1 == 1,
+                      np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+_scratch = threading.local()  # each engine thread's bias buffer
+
+
 def apply_mask(logits: np.ndarray[Any, np.dtype[np.float32]],
                bits: np.ndarray[Any, np.dtype[np.int32]]) -> None:
-    """Set every logit whose token's bit is clear to -inf, in place (~30 us for 49k
-    tokens).  Tokens past the bitmask's width stay as they are (there are none when
-    the bitmask has ``mask_words(len(logits))`` words)."""
-    n = min(len(logits), bits.size * 32)
-    allowed = np.unpackbits(bits.view(np.uint8), count=n, bitorder="little").view(bool)
-    np.copyto(logits[:n], np.float32(-np.inf), where=~allowed)
+    """Set every logit whose token's bit is clear to -inf, in place; allowed logits keep
+    their exact values (+0.0).  ``bits`` has ``mask_words(len(logits))`` words (or more:
+    bits past the vocabulary are ignored)."""
+    raw = bits.view(np.uint8)
+    buf: np.ndarray[Any, np.dtype[np.float32]] | None = getattr(_scratch, "buf", None)
+    if buf is None or buf.shape[0] != raw.size:
+        buf = _scratch.buf = np.empty((raw.size, 8), dtype=np.float32)
+    _BYTE_BIAS.take(raw, axis=0, out=buf)
+    n = min(len(logits), raw.size * 8)
+    logits[:n] += buf.reshape(-1)[:n]
 
 
 class MaskFiller:
@@ -362,6 +379,7 @@ class MaskFiller:
         self._closing = False
         self._failed: BaseException | None = None
         self.fill_ns = 0
+        self.worst_fill_ns = 0  # the longest step's filling
         self.wait_ns = 0
         self.steps = 0
         self.masks = 0
@@ -415,7 +433,9 @@ class MaskFiller:
             except BaseException as exc:  # noqa: BLE001 - handed to the engine thread
                 self._failed = exc
             finally:
-                self.fill_ns += time.perf_counter_ns() - t0
+                took = time.perf_counter_ns() - t0
+                self.fill_ns += took
+                self.worst_fill_ns = max(self.worst_fill_ns, took)
                 self._done.set()
 
 
