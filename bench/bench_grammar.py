@@ -1,0 +1,148 @@
+"""Constrained decoding at the engine level: 8 sequences each under a JSON schema against
+8 free ones, through the scheduler on the real model.
+
+    .venv/bin/python bench/bench_grammar.py [--sequences 8] [--tokens 96] [--rounds 4]
+
+Each round runs A (every sequence constrained) then B (none), so drift of this VM's
+speed hits both alike (A B A B).  Every sequence samples exactly ``--tokens`` tokens in
+both: the schemas ask for long arrays (``minItems`` past what fits), so neither side
+stops early and the two do the same decode work; the difference is the grammar's.
+Prompts are evaluated before the clock starts (a warm-up step).  It prints per round the
+completion tok/s of each side, then the medians and their ratio (constrained / free), and
+the masks' cost: the worker's fill time per step and per mask, the part of it the
+engine thread still waited for after the decode (the cost on the critical path), and
+``apply_mask`` per token (the -inf pass over the logits row, on the engine thread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from aotx.device.models import default_model_path
+from aotx.device.template import ChatTemplate
+from aotx.engine.grammar import GrammarCompiler, GrammarSpec, apply_mask, mask_words
+from aotx.engine.llama import EngineConfig, LlamaEngine
+from aotx.engine.sampling import Sampler
+from aotx.engine.scheduler import Request, Scheduler
+
+_PERSON = {"type": "object",
+           "properties": {"name": {"type": "string", "maxLength": 12},
+                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                          "role": {"enum": ["admin", "user", "guest"]}},
+           "required": ["name", "age", "role"], "additionalProperties": False}
+_ITEMS: list[dict[str, Any]] = [
+    _PERSON,
+    {"type": "string", "maxLength": 16},
+    {"type": "integer", "minimum": -1000, "maximum": 1000},
+    {"$ref": "#/$defs/point"},
+    {"anyOf": [{"type": "boolean"}, {"type": "string", "pattern": "^[a-z]{2,6}$"}]},
+    {"type": "array", "items": {"type": "number", "minimum": 0, "maximum": 10},
+     "minItems": 1, "maxItems": 3},
+    {"enum": ["red", "green", "blue", "yellow"]},
+    {"type": "string", "format": "date"},
+]
+_DEFS = {"point": {"type": "object", "properties": {"x": {"type": "integer"},
+                                                     "y": {"type": "integer"}},
+                   "required": ["x", "y"], "additionalProperties": False}}
+
+
+def schema(i: int) -> dict[str, Any]:
+    """A different schema per sequence, each longer than any run (500 items)."""
+    return {"type": "object", "$defs": _DEFS, "required": ["items"],
+            "additionalProperties": False,
+            "properties": {"items": {"type": "array", "items": _ITEMS[i % len(_ITEMS)],
+                                     "minItems": 500}}}
+
+
+def run(sched: Scheduler, reqs: list[Request]) -> tuple[float, int]:
+    """(seconds from the first decode step after the prompts, tokens sampled in them)."""
+    with sched.lock:
+        for r in reqs:
+            sched.submit(r)
+    while any(r.sampled == 0 for r in reqs):  # prompts, and the first token
+        sched.step()
+    done = sum(r.sampled for r in reqs)
+    t0 = time.perf_counter()
+    while sched.step():
+        pass
+    return time.perf_counter() - t0, sum(r.sampled for r in reqs) - done
+
+
+def apply_cost(n_vocab: int) -> float:
+    """Seconds per apply_mask over an n_vocab logits row (half the tokens allowed)."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal(n_vocab).astype(np.float32)
+    bits = rng.integers(-2**31, 2**31 - 1, mask_words(n_vocab), dtype=np.int64).astype(np.int32)
+    reps = 2000
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        apply_mask(logits, bits)
+    return (time.perf_counter() - t0) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sequences", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args()
+    n = args.sequences
+    engine = LlamaEngine(EngineConfig(path=default_model_path(), slots=n, slot_context=1024,
+                                      batch=512, threads=args.threads))
+    t0 = time.perf_counter()
+    compiler = GrammarCompiler.for_engine(engine)
+    print(f"tokenizer for llguidance: {time.perf_counter() - t0:.2f} s (once per model)")
+    specs = [GrammarSpec.json_schema(schema(i)) for i in range(n)]
+    t0 = time.perf_counter()
+    for s in specs:
+        compiler.compile(s)
+    print(f"compile: {(time.perf_counter() - t0) / n * 1e3:.2f} ms a schema; cached: ", end="")
+    t0 = time.perf_counter()
+    for s in specs:
+        compiler.compile(s).matcher()
+    print(f"{(time.perf_counter() - t0) / n * 1e6:.0f} us a schema (lookup and matcher copy)")
+    tmpl = ChatTemplate(engine.metadata("tokenizer.chat_template"))
+    sched = Scheduler(engine, n, 512, threading.Lock(),
+                      make_sampler=lambda r: Sampler(r.temperature, r.top_p, r.seed),
+                      free_sampler=lambda s: s.free())  # type: ignore[attr-defined]
+    prompts = [engine.tokenize(tmpl.render([{"role": "user", "content":
+               f"List many items as JSON (list {i})."}]), False) for i in range(n)]
+
+    def batch(constrained: bool, k: int) -> list[Request]:
+        return [Request(identity=bytes([k, i]) * 8, principal=1, revision=1, role=1,
+                        prompt=prompts[i], max_tokens=args.tokens,
+                        matcher=compiler.matcher(specs[i]) if constrained else None)
+                for i in range(n)]
+
+    a_rates, b_rates = [], []
+    masks = sched.masks
+    for k in range(args.rounds):
+        fill0, wait0, steps0, masks0 = masks.fill_ns, masks.wait_ns, masks.steps, masks.masks
+        secs, toks = run(sched, batch(True, 2 * k))
+        a_rates.append(toks / secs)
+        steps, nmask = masks.steps - steps0, max(1, masks.masks - masks0)
+        fill, wait = (masks.fill_ns - fill0) / 1e6, (masks.wait_ns - wait0) / 1e6
+        secs_b, toks_b = run(sched, batch(False, 2 * k + 1))
+        b_rates.append(toks_b / secs_b)
+        print(f"round {k + 1}: constrained {a_rates[-1]:.1f} tok/s, free {b_rates[-1]:.1f} "
+              f"tok/s; masks: fill {fill / steps:.3f} ms/step ({fill / nmask * 1e3:.0f} us/mask), "
+              f"waited {wait / steps:.3f} ms/step after decode, "
+              f"step {secs / max(1, toks // n) * 1e3:.1f} ms")
+    a, b = statistics.median(a_rates), statistics.median(b_rates)
+    print(f"median: constrained {a:.1f} tok/s, free {b:.1f} tok/s, ratio {a / b:.3f} "
+          f"({n} sequences, {args.tokens} tokens each)")
+    print(f"apply_mask: {apply_cost(engine.n_vocab) * 1e6:.1f} us per token "
+          f"({engine.n_vocab} logits); worst step fill {masks.worst_fill_ns / 1e6:.2f} ms")
+    masks.close()
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
