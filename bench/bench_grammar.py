@@ -4,11 +4,14 @@
     .venv/bin/python bench/bench_grammar.py [--sequences 8] [--tokens 96] [--rounds 4]
 
 Each round runs A (every sequence constrained) then B (none), so drift of this VM's
-speed hits both alike (A B A B).  Every sequence samples exactly ``--tokens`` tokens in
-both: the schemas ask for long arrays (``minItems`` past what fits), so neither side
-stops early and the two do the same decode work; the difference is the grammar's.
-Prompts are evaluated before the clock starts (a warm-up step).  It prints per round the
-completion tok/s of each side, then the medians and their ratio (constrained / free), and
+speed hits both alike (A B A B).  The schemas ask for long arrays (``minItems`` past
+what fits), so constrained sequences sample exactly ``--tokens`` tokens; a free one may
+end at EOS, so tok/s counts only the steps in which all sequences sampled (the same
+batch size on both sides: the difference is the grammar's).  Prompts are evaluated
+before the clock starts.  It prints per round the tok/s of each side, then the medians
+and the ratio constrained / free as the median of the rounds' own ratios (this VM's
+speed drifts by several times within a minute when its neighbours are busy: only
+figures measured seconds apart compare), and
 the masks' cost: the worker's fill time per step and per mask, the part of it the
 engine thread still waited for after the decode (the cost on the critical path), and
 ``apply_mask`` per token (the -inf pass over the logits row, on the engine thread).
@@ -61,17 +64,24 @@ def schema(i: int) -> dict[str, Any]:
 
 
 def run(sched: Scheduler, reqs: list[Request]) -> tuple[float, int]:
-    """(seconds from the first decode step after the prompts, tokens sampled in them)."""
+    """(seconds, tokens) of the decode steps in which every sequence sampled: a free
+    sequence may end early at EOS, and a smaller batch is slower per token, so only
+    full steps compare like with like."""
     with sched.lock:
         for r in reqs:
             sched.submit(r)
     while any(r.sampled == 0 for r in reqs):  # prompts, and the first token
         sched.step()
-    done = sum(r.sampled for r in reqs)
-    t0 = time.perf_counter()
-    while sched.step():
-        pass
-    return time.perf_counter() - t0, sum(r.sampled for r in reqs) - done
+    busy, tokens = 0.0, 0
+    while True:
+        t0 = time.perf_counter()
+        out = sched.step()
+        took = time.perf_counter() - t0
+        if not out:
+            return busy, tokens
+        if out.sampled == len(reqs):
+            busy += took
+            tokens += out.sampled
 
 
 def apply_cost(n_vocab: int) -> float:
@@ -89,8 +99,8 @@ def apply_cost(n_vocab: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sequences", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
     n = args.sequences
@@ -127,17 +137,23 @@ def main() -> None:
         fill0, wait0, steps0, masks0 = masks.fill_ns, masks.wait_ns, masks.steps, masks.masks
         secs, toks = run(sched, batch(True, 2 * k))
         a_rates.append(toks / secs)
-        steps, nmask = masks.steps - steps0, max(1, masks.masks - masks0)
+        steps, nmask = max(1, masks.steps - steps0), max(1, masks.masks - masks0)
         fill, wait = (masks.fill_ns - fill0) / 1e6, (masks.wait_ns - wait0) / 1e6
-        secs_b, toks_b = run(sched, batch(False, 2 * k + 1))
+        free = batch(False, 2 * k + 1)
+        secs_b, toks_b = run(sched, free)
         b_rates.append(toks_b / secs_b)
+        if any(r.sampled < args.tokens for r in free):
+            print(f"  (free sequences ended at EOS: {[r.sampled for r in free]} tokens; "
+                  f"only steps with all {n} count)")
         print(f"round {k + 1}: constrained {a_rates[-1]:.1f} tok/s, free {b_rates[-1]:.1f} "
               f"tok/s; masks: fill {fill / steps:.3f} ms/step ({fill / nmask * 1e3:.0f} us/mask), "
               f"waited {wait / steps:.3f} ms/step after decode, "
               f"step {secs / max(1, toks // n) * 1e3:.1f} ms")
     a, b = statistics.median(a_rates), statistics.median(b_rates)
-    print(f"median: constrained {a:.1f} tok/s, free {b:.1f} tok/s, ratio {a / b:.3f} "
-          f"({n} sequences, {args.tokens} tokens each)")
+    ratios = [x / y for x, y in zip(a_rates, b_rates, strict=True)]
+    print(f"median: constrained {a:.1f} tok/s, free {b:.1f} tok/s; ratio constrained/free "
+          f"{statistics.median(ratios):.3f} (the median of the rounds' "
+          f"[{', '.join(f'{r:.2f}' for r in ratios)}]; {n} sequences, {args.tokens} tokens)")
     print(f"apply_mask: {apply_cost(engine.n_vocab) * 1e6:.1f} us per token "
           f"({engine.n_vocab} logits); worst step fill {masks.worst_fill_ns / 1e6:.2f} ms")
     masks.close()
