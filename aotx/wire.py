@@ -189,9 +189,11 @@ class Reason(enum.IntEnum):
     STALE_REVISION = 51  #: the control revision is stale; the 160-byte status says the current one
     NO_DECISION = 52  #: no such pending memory decision
     MEMORY_OP = 53  #: unknown memory sub-operation
+    GRAMMAR = 54  #: the constraint cannot be compiled or enforced; payload: UTF-8 JSON, why
     KV_FULL = 60  #: the engine ran out of KV cache (503)
     DECODE = 61  #: llama_decode failed (500)
     MEDIA_ENCODE = 62  #: encoding a media part failed (500)
+    GRAMMAR_FAILED = 63  #: the constraint's matcher failed while generating (500)
 
 
 class WireError(Exception):
@@ -481,10 +483,24 @@ _BIAS = struct.Struct("<If")
 MAX_BIAS = 1024
 
 
+class GrammarKind(enum.IntEnum):
+    """What a submission's constraint is (the section after the logit-bias pairs)."""
+
+    JSON_SCHEMA = 1  #: UTF-8 JSON: a JSON schema the output must validate against
+    LARK = 2  #: an llguidance Lark grammar
+    REGEX = 3  #: a regular expression the whole output must match
+
+
+class Constraint(NamedTuple):
+    kind: GrammarKind
+    text: str
+
+
 class Submission(NamedTuple):
     messages: tuple[Message, ...]
     stop: tuple[str, ...] = ()
     sampling: Sampling = Sampling()
+    constraint: Constraint | None = None
 
 
 def _part(kind: int, data: bytes) -> Part:
@@ -506,7 +522,7 @@ def encode_submission(sub: Submission) -> bytes:
         for part in msg.parts:
             _part(int(part.kind), part.data)
             out += _U32x2.pack(int(part.kind), len(part.data)) + part.data
-    extended = sub.sampling != Sampling()
+    extended = sub.sampling != Sampling() or sub.constraint is not None
     if sub.stop or extended:  # the seed's layout exactly when there are none
         out += _U32.pack(len(sub.stop))
         for s in sub.stop:
@@ -520,6 +536,9 @@ def encode_submission(sub: Submission) -> bytes:
             out += b"".join(_BIAS.pack(t, b) for t, b in sub.sampling.bias)
         except struct.error as exc:
             raise WireError(f"sampling field out of range: {exc}") from None
+    if sub.constraint is not None:
+        text = sub.constraint.text.encode("utf-8")
+        out += _U32x2.pack(int(sub.constraint.kind), len(text)) + text
     if len(out) > MAX_PAYLOAD:
         raise WireError(f"submission of {len(out)} bytes exceeds one packet", 413,
                         Reason.TOO_LARGE)
@@ -574,9 +593,17 @@ def decode_submission(data: bytes | memoryview) -> Submission:
             except UnicodeDecodeError:
                 raise WireError("stop string is not valid UTF-8") from None
     sampling = _sampling(r) if r.pos < len(r.data) else Sampling()
+    constraint = None
+    if r.pos < len(r.data):  # the constraint: its kind, then its UTF-8 text
+        kind = r.u32()
+        _check_enum(GrammarKind, kind, "grammar kind")
+        try:
+            constraint = Constraint(GrammarKind(kind), r.take(r.u32()).decode("utf-8"))
+        except UnicodeDecodeError:
+            raise WireError("constraint text is not valid UTF-8") from None
     if r.pos != len(r.data):
         raise WireError(f"{len(r.data) - r.pos} trailing bytes after the payload")
-    return Submission(tuple(messages), tuple(stops), sampling)
+    return Submission(tuple(messages), tuple(stops), sampling, constraint)
 
 
 def _sampling(r: _Reader) -> Sampling:

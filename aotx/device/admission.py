@@ -25,9 +25,11 @@ import time
 from dataclasses import dataclass
 
 from .. import wire
+from ..engine.grammar import Matcher
 from ..engine.multimodal import MediaInputError, MediaProblem, MediaSegment, release_all
 from ..engine.scheduler import Request
 from ..wire import Header, PartKind, Reason
+from .constraints import constraint_matcher
 from .errors import DeviceError
 from .loading import LoadedModel
 from .media import Source
@@ -69,7 +71,8 @@ class Prepared:
 
 @dataclass
 class MediaJob:
-    """A media submission waiting for the media worker (its mailbox is busy)."""
+    """A submission waiting for the media worker (its mailbox is busy): its media are
+    decoded, or its constraint compiled, off the lock, which a step needs."""
 
     mailbox: int
     prepared: Prepared
@@ -80,13 +83,14 @@ class Admission:
         self.state = state
 
     def submit(self, h: Header, payload: bytes, mailbox: int) -> Reply | MediaJob:
-        """Admit a text request now, or lease its media and hand back the media job."""
+        """Admit a text request now, or hand back the job of one whose media or constraint
+        take the media worker (leasing its media meanwhile)."""
         p = self._prepare(h, payload)
         model = p.model
-        if not p.leased:
+        if not p.leased and p.submission.constraint is None:
             prompt = text_tokens(model.engine, p.prompt, add_special=model.engine.add_bos)
             return self._admit(p, prompt, [])
-        if model.encoder is None:
+        if p.leased and model.encoder is None:
             raise DeviceError(400, Reason.NO_PROJECTOR)
         for src in p.leased:
             self.state.media.lease(src)
@@ -163,15 +167,19 @@ class Admission:
         p = job.prepared
         lock: contextlib.AbstractContextManager[object] = (
             contextlib.nullcontext() if held else self.state.lock)
-        assert p.model.encoder is not None
         segments: list[MediaSegment] = []
         admitted = False
         try:
+            matcher = constraint_matcher(p.model, p.submission.constraint)
             try:
-                prompt, segments = media_tokens(
-                    p.model.engine, p.model.encoder, p.prompt,
-                    [(wire.PART_MODALITY[s.kind], s.data) for s in p.leased],
-                    add_special=p.model.engine.add_bos)
+                if p.model.encoder is None or not p.leased:
+                    prompt = text_tokens(p.model.engine, p.prompt,
+                                         add_special=p.model.engine.add_bos)
+                else:
+                    prompt, segments = media_tokens(
+                        p.model.engine, p.model.encoder, p.prompt,
+                        [(wire.PART_MODALITY[s.kind], s.data) for s in p.leased],
+                        add_special=p.model.engine.add_bos)
             except MediaInputError as exc:
                 log.debug("event=request.media_refused part=%d error=%s", exc.part, exc)
                 status, reason = MEDIA_PROBLEMS[exc.problem]
@@ -188,7 +196,7 @@ class Admission:
                 # The grant may have been replaced or revoked meanwhile: admit under the
                 # one installed now.
                 p.grant = self.state.submit_grant(p.header)
-                reply = self._admit(p, prompt, segments)
+                reply = self._admit(p, prompt, segments, matcher)
                 admitted = True
                 return reply
         finally:
@@ -198,7 +206,8 @@ class Admission:
                     for src in p.leased:
                         self.state.media.unlease(src.id)
 
-    def _admit(self, p: Prepared, prompt: list[int], segments: list[MediaSegment]) -> Reply:
+    def _admit(self, p: Prepared, prompt: list[int], segments: list[MediaSegment],
+               matcher: Matcher | None = None) -> Reply:
         """Check the limits and queue the request (lock held)."""
         st, h, grant, model = self.state, p.header, p.grant, p.model
         max_tokens = self._output_limit(p, len(prompt))
@@ -210,7 +219,7 @@ class Admission:
                       temperature=max(0.0, h.temperature),
                       top_p=h.top_p if 0.0 < h.top_p <= 1.0 else 1.0, seed=seed,
                       stops=tuple(s.encode() for s in p.submission.stop),
-                      sampling=p.submission.sampling,
+                      sampling=p.submission.sampling, matcher=matcher,
                       memory_off=bool(h.submit_flags & wire.SUBMIT_FLAG_MEMORY_OFF),
                       segments=segments)
         if p.memory_on and st.policy.enabled:

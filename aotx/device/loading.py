@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from .. import wire
 from ..engine.fair import common_prefix
+from ..engine.grammar import GrammarCompiler
 from ..engine.llama import EngineConfig, LlamaEngine
 from ..engine.multimodal import MARKER, MediaEncoder, MediaInputError
 from ..engine.sampling import Sampler
@@ -43,6 +44,7 @@ class LoadedModel:
     media_marker: str = MARKER  # where a media part sits in the rendered prompt
     encoder: MediaEncoder | None = None  # the projector, for image/audio input
     automatic_memory: bool = False  # model, template, projector and source profile qualified
+    grammars: GrammarCompiler | None = None  # built on the first constrained request
 
 
 def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,

@@ -280,7 +280,7 @@ class Device:
             m.thread = threading.Thread(target=m.scheduler.run, name=f"engine-{m.spec.alias}",
                                         daemon=True)
             m.thread.start()
-        if any(m.encoder is not None for m in self.state.models.values()):
+        if self.state.models:  # media, and constraints to compile, for every model
             self._media_jobs = queue.Queue()
             self._media_thread = threading.Thread(target=self._media_worker, name="media",
                                                   daemon=True)

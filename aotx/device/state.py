@@ -65,7 +65,7 @@ FAILURES: dict[Failure, tuple[int, Reason]] = {
     # A grammar's matcher ran past llguidance's per-step limits mid-generation (the
     # request's compile checks passed).  Until the wire has a reason of its own for it,
     # it answers as the device's internal failure.
-    Failure.GRAMMAR: (500, Reason.INTERNAL),
+    Failure.GRAMMAR: (500, Reason.GRAMMAR_FAILED),
 }
 
 

@@ -76,7 +76,7 @@ def submission(body: ChatRequest, m: wire.ModelInfo, principal: Principal, allow
         messages.append(wire.Message(_ROLES[msg.role], tuple(parts)))
     try:
         payload = wire.encode_submission(wire.Submission(tuple(messages), tuple(body.stops),
-                                                         body.sampling))
+                                                         body.sampling, body.constraint))
     except wire.WireError as exc:
         # The codec's message is for a log; the client gets the table's wording of the
         # reason, as when the device refuses a packet.

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
+import orjson
+
 from .. import wire
 from ..wire import Reason
 
@@ -149,6 +151,10 @@ REASONS: dict[Reason, Wording] = {
     Reason.MEDIA_LAST: Wording("a prompt must end with text after its last media part",
                                param="messages"),
     Reason.MEDIA_PREPARE: Wording("the media could not be prepared", param="messages"),
+    Reason.GRAMMAR: Wording("the response_format schema cannot be enforced: {grammar}",
+                            "invalid_schema", "response_format"),
+    Reason.GRAMMAR_FAILED: Wording("the output could not be kept to the response_format "
+                                   "schema (the matcher failed while generating)"),
     Reason.LOGIT_BIAS: Wording("logit_bias names token {detail}, which is not in the "
                                "model's vocabulary", param="logit_bias"),
     Reason.SPECIAL_TEXT: Wording("message {detail} holds special-token text (or a media "
@@ -192,9 +198,10 @@ class Call:
 NO_CALL = Call()
 
 
-def _fields(h: wire.Header, call: Call) -> dict[str, object]:
+def _fields(h: wire.Header, call: Call, body: bytes = b"") -> dict[str, object]:
     d = h.detail
     return {
+        "grammar": _grammar_why(body) if h.reason == wire.Reason.GRAMMAR else "",
         "detail": d, "cursor": h.cursor, "total": h.total, "prompt_tokens": h.prompt_tokens,
         "model": call.model, "max_tokens": call.max_tokens, "input_bytes": call.input_bytes,
         "kind": wire.PART_MODALITY.get(d, str(d)),  # type: ignore[call-overload]
@@ -205,18 +212,28 @@ def _fields(h: wire.Header, call: Call) -> dict[str, object]:
     }
 
 
-def wording(h: wire.Header, call: Call = NO_CALL) -> tuple[str, str | None, str | None]:
-    """(message, code, param) for the reason in ``h``."""
+def _grammar_why(body: bytes) -> str:
+    """A GRAMMAR refusal's payload (UTF-8 JSON from device/constraints.py) in words."""
+    try:
+        why = orjson.loads(body)
+        return str(why["detail"]) + (f" (at {why['where']})" if why.get("where") else "")
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+        return "it uses a feature that cannot be enforced"
+
+
+def wording(h: wire.Header, call: Call = NO_CALL, body: bytes = b""
+            ) -> tuple[str, str | None, str | None]:
+    """(message, code, param) for the reason in ``h`` (``body``: the reply's payload)."""
     w = REASONS.get(wire.Reason(h.reason)) if h.reason in wire.Reason._value2member_map_ \
         else None
     if w is None:
         return f"device status {h.status}", None, None
-    return w.message.format_map(_fields(h, call)), w.code, w.param
+    return w.message.format_map(_fields(h, call, body)), w.code, w.param
 
 
-def refusal(h: wire.Header, call: Call = NO_CALL) -> ApiError:
+def refusal(h: wire.Header, call: Call = NO_CALL, body: bytes = b"") -> ApiError:
     """The ApiError for a reply that refused (status >= 400)."""
-    message, code, param = wording(h, call)
+    message, code, param = wording(h, call, body)
     status = h.status if 400 <= h.status < 600 else 500
     headers = {"Retry-After": str(max(1, h.retry_after))} if status == 429 else None
     return ApiError(status, message, param=param, code=code, headers=headers)

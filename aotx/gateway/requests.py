@@ -3,8 +3,8 @@
 The standard message envelope is shared by ``POST /v1/chat/completions`` and
 ``POST /aotx/v1/requests``.  Unknown fields are ignored (OpenAI clients send
 many optional ones); fields that would change the meaning of the request and
-that aotx does not implement (tools, n > 1, logprobs, non-text response
-formats) are refused with 400 instead of being silently dropped.  The sampler's
+that aotx does not implement (tools, n > 1, logprobs) are refused with 400 instead
+of being silently dropped.  ``response_format`` becomes the submission's constraint.  The sampler's
 fields (penalties, logit bias, top-k, min-p) are applied on the device.
 """
 
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -24,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from ..wire import MAX_BIAS, MAX_STOP_BYTES, Sampling
+from ..wire import MAX_BIAS, MAX_STOP_BYTES, Constraint, GrammarKind, Sampling
 
 MAX_STOP = 16
 MAX_INLINE_CHARS = 1 << 21  # longer than any body the gateway accepts (1 MiB)
@@ -194,12 +196,16 @@ class ChatRequest(BaseModel):
             raise ValueError("tools and function calling are not supported")
         if self.logprobs:
             raise ValueError("logprobs are not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("only the text response format is supported")
+        _response_format(self.response_format)
         if (self.max_tokens is not None and self.max_completion_tokens is not None
                 and self.max_tokens != self.max_completion_tokens):
             raise ValueError("max_tokens and max_completion_tokens disagree")
         return self
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """The grammar the output must follow (``response_format``), for the device."""
+        return _response_format(self.response_format)
 
     @property
     def token_limit(self) -> int | None:
@@ -208,6 +214,34 @@ class ChatRequest(BaseModel):
     @property
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _response_format(rf: dict[str, Any] | None) -> Constraint | None:
+    """OpenAI's ``response_format``: ``text``, ``json_object`` (any JSON object) or
+    ``json_schema`` (``{"name", "schema", "strict", "description"}``; the output always
+    follows the schema: ``strict`` false is not a looser mode here).  What the schema
+    may use is the device's to say (400 naming the keyword)."""
+    kind = (rf or {}).get("type", "text")
+    if rf is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint(GrammarKind.JSON_SCHEMA, '{"type":"object"}')
+    if kind != "json_schema":
+        raise ValueError("response_format.type must be text, json_object or json_schema")
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise ValueError("response_format.json_schema needs a name and a schema")
+    if not _SCHEMA_NAME.fullmatch(spec["name"]):
+        raise ValueError("response_format.json_schema.name is 1-64 of a-z, A-Z, 0-9, _ and -")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise ValueError("response_format.json_schema.schema must be a JSON object")
+    # Key order is kept: the output lists properties in the schema's order.
+    return Constraint(GrammarKind.JSON_SCHEMA,
+                      json.dumps(schema, ensure_ascii=False, separators=(",", ":")))
 
 
 class PolicyControlBody(BaseModel):

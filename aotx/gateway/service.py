@@ -247,7 +247,7 @@ class Gateway:
         """One operation; a refusal becomes the ApiError the errors table words."""
         rh, body = await self.call(h, payload, timeout)
         if rh.status not in ok:
-            raise refusal(rh, context)
+            raise refusal(rh, context, body)
         return rh, body
 
     async def poll_loop(self) -> None:

@@ -119,9 +119,10 @@ samplings = st.builds(
     bias_count=st.just(0), reserved=st.just(0),
     bias=st.lists(st.tuples(st.integers(0, 2**31), st.floats(-100, 100, **f32)),
                   max_size=4).map(tuple))
+constraints = st.builds(wire.Constraint, st.sampled_from(wire.GrammarKind), st.text(max_size=20))
 submissions = st.builds(wire.Submission, st.lists(messages, min_size=1, max_size=5).map(tuple),
                         st.lists(st.text(min_size=1, max_size=8), max_size=3).map(tuple),
-                        st.just(wire.Sampling()) | samplings)
+                        st.just(wire.Sampling()) | samplings, st.none() | constraints)
 
 
 @given(submissions)
@@ -147,8 +148,10 @@ P = struct.Struct("<I").pack
     (P(1) + P(1) + P(1) + P(0) + P(2) + b"\xc3\x28" + P(0), "UTF-8"),
     (P(1) + P(1) + P(1) + P(1) + P(31) + bytes(31) + P(0), "exactly 32"),
     (P(1) + P(1) + P(1) + P(2) + P(33) + bytes(33) + P(0), "exactly 32"),
-    (P(1) + P(1) + P(0) + P(0) + wire.SAMPLING.pack(*wire.Sampling()[:-1]) + b"junk",
-     "trailing"),
+    (P(1) + P(1) + P(0) + P(0) + wire.SAMPLING.pack(*wire.Sampling()[:-1]) + P(1) + P(2)
+     + b"{}" + b"junk", "trailing"),
+    (P(1) + P(1) + P(0) + P(0) + wire.SAMPLING.pack(*wire.Sampling()[:-1]) + P(9) + P(0),
+     "grammar kind"),
     (P(1) + P(1) + P(0) + P(0) + b"junk", "overruns"),  # a sampling record is 32 bytes
     (P(1) + P(1) + P(0) + P(0) + wire.SAMPLING.pack(*wire.Sampling(repetition=0)[:-1]),
      "sampling"),
@@ -183,12 +186,15 @@ def test_decoders_never_raise_anything_but_wire_error(data: bytes) -> None:
 def test_truncated_or_flipped_submissions_are_rejected_cleanly(sub: wire.Submission, data) -> None:
     raw = bytearray(wire.encode_submission(sub))
     cut = data.draw(st.integers(0, len(raw) - 1))
-    plain = sub._replace(sampling=wire.Sampling())
+    plain = sub._replace(sampling=wire.Sampling(), constraint=None)
     # Cuts that leave a whole payload: just after the messages (the seed's own layout,
-    # without the extensions), or just after the stop strings (without the sampling).
+    # without the extensions), just after the stop strings (without the sampling), or
+    # just before the constraint.
     whole = {len(wire.encode_submission(plain._replace(stop=()))): plain._replace(stop=()),
              len(wire.encode_submission(plain)) + 4 * (not sub.stop): plain}
-    if cut in whole and (sub.stop or sub.sampling != wire.Sampling()):
+    if sub.constraint is not None:
+        whole[len(raw) - 8 - len(sub.constraint.text.encode())] = sub._replace(constraint=None)
+    if cut in whole:
         assert wire.decode_submission(bytes(raw[:cut])) == whole[cut]
     else:
         with pytest.raises(WireError):
