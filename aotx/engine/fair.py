@@ -52,6 +52,11 @@ class FairQueue(Generic[R]):
         self._fifos.setdefault(owner_of(req), collections.deque()).append(req)
         self._count += 1
 
+    def push_front(self, req: R) -> None:
+        """Put back a request just popped (it waits one more step), ahead of its FIFO."""
+        self._fifos.setdefault(owner_of(req), collections.deque()).appendleft(req)
+        self._count += 1
+
     def remove(self, req: R) -> None:
         key = owner_of(req)
         fifo = self._fifos[key]

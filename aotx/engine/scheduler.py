@@ -302,11 +302,30 @@ class Scheduler:
         self._drop_cancelled()
         if self.queue and self.free_seqs:
             running = collections.Counter(owner_of(r) for r in self.active)
+            later: list[Request] = []
             while self.queue and self.free_seqs:
                 req = self.queue.pop_next(running)
+                if self._twin_preparing(req):
+                    later.append(req)
+                    continue
                 running[owner_of(req)] += 1
                 self._start(req)
+            for req in reversed(later):
+                self.queue.push_front(req)
         return self._choose()
+
+    def _twin_preparing(self, req: Request) -> bool:
+        """Is a request of the same principal with the same prompt still evaluating it?
+        Then ``req`` waits for it and copies its cells (``n`` choices, or a client that
+        sends one prompt several times at once evaluate the prompt once, not n times).
+        Not for media prompts: their placeholder tokens are the same for other images."""
+        if req.segments or len(req.prompt) <= COPY_MIN_TOKENS:  # not worth a copy
+            return False
+        who = owner_of(req)
+        return any(o.phase is Phase.PREPARING and o.n_past < len(o.prompt) - 1
+                   and owner_of(o) == who and not o.segments
+                   and len(o.prompt) == len(req.prompt) and o.prompt == req.prompt
+                   for o in self.active)
 
     def _drop_cancelled(self) -> None:
         """End cancelled requests; background work yields when foreground work waits."""

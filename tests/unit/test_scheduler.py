@@ -539,3 +539,25 @@ def test_a_running_sequence_is_copied_only_within_a_principal() -> None:
     assert other.reused_tokens == 0 and same.reused_tokens == 40
     assert len(engine.copies) == 1
     run_until_idle(sched)
+
+
+def test_the_same_prompt_sent_together_is_evaluated_once() -> None:
+    """n choices (or one prompt sent several times at once) by one principal: the first
+    evaluates the prompt, the others wait for it and copy its cells, then evaluate only
+    the last prompt token each.  Another principal's same prompt is evaluated anew."""
+    sched, engine = make(slots=4, batch=128)
+    prompt = list(range(500, 540))
+    twins = [of(1, req(i, [1, 1])) for i in range(1, 4)]
+    stranger = of(2, req(9, [1, 1]))
+    for r in [*twins, stranger]:
+        r.prompt = list(prompt)
+        submit(sched, r)
+    sched.step()  # the first twin and the stranger evaluate 40 tokens each
+    assert [sum(1 for e in engine.steps[0] if e.seq == r.seq) for r in (twins[0], stranger)] \
+        == [40, 40]
+    assert twins[1].phase is Phase.QUEUED and twins[2].phase is Phase.QUEUED
+    sched.step()  # the twins copy the first one's sequence: one token each
+    assert len(engine.copies) == 2 and all(t.reused_tokens == 39 for t in twins[1:])
+    run_until_idle(sched)
+    assert all(r.phase is Phase.COMPLETED for r in [*twins, stranger])
+    assert sched.prompt_tokens_in == 40 + 40 + 1 + 1
