@@ -27,6 +27,7 @@ from .fair import NOBODY, FairQueue, owner_of, usable_prefix
 from .grammar import MaskFiller, Matcher
 from .llama import BatchEntry
 from .multimodal import MediaInputError, MediaSegment, release_all
+from .output import OutputBuffer
 
 
 class Failure(enum.Enum):
@@ -77,69 +78,6 @@ COPY_MIN_TOKENS = 16
 #: Choosing a sequence, each cached token it would discard counts this much less than a
 #: token it lets the request reuse.
 DISCARD_WEIGHT = 4
-
-
-def utf8_complete_length(data: bytes | bytearray) -> int:
-    """Length of the longest prefix of ``data`` that does not end inside a UTF-8 sequence."""
-    n = len(data)
-    for back in range(1, min(4, n) + 1):
-        b = data[n - back]
-        if b < 0x80:
-            return n  # ASCII: complete
-        if b >= 0xC0:  # lead byte
-            need = 2 if b < 0xE0 else 3 if b < 0xF0 else 4
-            return n if back >= need else n - back
-    return n
-
-
-class OutputBuffer:
-    """Turns token pieces into published bytes, honouring stop strings.
-
-    Bytes are held back while they could be the start of a stop string or sit
-    inside an incomplete UTF-8 sequence; everything before is published.  When
-    a stop string appears, the output ends just before it (the stop string is
-    not part of the result, as in the OpenAI API).
-    """
-
-    def __init__(self, stops: tuple[bytes, ...] = ()) -> None:
-        self.stops = stops
-        self.held = bytearray()
-
-    def push(self, piece: bytes) -> tuple[bytes, bool]:
-        """Add a piece; return (bytes to publish now, stop string seen)."""
-        self.held += piece
-        if self.stops:
-            first = -1
-            for s in self.stops:
-                k = self.held.find(s)
-                if k >= 0 and (first < 0 or k < first):
-                    first = k
-            if first >= 0:
-                out = bytes(self.held[:first])
-                self.held.clear()
-                return out, True
-        keep = 0
-        for s in self.stops:
-            # The longest tail of ``held`` that starts ``s``: tails begin only where
-            # ``s``'s first byte occurs, so jump between those (find) and compare each.
-            m = min(len(s) - 1, len(self.held))
-            i = len(self.held) - m
-            while (i := self.held.find(s[0], i)) >= 0:
-                if s.startswith(self.held[i:]):
-                    keep = max(keep, len(self.held) - i)
-                    break
-                i += 1
-        cut = len(self.held) - keep
-        cut = utf8_complete_length(self.held[:cut])
-        out = bytes(self.held[:cut])
-        del self.held[:cut]
-        return out, False
-
-    def flush(self) -> bytes:
-        """At the end: publish what is held, less an incomplete UTF-8 tail."""
-        out = bytes(self.held[:utf8_complete_length(self.held)])
-        self.held.clear()
-        return out
 
 
 class Histogram:

@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aotx.engine.llama import BatchEntry
-from aotx.engine.scheduler import Failure, OutputBuffer, Request, Scheduler, utf8_complete_length
+from aotx.engine.output import OutputBuffer, utf8_complete_length
+from aotx.engine.scheduler import Failure, Request, Scheduler
 from aotx.wire import Finish, Phase
 
 EOG = 0
