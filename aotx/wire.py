@@ -491,6 +491,10 @@ class GrammarKind(enum.IntEnum):
     REGEX = 3  #: a regular expression the whole output must match
 
 
+MAX_CONSTRAINT_BYTES = 64 * 1024  # a constraint's canonical text (the engine's limit)
+MAX_SCHEMA_DEPTH = 32  # nested schema objects
+
+
 class Constraint(NamedTuple):
     kind: GrammarKind
     text: str

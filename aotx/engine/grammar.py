@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
+from ..wire import MAX_CONSTRAINT_BYTES, MAX_SCHEMA_DEPTH
+
 if TYPE_CHECKING:
     from .llama import LlamaEngine
 
@@ -60,8 +62,8 @@ class GrammarError(ValueError):
 class GrammarLimits:
     """Bounds on what a request may ask to compile, and on each step's mask."""
 
-    max_source_bytes: int = 64 * 1024  # canonical JSON of a schema, or a grammar's text
-    max_depth: int = 32  # nested schema objects (properties in properties ...)
+    max_source_bytes: int = MAX_CONSTRAINT_BYTES  # a schema's canonical JSON, a grammar
+    max_depth: int = MAX_SCHEMA_DEPTH  # nested schema objects (properties in properties)
     cache_size: int = 64  # compiled grammars kept (LRU)
     # llguidance's own limits (LLParserLimits).  Fuel is work: ~50k units/ms while the
     # lexer is built, ~14k/ms in a mask step; a lexer state costs 1-2 kB and a cached

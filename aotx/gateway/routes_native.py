@@ -37,12 +37,15 @@ async def capabilities(principal: Principal = Caller, g: Gateway = Service) -> R
             "media_bytes": str(info.media_bytes), "body_bytes": str(g.settings.max_body),
             "retention_seconds": str(info.retention_seconds),
             "retention_requests": str(info.retention_requests),
+            "constraint_bytes": str(wire.MAX_CONSTRAINT_BYTES),
+            "constraint_depth": str(wire.MAX_SCHEMA_DEPTH),
         },
         "models": [model_entry(m) for m in g.visible_models(principal)],
         # Every native function; false exactly when no route provides it.
         "features": {"requests": True, "windows": True, "events": True, "cancel": True,
                      "media": True, "telemetry": True, "metrics": True, "policy": True,
-                     "automatic_memory": memory, "shared_operations": False},
+                     "automatic_memory": memory, "shared_operations": False,
+                     "response_format": ["text", "json_object", "json_schema"]},
         "lineage": {"kind": "automatic_memory", "path": "memory/"} if memory else None,
     })
 

@@ -186,6 +186,8 @@ class Limits(_Doc):
     body_bytes: Decimal = _DEC
     retention_seconds: Decimal = _DEC
     retention_requests: Decimal = _DEC
+    constraint_bytes: Decimal = _DEC
+    constraint_depth: Decimal = _DEC
 
 
 class ModelEntry(_Doc):
@@ -209,6 +211,7 @@ class Features(_Doc):
     policy: bool
     automatic_memory: bool
     shared_operations: bool
+    response_format: list[Literal["text", "json_object", "json_schema"]]
 
 
 class Lineage(_Doc):
