@@ -133,6 +133,7 @@ MAX_AUDIO_SECONDS = 600  # decoded as float32 at the projector's rate
 SUBMIT_FLAG_SEED = 1  # the seed field at 120 is meaningful
 SUBMIT_FLAG_MEMORY_OFF = 2  # the request opts out of automatic memory
 CANCEL_FLAG_ADMIN = 1  # cancel any principal's request (needs Action.ADMIN)
+READ_FLAG_ANNOTATIONS = 1  # READ/WAIT: the request's annotation stream, not its output
 
 
 class Reason(enum.IntEnum):
@@ -393,8 +394,9 @@ def decode_packet(data: bytes | memoryview) -> tuple[Header, bytes]:
 REQUEST_FIELDS: dict[Op, tuple[str, ...]] = {
     Op.INFO: (), Op.BROKER_STATS: (), Op.SHARED_SAVE: (), Op.SHARED_LOAD: (),
     Op.SUBMIT: ("principal", "role", "limit", "temperature", "top_p", "flags", "value"),
-    Op.READ: ("principal", "epoch", "identity", "cursor"),
-    Op.WAIT: ("principal", "epoch", "identity", "cursor", "phase", "cancel_requested", "limit"),
+    Op.READ: ("principal", "epoch", "identity", "cursor", "flags"),
+    Op.WAIT: ("principal", "epoch", "identity", "cursor", "phase", "cancel_requested", "limit",
+              "flags"),
     Op.CANCEL: ("principal", "epoch", "identity", "flags"),
     Op.UNPARK: ("principal", "epoch", "identity"),
     Op.GRANT_INSTALL: ("total",), Op.GRANT_READ: ("cursor",),
@@ -406,7 +408,8 @@ REQUEST_FIELDS: dict[Op, tuple[str, ...]] = {
 }
 #: The flag bits each operation defines; other bits are unused, so zero.
 REQUEST_FLAGS: dict[int, int] = {Op.SUBMIT: SUBMIT_FLAG_SEED | SUBMIT_FLAG_MEMORY_OFF,
-                 Op.CANCEL: CANCEL_FLAG_ADMIN,
+                 Op.CANCEL: CANCEL_FLAG_ADMIN, Op.READ: READ_FLAG_ANNOTATIONS,
+                 Op.WAIT: READ_FLAG_ANNOTATIONS,
                  Op.MEDIA_PUT: MEDIA_FLAG_FINAL | MEDIA_FLAG_ABORT | MEDIA_FLAG_EPHEMERAL}
 _ZERO = Header(magic=0, version=0)
 _UNUSED: dict[int, list[int]] = {op: [i for i, name in enumerate(Header._fields) if name not in (
@@ -474,13 +477,14 @@ class Sampling(NamedTuple):
     repetition: Annotated[float, F("f", 16, False, "repetition penalty (1: off)")] = 1.0
     last_n: Annotated[int, F("I", 20, False, "penalties count the last n tokens (0: all)")] = 0
     bias_count: Annotated[int, F("I", 24, False, "logit-bias pairs that follow")] = 0
-    reserved: Annotated[int, F("I", 28, False, "zero")] = 0
+    logprobs: Annotated[int, F("I", 28, False, "0: off; k + 1: logprobs, k <= 20 alternatives")] = 0
     bias: tuple[tuple[int, float], ...] = ()
 
 
 SAMPLING = layout(Sampling, 32)
 _BIAS = struct.Struct("<If")
 MAX_BIAS = 1024
+MAX_TOP_LOGPROBS = 20
 
 
 class GrammarKind(enum.IntEnum):
@@ -613,8 +617,8 @@ def decode_submission(data: bytes | memoryview) -> Submission:
 def _sampling(r: _Reader) -> Sampling:
     """The sampling extension (after the stops): its record, then its bias pairs."""
     head = Sampling._make((*SAMPLING.unpack(r.take(SAMPLING.size)), ()))
-    if (head.reserved or head.bias_count > MAX_BIAS or not 0.0 <= head.min_p <= 1.0
-            or not head.repetition > 0.0 or not all(abs(x) <= 1e6 for x in head[2:4])):
+    if (head.logprobs > MAX_TOP_LOGPROBS + 1 or head.bias_count > MAX_BIAS
+            or not 0.0 <= head.min_p <= 1.0 or not head.repetition > 0.0 or not all(abs(x) <= 1e6 for x in head[2:4])):
         raise WireError("bad sampling record")  # (NaN fails every comparison)
     bias = tuple(_BIAS.iter_unpack(r.take(head.bias_count * _BIAS.size)))
     if not all(abs(b) <= 1e6 for _, b in bias):

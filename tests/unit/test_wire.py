@@ -116,7 +116,7 @@ f32 = {"width": 32}
 samplings = st.builds(
     wire.Sampling, top_k=u32, min_p=st.floats(0, 1, **f32), presence=st.floats(-2, 2, **f32),
     frequency=st.floats(-2, 2, **f32), repetition=st.floats(0.5, 10, **f32), last_n=u32,
-    bias_count=st.just(0), reserved=st.just(0),
+    bias_count=st.just(0), logprobs=st.integers(0, wire.MAX_TOP_LOGPROBS + 1),
     bias=st.lists(st.tuples(st.integers(0, 2**31), st.floats(-100, 100, **f32)),
                   max_size=4).map(tuple))
 constraints = st.builds(wire.Constraint, st.sampled_from(wire.GrammarKind), st.text(max_size=20))
@@ -155,6 +155,8 @@ P = struct.Struct("<I").pack
     (P(1) + P(1) + P(0) + P(0) + b"junk", "overruns"),  # a sampling record is 32 bytes
     (P(1) + P(1) + P(0) + P(0) + wire.SAMPLING.pack(*wire.Sampling(repetition=0)[:-1]),
      "sampling"),
+    (P(1) + P(1) + P(0) + P(0) + wire.SAMPLING.pack(*wire.Sampling(logprobs=22)[:-1]),
+     "sampling"),  # logprobs: 0 off, k + 1 for k <= 20 alternatives
     (P(1) + P(1) + P(0) + P(1) + P(0), "empty stop"),
     (P(1) + P(1) + P(0) + P(17), "stop count"),
     (P(1) + P(1) + P(0) + P(1) + P(1025) + b"s" * 1025, "exceeds 1024"),
