@@ -22,7 +22,7 @@ from ..engine.scheduler import Request
 from ..wire import Action, Header, MemoryOp, Op, Reason
 from .admission import Admission, MediaJob
 from .errors import DeviceError
-from .state import DeviceState
+from .state import DeviceState, notes_of
 
 log = logging.getLogger("aotx.device")
 
@@ -89,8 +89,9 @@ class Handlers:
         return self.read_reply(req, h)
 
     def read_reply(self, req: Request, h: Header) -> Reply:
-        body = self.state.window(req, h.cursor)
-        return h.reply(200, epoch=self.state.epoch, **self.state.state_fields(req)), body
+        notes = bool(h.flags & wire.READ_FLAG_ANNOTATIONS)
+        body = self.state.window(req, h.cursor, notes)
+        return h.reply(200, epoch=self.state.epoch, **self.state.state_fields(req, notes)), body
 
     def cancel(self, h: Header) -> Reply:
         st = self.state
@@ -231,6 +232,8 @@ class Handlers:
 
 
 def wait_ready(req: Request, h: Header) -> bool:
-    """Does a WAIT that saw ``h`` have something new: bytes, a phase or a cancel flag?"""
-    return (len(req.out) != h.cursor or req.phase != h.phase
+    """Does a WAIT that saw ``h`` have something new: bytes (of its annotation stream
+    with READ_FLAG_ANNOTATIONS), a phase or a cancel flag?"""
+    total = len(notes_of(req)) if h.flags & wire.READ_FLAG_ANNOTATIONS else len(req.out)
+    return (total != h.cursor or req.phase != h.phase
             or req.cancel_requested != bool(h.cancel_requested) or req.phase.terminal)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import ids, wire
+from ..engine.logprobs import window as notes_window
 from ..engine.scheduler import Failure, Request
 from ..wire import Header, Reason
 from .errors import DeviceError
@@ -128,18 +129,29 @@ class DeviceState:
         return req
 
     # -- what replies carry -------------------------------------------------------------------
-    def state_fields(self, req: Request) -> dict[str, Any]:
+    def state_fields(self, req: Request, notes: bool = False) -> dict[str, Any]:
+        """The state a reply carries; ``total``: the annotation stream's bytes with
+        ``notes`` (a READ_FLAG_ANNOTATIONS read), else the output's."""
         failure, reason = FAILURES[req.failure]
-        return dict(phase=int(req.phase), role=req.role, total=len(req.out),
+        return dict(phase=int(req.phase), role=req.role, total=len(notes_of(req))
+                    if notes else len(req.out),
                     prompt_tokens=req.prompt_tokens, sampled_tokens=req.sampled,
                     finish=int(req.finish), failure=failure, reason=int(reason),
                     cancel_requested=int(req.cancel_requested), revision=req.revision)
 
-    def window(self, req: Request, cursor: int) -> bytes:
-        """The output window at ``cursor`` (409 past the bytes produced so far)."""
-        if cursor > len(req.out):
-            raise DeviceError(409, Reason.CURSOR, fields=self.state_fields(req))
-        return bytes(req.out[cursor:cursor + self.limits.window_bytes])
+    def window(self, req: Request, cursor: int, notes: bool = False) -> bytes:
+        """The output window at ``cursor`` (409 past the bytes produced so far); with
+        ``notes``, the annotation stream's whole lines from ``cursor`` (409 also when
+        ``cursor`` does not start a line: engine/logprobs.py)."""
+        if notes:
+            body = notes_window(notes_of(req), cursor, self.limits.window_bytes)
+        elif cursor <= len(req.out):
+            body = bytes(req.out[cursor:cursor + self.limits.window_bytes])
+        else:
+            body = None
+        if body is None:
+            raise DeviceError(409, Reason.CURSOR, fields=self.state_fields(req, notes))
+        return body
 
     def info(self, mailboxes: int) -> wire.Info:
         first = next(iter(self.models.values()))
@@ -161,7 +173,8 @@ class DeviceState:
 
     def telemetry(self) -> wire.Telemetry:
         alloc = sum(m.engine.model_bytes + m.engine.kv_bytes() for m in self.models.values())
-        alloc += sum(len(r.out) + 4 * len(r.prompt) for r in self.requests.values())
+        alloc += sum(len(r.out) + 4 * len(r.prompt) + len(notes_of(r))
+                     for r in self.requests.values())
         alloc += self.media.total_bytes
         tick = sum(m.scheduler.tick for m in self.models.values())
         return wire.Telemetry(alloc, tick, time.monotonic_ns() - self.clock0)
@@ -218,3 +231,8 @@ class DeviceState:
         for r in mine:
             self.models[r.role].scheduler.cancel(r)
         return mine
+
+
+def notes_of(req: Request) -> bytes | bytearray:
+    """The request's annotation stream (empty unless it asked logprobs)."""
+    return req.notes.data if req.notes is not None else b""

@@ -453,6 +453,18 @@ class LlamaEngine:
                 return int(llama_cpp.llama_sampler_sample(sampler.ptr, self.ctx, index))
         return int(logits.argmax())
 
+    def logits_rows(self, indices: Sequence[int]) -> np.ndarray[Any, np.dtype[np.float32]]:
+        """A copy of the logits rows of these batch entries of the last decode, as the
+        sampler left them (a grammar's mask applied: :meth:`sample`; llama.cpp's sampler
+        chain reads the row and changes only its own copy)."""
+        out = np.empty((len(indices), self.n_vocab), dtype=np.float32)
+        for i, index in enumerate(indices):
+            row = llama_cpp.llama_get_logits_ith(self.ctx, index)
+            if not row:
+                raise EngineError(f"no logits for batch entry {index}")
+            out[i] = np.ctypeslib.as_array(ctypes.cast(row, self._logits_row).contents)
+        return out
+
     def clear_sequence(self, seq: int) -> None:
         llama_cpp.llama_memory_seq_rm(self.memory, seq, -1, -1)
 

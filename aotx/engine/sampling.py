@@ -43,8 +43,8 @@ class Sampler:
     def __init__(self, temperature: float, top_p: float, seed: int,
                  sampling: Sampling = PLAIN, max_tokens: int = 0, n_vocab: int = 0) -> None:
         self.ptr = None
-        if temperature <= 0.0 and sampling == PLAIN:
-            return
+        if temperature <= 0.0 and sampling._replace(logprobs=0) == PLAIN:
+            return  # (logprobs are read from the logits row: engine/logprobs.py)
         params = llama_cpp.llama_sampler_chain_default_params()
         self.ptr = llama_cpp.llama_sampler_chain_init(params)
         for step in _steps(temperature, top_p, seed, sampling, max_tokens, n_vocab):

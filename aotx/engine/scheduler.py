@@ -26,6 +26,7 @@ from ..wire import Finish, Phase, Sampling
 from .fair import NOBODY, FairQueue, owner_of, usable_prefix
 from .grammar import MaskFiller, Matcher
 from .llama import BatchEntry
+from .logprobs import Annotations, annotate
 from .multimodal import MediaInputError, MediaSegment, release_all
 from .output import OutputBuffer
 
@@ -66,6 +67,7 @@ class Engine(Protocol):
                           non_causal: bool = False) -> int: ...
     def trim_sequence(self, seq: int, keep: int) -> bool: ...
     def copy_sequence(self, src: int, dst: int) -> None: ...
+    def logits_rows(self, indices: list[int]) -> Any: ...
 
 
 #: Prompt tokens per step for background (policy) work, so that a foreground
@@ -144,6 +146,7 @@ class Request:
     # Constrained decoding: the request's own matcher (grammar.GrammarCompiler.compile(
     # spec).matcher()), set before submit; the engine thread owns it from then on.
     matcher: Matcher | None = None
+    notes: Annotations | None = None  # logprobs asked (sampling.logprobs): logprobs.py
 
     @property
     def prompt_tokens(self) -> int:
@@ -209,6 +212,8 @@ class Scheduler:
                 failure: Failure = Failure.NONE) -> None:
         if req.buffer is not None and phase is not Phase.FAILED:
             req.out += req.buffer.flush()
+        if req.notes is not None:
+            req.notes.end(len(req.out))
         req.phase = phase
         req.finish = finish
         req.failure = failure
@@ -330,6 +335,7 @@ class Scheduler:
         req.phase = Phase.PREPARING
         req.sampler = self.make_sampler(req)
         req.buffer = OutputBuffer(req.stops)
+        req.notes = Annotations(req.sampling.logprobs - 1) if req.sampling.logprobs else None
         self.active.append(req)
 
     def _choose(self) -> tuple[list[BatchEntry], list[tuple[Request, int]],
@@ -438,6 +444,7 @@ class Scheduler:
             sampled = [(req, self.engine.sample(req.sampler, idx)) for req, idx in samples]
         else:
             sampled = self._sample_constrained(samples, bits)
+        annotate(self.engine, samples, sampled)  # the logprobs asked (logprobs.py)
         pieces = [(req, tok, b"" if tok < 0 or self.engine.is_eog(tok) else self.engine.piece(tok))
                   for req, tok in sampled]
         now = time.monotonic_ns()
@@ -498,6 +505,8 @@ class Scheduler:
         assert req.buffer is not None
         published, stopped = req.buffer.push(piece)
         req.out += published
+        if req.notes is not None:
+            req.notes.push(len(piece), len(req.out))
         if stopped or (req.matcher is not None and req.matcher.finished):
             # A stop string, or a grammar that admits nothing more (EOS alone): a
             # finished grammar is a complete output even at the max_tokens-th token.

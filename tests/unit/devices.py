@@ -44,6 +44,10 @@ class TokenizingEngine(ScriptedEngine):
 
     add_bos = False
     special_ids: frozenset[int] = frozenset()
+    model_bytes = 0  # (the telemetry's allocation counts requests and media alone)
+
+    def kv_bytes(self) -> int:
+        return 0
 
     def tokenize_pieces(self, pieces: Sequence[tuple[str, bool]], add_special: bool = True,
                         start: bool = True, end: bool = True) -> list[int]:

@@ -7,7 +7,9 @@ drives the real model.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
+import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -17,6 +19,7 @@ from aotx.engine.scheduler import Failure, Request, Scheduler
 from aotx.wire import Finish, Phase
 
 EOG = 0
+VOCAB = 10
 
 
 class ScriptedEngine:
@@ -33,6 +36,7 @@ class ScriptedEngine:
         self.copies: list[tuple[int, int]] = []
         self.media_status = 0
         self.trim_fails = False  # a memory that cannot be cut back (recurrent models)
+        self.rows_read: list[list[int]] = []  # logits_rows' calls (logprobs)
 
     def decode(self, entries: list[BatchEntry]) -> int:
         self.steps.append(list(entries))
@@ -43,6 +47,12 @@ class ScriptedEngine:
         assert isinstance(req, Request)
         script = req.script  # type: ignore[attr-defined]
         return script.pop(0) if script else EOG
+
+    def logits_rows(self, indices: list[int]) -> np.ndarray[Any, np.dtype[np.float32]]:
+        """Logits for a 10-token vocabulary, the same every step: token t scores -t / 2
+        (token 0, EOG, the likeliest)."""
+        self.rows_read.append(list(indices))
+        return np.tile(-np.arange(VOCAB, dtype=np.float32) / 2, (len(indices), 1))
 
     def piece(self, token: int) -> bytes:
         return {1: b"a", 2: b"b", 3: "é".encode(), 4: b"\xe2", 5: b"\x82\xac", 6: b"STOP"}.get(
