@@ -18,9 +18,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from .. import ids, wire
 from .errors import ApiError, Call, refusal
-from .render import dumps, state_fields
+from .render import dumps, native_token, state_fields
 from .requests import ChatRequest, ImageUrlPart, InputAudioPart, MediaPart, b64
 from .service import Gateway, Principal, parse_id
 from .uploads import upload_inline
@@ -138,7 +140,9 @@ async def admission_body(g: Gateway, body: ChatRequest, principal: Principal) ->
 # -- read, wait, follow, cancel ---------------------------------------------------------------
 async def read(g: Gateway, principal: Principal, epoch: int, identity: bytes, cursor: int,
                op: wire.Op = wire.Op.READ, seen: wire.Header | None = None,
-               timeout_ms: int = WAIT_MS) -> tuple[wire.Header, bytes]:
+               timeout_ms: int = WAIT_MS, flags: int = 0) -> tuple[wire.Header, bytes]:
+    """The output window at ``cursor`` (with ``flags`` READ_FLAG_ANNOTATIONS: the
+    annotation stream's), as READ, or as WAIT once there is something new."""
     pid = principal.id
     if op is wire.Op.WAIT and _over_wait_share(g, pid):
         # Over its share of parked WAITs: poll with READs and answer as the WAIT would,
@@ -147,17 +151,18 @@ async def read(g: Gateway, principal: Principal, epoch: int, identity: bytes, cu
         deadline = loop.time() + timeout_ms / 1000
         while _over_wait_share(g, pid):
             await asyncio.sleep(WAIT_POLL_S)
-            rh, body = await read(g, principal, epoch, identity, cursor)
+            rh, body = await read(g, principal, epoch, identity, cursor, flags=flags)
             if (body or rh.total > cursor or seen is None
                     or (rh.phase, rh.cancel_requested) != (seen.phase, seen.cancel_requested)
                     or loop.time() >= deadline):
                 return rh, body
         timeout_ms = max(1, int((deadline - loop.time()) * 1000))
     if op is not wire.Op.WAIT:
-        h = wire.Header(op=op, principal=pid, epoch=epoch, identity=identity, cursor=cursor)
+        h = wire.Header(op=op, principal=pid, epoch=epoch, identity=identity, cursor=cursor,
+                        flags=flags)
         return await g.ask(h)
     h = wire.Header.request(wire.Op.WAIT, principal=pid, epoch=epoch, identity=identity,
-                            cursor=cursor, wait_ms=timeout_ms,
+                            cursor=cursor, wait_ms=timeout_ms, flags=flags,
                             phase=seen.phase if seen else 0,
                             cancel_requested=seen.cancel_requested if seen else 0)
     # The WAIT holds a mailbox until the device answers it, even when this task is
@@ -219,6 +224,39 @@ async def follow(g: Gateway, principal: Principal, epoch: int, identity: bytes, 
             return
         op = wire.Op.READ if cursor < rh.total else wire.Op.WAIT
         rh, data = await read(g, principal, epoch, identity, cursor, op=op, seen=seen)
+
+
+async def notes(g: Gateway, principal: Principal, epoch: int, identity: bytes, cursor: int
+                ) -> tuple[list[dict[str, Any]], int]:
+    """The annotation lines (engine/logprobs.py) published past ``cursor``, every one
+    there is now (window after window), and the cursor after them."""
+    out: list[dict[str, Any]] = []
+    while True:
+        rh, body = await read(g, principal, epoch, identity, cursor,
+                              flags=wire.READ_FLAG_ANNOTATIONS)
+        out += [orjson.loads(x) for x in body.splitlines()]
+        cursor += len(body)
+        if not body or cursor >= rh.total:
+            return out, cursor
+
+
+async def logprobs_body(g: Gateway, principal: Principal, rid: str, cursor: str | None) -> bytes:
+    """The aotx.logprobs.v1 document for ``rid``: a window of its tokens' logprobs."""
+    epoch, identity = parse_id(rid)
+    pos = parse_cursor(cursor)
+    try:
+        rh, body = await read(g, principal, epoch, identity, pos,
+                              flags=wire.READ_FLAG_ANNOTATIONS)
+    except ApiError as exc:
+        if exc.status != 409:
+            raise
+        raise ApiError(409, f"cursor {pos} does not start a token of the logprobs stream: "
+                            "give 0 or a next_cursor", param="cursor") from None
+    return dumps({"schema": "aotx.logprobs.v1", **state_fields(rh, g.by_role),
+                  "logprobs": {"cursor": str(pos), "next_cursor": str(pos + len(body)),
+                               "total_bytes": str(rh.total),
+                               "content": [native_token(orjson.loads(x))
+                                           for x in body.splitlines()]}})
 
 
 async def window_body(g: Gateway, principal: Principal, rid: str, cursor: str | None) -> bytes:

@@ -64,6 +64,26 @@ def usage(h: wire.Header) -> dict[str, int]:
             "total_tokens": h.prompt_tokens + h.sampled_tokens}
 
 
+def _text(raw: list[int]) -> str:
+    return bytes(raw).decode("utf-8", errors="replace")
+
+
+def token_logprob(n: dict[str, Any]) -> dict[str, Any]:
+    """One annotation line (engine/logprobs.py) as OpenAI's ``logprobs.content`` item."""
+    return {"token": _text(n["bytes"]), "logprob": n["logprob"], "bytes": n["bytes"],
+            "top_logprobs": [{"token": _text(b), "logprob": lp, "bytes": b}
+                             for _, lp, b in n["top"]]}
+
+
+def native_token(n: dict[str, Any]) -> dict[str, Any]:
+    """One annotation line as the native ``aotx.logprobs.v1`` item: OpenAI's, with token
+    ids and the token's byte offset in the output."""
+    return {"token": _text(n["bytes"]), "token_id": n["token"], "offset": n["offset"],
+            "logprob": n["logprob"], "bytes": n["bytes"],
+            "top_logprobs": [{"token": _text(b), "token_id": t, "logprob": lp, "bytes": b}
+                             for t, lp, b in n["top"]]}
+
+
 def failure(h: wire.Header) -> dict[str, Any] | None:
     """The error object of a failed request (its status at 96, its reason at 28)."""
     if h.phase != wire.Phase.FAILED:

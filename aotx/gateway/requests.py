@@ -3,8 +3,8 @@
 The standard message envelope is shared by ``POST /v1/chat/completions`` and
 ``POST /aotx/v1/requests``.  Unknown fields are ignored (OpenAI clients send
 many optional ones); fields that would change the meaning of the request and
-that aotx does not implement (tools, n > 1, logprobs) are refused with 400 instead
-of being silently dropped.  ``response_format`` becomes the submission's constraint.  The sampler's
+that aotx does not implement (tools, n > 1) are refused with 400 instead of being
+silently dropped.  ``response_format`` becomes the submission's constraint.  The sampler's
 fields (penalties, logit bias, top-k, min-p) are applied on the device.
 """
 
@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from ..wire import MAX_BIAS, MAX_STOP_BYTES, Constraint, GrammarKind, Sampling
+from ..wire import MAX_BIAS, MAX_STOP_BYTES, MAX_TOP_LOGPROBS, Constraint, GrammarKind, Sampling
 
 MAX_STOP = 16
 MAX_INLINE_CHARS = 1 << 21  # longer than any body the gateway accepts (1 MiB)
@@ -143,10 +143,12 @@ class ChatRequest(BaseModel):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     repeat_last_n: int | None = Field(default=None, ge=-1, le=1 << 20)
+    # Log-probabilities of the sampled tokens (the device's annotation stream).
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # Fields we refuse rather than silently ignore:
     tools: list[Any] | None = None
     functions: list[Any] | None = None
-    logprobs: bool | None = None
     response_format: dict[str, Any] | None = None
 
     @field_validator("stop", mode="before")
@@ -186,6 +188,7 @@ class ChatRequest(BaseModel):
                         frequency=self.frequency_penalty or 0.0,
                         repetition=self.repetition_penalty or 1.0,
                         last_n=max(0, self.repeat_last_n or 0),
+                        logprobs=(self.top_logprobs or 0) + 1 if self.logprobs else 0,
                         bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()))
 
     @model_validator(mode="after")
@@ -194,8 +197,8 @@ class ChatRequest(BaseModel):
             raise ValueError("n must be 1: aotx returns one choice per request")
         if self.tools or self.functions:
             raise ValueError("tools and function calling are not supported")
-        if self.logprobs:
-            raise ValueError("logprobs are not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         _response_format(self.response_format)
         if (self.max_tokens is not None and self.max_completion_tokens is not None
                 and self.max_tokens != self.max_completion_tokens):

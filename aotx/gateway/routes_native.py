@@ -68,6 +68,15 @@ async def get_request(rid: str, cursor: str | None = None, principal: Principal 
                     media_type="application/json")
 
 
+@router.get("/aotx/v1/requests/{rid}/logprobs", response_model=S.RequestLogprobs)
+async def get_logprobs(rid: str, cursor: str | None = None, principal: Principal = Caller,
+                       g: Gateway = Service) -> Response:
+    """A window of the request's per-token logprobs (it asked ``logprobs``), from
+    ``cursor`` (0, or a ``next_cursor``), during generation or after it."""
+    return Response(await calls.logprobs_body(g, principal, rid, cursor),
+                    media_type="application/json")
+
+
 @router.post("/aotx/v1/requests/{rid}/cancel", status_code=202, response_model=S.RequestState)
 async def cancel_request(rid: str, principal: Principal = Caller,
                          g: Gateway = Service) -> Response:

@@ -260,10 +260,28 @@ class ChatMessageOut(_Doc):
     content: str
 
 
+class TopLogprob(_Doc):
+    token: str = Field(description="the token's bytes as UTF-8 (U+FFFD for a partial "
+                                   "character; a special token adds no bytes: \"\")")
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(
+        description="the top_logprobs likeliest tokens, likeliest first (tokens a grammar "
+                    "forbids are left out)")
+
+
+class ChoiceLogprobs(_Doc):
+    content: list[TokenLogprob]
+    refusal: None
+
+
 class ChatChoice(_Doc):
     index: int
     message: ChatMessageOut
-    logprobs: None
+    logprobs: ChoiceLogprobs | None
     finish_reason: Literal["stop", "length"]
 
 
@@ -278,3 +296,28 @@ class ChatCompletion(_Doc):
     system_fingerprint: str
     choices: list[ChatChoice]
     usage: Usage
+
+
+class NativeTopLogprob(TopLogprob):
+    token_id: int
+
+
+class NativeTokenLogprob(NativeTopLogprob):
+    offset: int = Field(description="where the token's bytes start in the output")
+    top_logprobs: list[NativeTopLogprob]
+
+
+class LogprobsWindow(_Doc):
+    cursor: Decimal = _DEC
+    next_cursor: Decimal = _DEC
+    total_bytes: Decimal = Field(pattern=r"^[0-9]+$",
+                                 description="the bytes of the request's logprobs stream so "
+                                             "far (cursors are positions in it)")
+    content: list[NativeTokenLogprob]
+
+
+class RequestLogprobs(RequestState):
+    """``aotx.logprobs.v1``: state plus the tokens' logprobs from ``cursor`` on."""
+
+    schema_: Literal["aotx.logprobs.v1"] = Field(alias="schema")  # type: ignore[assignment]
+    logprobs: LogprobsWindow
