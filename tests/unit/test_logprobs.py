@@ -256,3 +256,33 @@ def test_read_flag_bits_other_than_annotations_are_refused(device: Pair) -> None
     for op in (wire.Op.READ, wire.Op.WAIT):
         h, _ = call(dev, wire.Header(op=op, identity=b"x" * 16, flags=2))
         assert (h.status, h.reason, h.detail) == (400, wire.Reason.NONZERO_FIELD, 116)
+
+
+# -- the gateway's stream: text cut where a token ends on a character boundary -----------------
+
+def test_stream_chunks_hold_exactly_their_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from aotx.gateway import routes_openai
+
+    toks = [b"a", b"\xe2", b"\x82\xac", b"b", b""]
+    stream, at = [], 0
+    for i, t in enumerate(toks):
+        stream.append({"offset": at, "token": i, "logprob": -0.5, "bytes": list(t), "top": []})
+        at += len(t)
+
+    async def notes(g: Any, p: Any, epoch: int, identity: bytes, cursor: int
+                    ) -> tuple[list[dict[str, Any]], int]:
+        return stream[cursor:], len(stream)  # (its cursor counts lines here)
+
+    monkeypatch.setattr(routes_openai.calls, "notes", notes)
+    text = routes_openai._Text(None, None, wire.Header(), True)  # type: ignore[arg-type]
+
+    def add(data: bytes, final: bool = False) -> list[tuple[str, list[bytes]]]:
+        got = asyncio.run(text.add(data, final))
+        return [(s, [bytes(t["bytes"]) for t in lps]) for s, lps in got]
+
+    assert add(b"a\xe2") == [("a", [b"a"])]  # "\xe2" ends inside a character: held
+    assert add(b"\x82") == []
+    assert add(b"\xacb") == [("€b", [b"\xe2", b"\x82\xac", b"b", b""])]
+    assert add(b"", final=True) == []
