@@ -164,4 +164,6 @@ def test_pathological_schemas_never_stall_other_streams(client: openai.OpenAI) -
             assert exc.status_code in (400, 413), exc
         assert time.monotonic() - started < 10
     runner.join(120)
-    assert gaps and max(gaps[1:] or [0]) < 3.0, max(gaps)
+    # gaps[0] is the role chunk, gaps[1] the first token (the prompt's evaluation): the
+    # tokens after it are the ones a stalled step would delay
+    assert len(gaps) > 10 and max(gaps[2:]) < 3.0, gaps
