@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import re
 import threading
 import time
 import warnings
@@ -150,11 +151,13 @@ class GrammarSpec:
 
     @classmethod
     def lark(cls, text: str, limits: GrammarLimits | None = None) -> GrammarSpec:
-        """An llguidance Lark grammar (docs/syntax.md of llguidance).  A ``%json``
-        schema inside it is compiled with :data:`JSON_OPTIONS`, but its keywords are
-        not checked by :func:`check_schema`: check them before embedding them."""
-        _check_size(text, limits or GrammarLimits())
-        return cls("lark", text)
+        """An llguidance Lark grammar (docs/syntax.md of llguidance).  Every ``%json``
+        schema inside it is checked as :meth:`json_schema` checks one (a refusal's
+        ``where`` is ``%json[i]#/pointer``, i counting the directives from 0) and is
+        compiled with :data:`JSON_OPTIONS` (written in as its ``x-guidance``)."""
+        limits = limits or GrammarLimits()
+        _check_size(text, limits)
+        return cls("lark", _checked_lark(text, limits))
 
     @classmethod
     def regex(cls, text: str, limits: GrammarLimits | None = None) -> GrammarSpec:
@@ -164,6 +167,45 @@ class GrammarSpec:
     @property
     def key(self) -> str:
         return hashlib.sha256(f"{self.kind}\0{self.source}".encode()).hexdigest()
+
+
+_JSON_DIRECTIVE = re.compile(r"%json\b\s*")
+
+
+def _checked_lark(text: str, limits: GrammarLimits) -> str:
+    """``text`` with each ``%json`` schema checked (:func:`check_schema`) and rewritten
+    compact with :data:`JSON_OPTIONS` as its ``x-guidance``.  A ``%json`` not followed
+    by JSON (one in a string literal or a comment, too) is refused: no schema is left
+    unchecked."""
+    out: list[str] = []
+    pos = count = 0
+    decoder = json.JSONDecoder()
+    for found in _JSON_DIRECTIVE.finditer(text):
+        if found.start() < pos:
+            continue
+        where = f"%json[{count}]"
+        try:
+            schema, end = decoder.raw_decode(text, found.end())
+        except ValueError:
+            raise GrammarError("invalid", "%json must be followed by a JSON schema",
+                               where) from None
+        try:
+            check_schema(schema, limits.max_depth)
+        except GrammarError as exc:
+            raise GrammarError(exc.code, exc.detail, where + (exc.where or "#")) from None
+        if schema is True:
+            schema = {}
+        if isinstance(schema, dict):
+            schema = {**schema, "x-guidance": JSON_OPTIONS}
+        try:
+            canonical = json.dumps(schema, ensure_ascii=False, separators=(",", ":"),
+                                   allow_nan=False)
+        except ValueError as exc:
+            raise GrammarError("invalid", f"the schema is not JSON: {exc}", where) from None
+        out += [text[pos:found.end()], canonical]
+        pos = end
+        count += 1
+    return "".join(out) + text[pos:]
 
 
 def _check_size(text: str, limits: GrammarLimits) -> None:

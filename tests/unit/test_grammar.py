@@ -7,6 +7,7 @@ tests/e2e/test_grammar_engine.py drives the real model.
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
@@ -16,6 +17,7 @@ from llguidance import LLTokenizer, TokenizerWrapper
 
 from aotx.engine.grammar import (
     ENFORCED,
+    JSON_OPTIONS,
     GrammarCompiler,
     GrammarError,
     GrammarLimits,
@@ -362,3 +364,37 @@ def test_steps_without_constrained_requests_never_start_the_mask_thread() -> Non
     run_until_idle(sched)
     assert sched.masks._thread is None and sched.masks.steps == 0
     assert all(ok is None for _, ok in engine.masked)
+
+
+# -- %json schemas inside Lark grammars ------------------------------------------------
+
+def test_lark_json_schemas_are_checked_and_compact(compiler: GrammarCompiler) -> None:
+    """A ``%json`` inside a Lark grammar passes the same allowlist as a JSON schema
+    (``where`` counts the directives) and is compiled with JSON_OPTIONS."""
+    lark = ('start: TEXT | call\nTEXT: /(.|\\n)+/ & ~/(.|\\n)*<tool_call>(.|\\n)*/\n'
+            'call: "<tool_call>" (a | b) "</tool_call>"\n'
+            'a: %json {"type": "object", "properties": {"x": {"type": "integer"}}, '
+            '"required": ["x"], "additionalProperties": false}\nb: %json {"type": "array"}\n')
+    spec = GrammarSpec.lark(lark)
+    assert spec.source.count('"x-guidance"') == 2
+
+    def run(text: str) -> bool:
+        m = compiler.matcher(spec)
+        return all(m.consume(t) for t in tok(text)) and m.can_stop
+
+    assert run('<tool_call>{"x": 3}</tool_call>')
+    assert not run('<tool_call>{"x":3}</tool_call>')  # compact: one space after ":"
+    assert not run('<tool_call>{"x": "3"}</tool_call>')
+    assert run("plain text")
+    assert not run('plain <tool_call>{"x": 3}</tool_call>')  # calls only from the start
+    for bad, code, where in [
+            ('start: %json {"type": "string", "maxlength": 3}', "unsupported", "%json[0]#"),
+            ('start: a | b\na: %json {}\nb: %json {"properties": {"p": {"x-guidance": {}}}}',
+             "unsupported", "%json[1]#/properties/p"),
+            ('start: "%json" %json {}', "invalid", "%json[0]"),
+            ('start: %json {"type": ', "invalid", "%json[0]")]:
+        with pytest.raises(GrammarError) as info:
+            GrammarSpec.lark(bad)
+        assert (info.value.code, info.value.where) == (code, where), bad
+    assert GrammarSpec.lark("start: %json true").source.endswith('"x-guidance":' + json.dumps(
+        JSON_OPTIONS, separators=(",", ":")) + "}")
