@@ -56,7 +56,7 @@ def submission(body: ChatRequest, m: wire.ModelInfo, principal: Principal, allow
     messages = []
     digests: list[str] = []
     kinds: list[str] = []
-    for msg in body.messages:
+    for msg in body.envelope():
         parts = []
         for part in msg.parts():
             if isinstance(part, ImageUrlPart | InputAudioPart):
@@ -98,7 +98,8 @@ def submission(body: ChatRequest, m: wire.ModelInfo, principal: Principal, allow
         wire.Op.SUBMIT, principal=principal.id, role=m.role, max_tokens=limit,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, submit_flags=flags, seed=seed)
-    return h, payload, Call(m.alias, limit, len(payload), tuple(digests), tuple(kinds))
+    return h, payload, Call(m.alias, limit, len(payload), tuple(digests), tuple(kinds),
+                            body.tool_names)
 
 
 def _utf8(text: str) -> bytes:

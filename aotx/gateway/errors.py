@@ -193,6 +193,7 @@ class Call:
     input_bytes: int = 0
     media: tuple[str, ...] = field(default=())  #: the digests of its media parts, in order
     kinds: tuple[str, ...] = field(default=())  #: their kinds ("image", "audio")
+    tools: tuple[str, ...] = field(default=())  #: the functions of its grammar's %json, in order
 
 
 NO_CALL = Call()
@@ -221,6 +222,20 @@ def _grammar_why(body: bytes) -> str:
         return "it uses a feature that cannot be enforced"
 
 
+def _tool_why(body: bytes, names: tuple[str, ...]) -> str:
+    """A GRAMMAR refusal of a tools grammar: its ``where`` (``%json[i]#/pointer``) names
+    the function whose parameters were refused."""
+    try:
+        why = orjson.loads(body)
+        found = re.fullmatch(r"%json\[([0-9]+)\](.*)", str(why.get("where", "")))
+        name = names[int(found.group(1))] if found else ""
+        at = f" (at {found.group(2)})" if found and found.group(2) not in ("", "#") else ""
+        what = f"function {name!r}'s parameters" if name else "the tools' parameters"
+        return f"{what} cannot be enforced: {why['detail']}{at}"
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError, IndexError):
+        return "the tools' parameters use a feature that cannot be enforced"
+
+
 def wording(h: wire.Header, call: Call = NO_CALL, body: bytes = b""
             ) -> tuple[str, str | None, str | None]:
     """(message, code, param) for the reason in ``h`` (``body``: the reply's payload)."""
@@ -234,6 +249,8 @@ def wording(h: wire.Header, call: Call = NO_CALL, body: bytes = b""
 def refusal(h: wire.Header, call: Call = NO_CALL, body: bytes = b"") -> ApiError:
     """The ApiError for a reply that refused (status >= 400)."""
     message, code, param = wording(h, call, body)
+    if h.reason == wire.Reason.GRAMMAR and call.tools:
+        message, param = _tool_why(body, call.tools), "tools"
     status = h.status if 400 <= h.status < 600 else 500
     headers = {"Retry-After": str(max(1, h.retry_after))} if status == 429 else None
     return ApiError(status, message, param=param, code=code, headers=headers)

@@ -3,8 +3,9 @@
 The standard message envelope is shared by ``POST /v1/chat/completions`` and
 ``POST /aotx/v1/requests``.  Unknown fields are ignored (OpenAI clients send
 many optional ones); fields that would change the meaning of the request and
-that aotx does not implement (tools, n > 1) are refused with 400 instead of being
-silently dropped.  ``response_format`` becomes the submission's constraint.  The sampler's
+that aotx does not implement (``functions``, n > 1) are refused with 400 instead of
+being silently dropped.  ``response_format``, or ``tools`` with their ``tool_choice``
+(gateway/tools.py), becomes the submission's constraint.  The sampler's
 fields (penalties, logit bias, top-k, min-p) are applied on the device.
 """
 
@@ -27,6 +28,7 @@ from pydantic import (
 )
 
 from ..wire import MAX_BIAS, MAX_STOP_BYTES, MAX_TOP_LOGPROBS, Constraint, GrammarKind, Sampling
+from . import tools as T
 
 MAX_STOP = 16
 MAX_INLINE_CHARS = 1 << 21  # longer than any body the gateway accepts (1 MiB)
@@ -105,14 +107,34 @@ ContentPart = Annotated[
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[ContentPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[T.ToolCall] | None = Field(default=None, max_length=T.MAX_TOOLS)
+    tool_call_id: str | None = Field(default=None, max_length=256)
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        if (self.role == "tool" or self.tool_calls) and not all(
+                isinstance(p, TextPart) for p in self.parts()):
+            raise ValueError("tool messages and tool calls' messages hold text parts only")
+        return self
 
     def parts(self) -> list[TextPart | MediaPart | ImageUrlPart | InputAudioPart]:
+        if self.content is None:
+            return []
         if isinstance(self.content, str):
             return [TextPart(type="text", text=self.content)]
         return list(self.content)
+
+    def text(self) -> str:
+        return "".join(p.text for p in self.parts() if isinstance(p, TextPart))
 
 
 class StreamOptions(BaseModel):
@@ -146,9 +168,12 @@ class ChatRequest(BaseModel):
     # Log-probabilities of the sampled tokens (the device's annotation stream).
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[T.ToolDef] | None = Field(default=None, max_length=T.MAX_TOOLS)
+    tool_choice: T.ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # Fields we refuse rather than silently ignore:
-    tools: list[Any] | None = None
     functions: list[Any] | None = None
+    function_call: Any = None
     response_format: dict[str, Any] | None = None
 
     @field_validator("stop", mode="before")
@@ -195,8 +220,15 @@ class ChatRequest(BaseModel):
     def _unsupported(self) -> ChatRequest:
         if self.n not in (None, 1):
             raise ValueError("n must be 1: aotx returns one choice per request")
-        if self.tools or self.functions:
-            raise ValueError("tools and function calling are not supported")
+        if self.functions or self.function_call is not None:
+            raise ValueError("functions and function_call are deprecated and not supported: "
+                             "use tools and tool_choice")
+        T.validate(self.tools, self.tool_choice)
+        if self.tool_mode and (self.response_format or {}).get("type", "text") != "text":
+            raise ValueError("response_format cannot be combined with tools (except with "
+                             "tool_choice none)")
+        if self.tool_mode and self.logprobs:
+            raise ValueError("logprobs cannot be combined with tools yet")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         _response_format(self.response_format)
@@ -207,8 +239,48 @@ class ChatRequest(BaseModel):
 
     @property
     def constraint(self) -> Constraint | None:
-        """The grammar the output must follow (``response_format``), for the device."""
+        """The grammar the output must follow (tools' calls or ``response_format``)."""
+        if self.tool_mode:
+            lark, _ = T.grammar(self.tools or [], self.tool_choice,
+                                self.parallel_tool_calls is not False)
+            return Constraint(GrammarKind.LARK, lark)
         return _response_format(self.response_format)
+
+    @property
+    def tool_mode(self) -> T.Mode | None:
+        """``auto``, ``required`` (calls only) or None: no tools offered."""
+        return T.mode(self.tools, self.tool_choice)
+
+    @property
+    def tool_names(self) -> tuple[str, ...]:
+        """The functions the constraint's ``%json`` schemas are for, in order."""
+        if not self.tool_mode:
+            return ()
+        return T.grammar(self.tools or [], self.tool_choice, False)[1]
+
+    def envelope(self) -> list[ChatMessage]:
+        """The messages as the device gets them: the tools offered, assistant messages'
+        tool calls and tool results in the fallback format (gateway/tools.py)."""
+        out: list[ChatMessage] = []
+        for i, msg in enumerate(self.messages):
+            if msg.role == "tool":
+                text = T.response_text(msg.text())
+                if i and self.messages[i - 1].role == "tool":
+                    text = out.pop().text() + "\n" + text
+                out.append(ChatMessage.model_construct(role="user", content=text))
+            elif msg.tool_calls or msg.content is None:
+                out.append(ChatMessage.model_construct(role="assistant", content=T.assistant_text(
+                    msg.text(), msg.tool_calls or [])))
+            else:
+                out.append(msg)
+        if self.tool_mode:
+            block = T.system_block(self.tools or [])
+            if out and out[0].role in ("system", "developer"):
+                parts = [*out[0].parts(), TextPart(type="text", text="\n\n" + block)]
+                out[0] = ChatMessage.model_construct(role=out[0].role, content=parts)
+            else:
+                out.insert(0, ChatMessage.model_construct(role="system", content=block))
+        return out
 
     @property
     def token_limit(self) -> int | None:

@@ -20,7 +20,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
 
 from .. import ids, wire
-from . import calls
+from . import calls, tools
 from . import schemas as S
 from .errors import ApiError, wording
 from .render import FINISH_NAMES, json_response, openai_model, sse_data, token_logprob, usage
@@ -64,7 +64,7 @@ async def chat_completions(body: ChatRequest, principal: Principal = Caller,
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_chat_stream(g, principal, chat, include_usage,
-                                              bool(body.logprobs)),
+                                              bool(body.logprobs), body.tool_mode),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Request-Id": rid})
     done = False
@@ -84,11 +84,12 @@ async def chat_completions(body: ChatRequest, principal: Principal = Caller,
     if body.logprobs:
         lines, _ = await calls.notes(g, principal, rh.epoch, rh.identity, 0)
         logprobs = {"content": [token_logprob(n) for n in lines], "refusal": None}
+    message, finish = tools.message(text, FINISH_NAMES[wire.Finish(last.finish)] or "stop",
+                                    body.tool_mode)
     return json_response({
         **chat.head("chat.completion"),
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "logprobs": logprobs,
-                     "finish_reason": FINISH_NAMES[wire.Finish(last.finish)] or "stop"}],
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs,
+                     "finish_reason": finish}],
         "usage": usage(last),
     }, headers={"X-Request-Id": rid})
 
@@ -122,9 +123,11 @@ class _Text:
     with its last byte, so read after the bytes, the lines cover them)."""
 
     def __init__(self, g: Gateway, principal: Principal, rh: wire.Header,
-                 notes: bool) -> None:
+                 notes: bool, tool_mode: tools.Mode | None = None) -> None:
         self.g, self.principal, self.rh, self.notes = g, principal, rh, notes
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # without notes: decoded incrementally, tool calls held back (never both: the
+        # request body refuses logprobs with tools)
+        self.decoder = _ToolDecoder(tool_mode)
         self.held = bytearray()  # with notes: output bytes not sent yet, from ``start``
         self.start = 0
         self.cursor = 0  # in the annotation stream
@@ -172,9 +175,10 @@ def _boundary(data: bytearray, p: int) -> bool:
 
 
 async def _chat_stream(g: Gateway, principal: Principal, chat: Chat, include_usage: bool,
-                       logprobs: bool = False) -> AsyncIterator[bytes]:
+                       logprobs: bool = False, tool_mode: tools.Mode | None = None
+                       ) -> AsyncIterator[bytes]:
     rh = chat.admitted
-    text = _Text(g, principal, rh, logprobs)
+    text = _Text(g, principal, rh, logprobs, tool_mode)
     done = False
     try:
         yield chat.chunk({"role": "assistant", "content": ""}, include_usage=include_usage)
@@ -188,8 +192,10 @@ async def _chat_stream(g: Gateway, principal: Principal, chat: Chat, include_usa
         if last.phase == wire.Phase.FAILED:
             yield sse_data(_failed(last).body())
         else:
-            yield chat.chunk({}, FINISH_NAMES[wire.Finish(last.finish)] or "stop",
-                             include_usage=include_usage)
+            finish = FINISH_NAMES[wire.Finish(last.finish)] or "stop"
+            for delta in text.decoder.end():
+                yield chat.chunk(delta, include_usage=include_usage)
+            yield chat.chunk({}, text.decoder.finish(finish), include_usage=include_usage)
             if include_usage:
                 yield sse_data({**chat.head("chat.completion.chunk"), "choices": [],
                                 "usage": usage(last)})
@@ -200,3 +206,27 @@ async def _chat_stream(g: Gateway, principal: Principal, chat: Chat, include_usa
         if not done:
             await calls.cancel_quietly(g, principal, rh)
 
+
+class _ToolDecoder:
+    """The stream's UTF-8 decoder; with tools offered, calls are held back until the
+    output ends and then streamed as ``delta.tool_calls`` (gateway/tools.py)."""
+
+    def __init__(self, mode: tools.Mode | None) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._tools = tools.ToolStream(mode) if mode else None
+        self._calls = False
+
+    def decode(self, data: bytes, final: bool = False) -> str:
+        text = self._utf8.decode(data, final)
+        return self._tools.feed(text) if self._tools else text
+
+    def end(self) -> list[dict[str, Any]]:
+        """The deltas held back: content, then the calls'."""
+        if self._tools is None:
+            return []
+        content, deltas, _ = self._tools.end("stop")
+        self._calls = bool(deltas)
+        return [{"content": content}] * bool(content) + deltas
+
+    def finish(self, finish: str) -> str:
+        return "tool_calls" if self._calls and finish == "stop" else finish

@@ -255,9 +255,21 @@ class OpenAIModelList(_Doc):
     data: list[OpenAIModel]
 
 
+class FunctionCallOut(_Doc):
+    name: str
+    arguments: str  #: a JSON object, as a string
+
+
+class ToolCallOut(_Doc):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class ChatMessageOut(_Doc):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class TopLogprob(_Doc):
@@ -282,7 +294,7 @@ class ChatChoice(_Doc):
     index: int
     message: ChatMessageOut
     logprobs: ChoiceLogprobs | None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletion(_Doc):

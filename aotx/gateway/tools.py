@@ -1,0 +1,246 @@
+"""Tools (function calling) in the standard message envelope: the request fields, the
+prompt format, the grammar that constrains the output, and the parsing of the answer.
+
+The model's chat template (SmolLM2's plain ChatML) knows no tools, so the gateway
+renders them in a fallback format, the one Hermes and Qwen 2.5 models are trained on
+(docs/api.md, "Tools"), as ordinary message text; the wire and the device see plain
+system, user and assistant messages:
+
+- the tools, as JSON in ``<tools></tools>``, and the instruction to answer a call as
+  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, in a block after
+  the first system message's text (or as a system message of its own);
+- an assistant message's ``tool_calls`` in that format after its text, one per line;
+- ``tool`` messages (a run of them) as one user message, each result in
+  ``<tool_response>\\n...\\n</tool_response>``.
+
+``tool_choice`` ``required`` or a named function constrains the output to one call (or,
+with ``parallel_tool_calls``, up to :data:`MAX_PARALLEL`) of the allowed functions whose
+arguments follow the function's ``parameters`` (an llguidance Lark grammar with one
+``%json`` schema per function; the device checks each schema as it checks a
+``response_format`` schema and refuses what it cannot enforce).  ``auto`` allows free
+text that never contains ``<tool_call>``, or calls.  ``none`` offers no tools.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_TOOLS = 128
+MAX_PARALLEL = 4  # calls in one answer with parallel_tool_calls
+ARGUMENT_CHUNK = 24  # characters of arguments per streamed delta
+NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(max_length=64)
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """A call in an input assistant message."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ChosenName(BaseModel):
+    name: str
+
+
+class NamedChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: ChosenName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedChoice
+Mode = Literal["auto", "required"]
+
+
+def validate(tools: Sequence[ToolDef] | None, choice: ToolChoice | None) -> None:
+    """Names, duplicates, the parameters' top level, and a named choice that exists;
+    raises ValueError (400).  The rest of each schema is the device's to check."""
+    tools = tools or []
+    if len(tools) > MAX_TOOLS:
+        raise ValueError(f"at most {MAX_TOOLS} tools")
+    seen: set[str] = set()
+    for i, t in enumerate(tools):
+        f = t.function
+        if not NAME.fullmatch(f.name):
+            raise ValueError(f"tools[{i}].function.name {f.name!r} is not 1-64 of a-z, A-Z, "
+                             f"0-9, _ and -")
+        if f.name in seen:
+            raise ValueError(f"tools[{i}].function.name {f.name!r} is a duplicate")
+        seen.add(f.name)
+        if f.parameters is not None and f.parameters.get("type", "object") != "object":
+            raise ValueError(f"tools[{i}].function.parameters must be an object schema "
+                             f"(type \"object\")")
+    if choice is not None and choice != "none" and not tools:
+        raise ValueError("tool_choice needs tools")
+    if isinstance(choice, NamedChoice) and choice.function.name not in seen:
+        raise ValueError(f"tool_choice names function {choice.function.name!r}, which is "
+                         f"not in tools")
+
+
+def mode(tools: Sequence[ToolDef] | None, choice: ToolChoice | None) -> Mode | None:
+    """``auto`` (text or calls), ``required`` (calls only) or None (no tools offered)."""
+    if not tools or choice == "none":
+        return None
+    return "auto" if choice in (None, "auto") else "required"
+
+
+def parameters(f: FunctionDef) -> dict[str, Any]:
+    """The arguments' schema: ``parameters``, or no arguments at all without one."""
+    if f.parameters is None:
+        return {"type": "object", "properties": {}, "additionalProperties": False}
+    return {"type": "object", **f.parameters}
+
+
+# -- the prompt -------------------------------------------------------------------------------
+def system_block(tools: Sequence[ToolDef]) -> str:
+    listed = "\n".join(json.dumps(t.model_dump(exclude_none=True), ensure_ascii=False)
+                       for t in tools)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>\n{listed}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments "
+            "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def call_text(name: str, arguments: str) -> str:
+    """One call as the model writes it (arguments that are not JSON are kept as text)."""
+    try:
+        args = json.dumps(json.loads(arguments), ensure_ascii=False)
+    except ValueError:
+        args = arguments
+    return f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments": {args}}}\n{CLOSE}'
+
+
+def assistant_text(content: str, calls: Sequence[ToolCall]) -> str:
+    return "\n".join([content] * bool(content) + [call_text(c.function.name,
+                                                            c.function.arguments)
+                                                  for c in calls])
+
+
+def response_text(content: str) -> str:
+    return f"<tool_response>\n{content}\n</tool_response>"
+
+
+# -- the grammar ------------------------------------------------------------------------------
+def grammar(tools: Sequence[ToolDef], choice: ToolChoice | None, parallel: bool
+            ) -> tuple[str, tuple[str, ...]]:
+    """The Lark grammar for ``mode(tools, choice)`` (not None), and the functions' names
+    in the order of its ``%json`` schemas (for naming a refused one)."""
+    allowed = [t.function for t in tools
+               if not isinstance(choice, NamedChoice) or t.function.name == choice.function.name]
+    rules = []
+    for i, f in enumerate(allowed):
+        schema = json.dumps(parameters(f), ensure_ascii=False, separators=(",", ":"))
+        rules.append(f'f{i}: "{{\\"name\\": \\"{f.name}\\", \\"arguments\\": " %json {schema}'
+                     f' "}}"')
+    repeat = f'("\\n" call){{0,{MAX_PARALLEL - 1}}}' if parallel else ""
+    start = "start: calls" if mode(tools, choice) == "required" else "start: TEXT | calls"
+    lines = [start, f"calls: call {repeat}".rstrip(),
+             'call: "<tool_call>\\n" (' + " | ".join(f"f{i}" for i in range(len(allowed)))
+             + ') "\\n</tool_call>"',
+             "TEXT: /(.|\\n)+/ & ~/(.|\\n)*<tool_call>(.|\\n)*/", *rules]
+    return "\n".join(lines) + "\n", tuple(f.name for f in allowed)
+
+
+# -- the answer -------------------------------------------------------------------------------
+def parse(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool_calls) of a finished output: the text before the first call (None
+    if empty) and each complete call, with a fresh id and its arguments as a JSON string.
+    An output with no complete call is all content."""
+    calls = []
+    for found in _CALL.finditer(text):
+        try:
+            call = json.loads(found.group(1))
+            name, args = call["name"], call["arguments"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        calls.append({"id": "call_" + secrets.token_hex(12), "type": "function",
+                      "function": {"name": str(name),
+                                   "arguments": json.dumps(args, ensure_ascii=False)}})
+    if not calls:
+        return text, []
+    return text[:text.find(OPEN)].strip() or None, calls
+
+
+def message(text: str, finish: str, active: Mode | None) -> tuple[dict[str, Any], str]:
+    """The non-streaming ``message`` and ``finish_reason`` for a finished output."""
+    content, calls = parse(text) if active else (text, [])
+    if not calls:
+        return {"role": "assistant", "content": text}, finish
+    return ({"role": "assistant", "content": content, "tool_calls": calls},
+            "tool_calls" if finish == "stop" else finish)
+
+
+class ToolStream:
+    """A stream's text, split into what streams as content at once and the calls, held
+    until the output ends.  While the output could still begin a call (a prefix of
+    ``<tool_call>``) nothing is sent; once it cannot, it is text and streams as is."""
+
+    def __init__(self, active: Mode) -> None:
+        self.held = ""
+        self.state = "undecided" if active == "auto" else "calls"
+
+    def feed(self, text: str) -> str:
+        """The content to stream now for ``text``, the output's next characters."""
+        if self.state == "text":
+            return text
+        self.held += text
+        if self.state == "undecided":
+            if self.held.startswith(OPEN):
+                self.state = "calls"
+            elif not OPEN.startswith(self.held):
+                self.state = "text"
+                out, self.held = self.held, ""
+                return out
+        return ""
+
+    def end(self, finish: str) -> tuple[str, list[dict[str, Any]], str]:
+        """(the content still to send, the calls' deltas, the finish_reason)."""
+        content, calls = parse(self.held)
+        if not calls:
+            return self.held, [], finish
+        return content or "", list(deltas(calls)), "tool_calls" if finish == "stop" else finish
+
+
+def deltas(calls: Sequence[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """``delta.tool_calls`` as OpenAI streams them: per call one delta with its index,
+    id, type, name and arguments "", then its arguments in fragments."""
+    for i, c in enumerate(calls):
+        f = c["function"]
+        yield {"tool_calls": [{"index": i, "id": c["id"], "type": "function",
+                               "function": {"name": f["name"], "arguments": ""}}]}
+        args = f["arguments"]
+        for at in range(0, len(args), ARGUMENT_CHUNK):
+            yield {"tool_calls": [{"index": i,
+                                   "function": {"arguments": args[at:at + ARGUMENT_CHUNK]}}]}

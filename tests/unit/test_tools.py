@@ -1,0 +1,136 @@
+"""Tools without a model: the request fields' checks, the fallback prompt format, the
+grammar (compiled over the byte-level vocabulary of test_grammar.py) and the parsing of
+answers, whole and streamed."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from aotx.engine.grammar import GrammarCompiler, GrammarError, GrammarSpec
+from aotx.gateway import tools
+from aotx.gateway.requests import ChatRequest
+
+from .test_grammar import compiler, tok  # noqa: F401 - the fixture
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "now"}}
+
+
+def request(**fields: Any) -> ChatRequest:
+    return ChatRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": "hi"}], **fields})
+
+
+def accepts(c: GrammarCompiler, body: ChatRequest, text: str) -> bool:
+    assert body.constraint is not None
+    m = c.matcher(GrammarSpec.lark(body.constraint.text))
+    return all(m.consume(t) for t in tok(text)) and m.can_stop
+
+
+def call(name: str, args: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("fields, wrong", [
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "is not 1-64"),
+    ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]}, "is not 1-64"),
+    ({"tools": [CLOCK, CLOCK]}, "duplicate"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "string"}}}]}, "object schema"),
+    ({"tools": [CLOCK], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "not in tools"),
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"tools": [CLOCK], "response_format": {"type": "json_object"}}, "cannot be combined"),
+    ({"functions": [{"name": "f"}]}, "deprecated"),
+    ({"tools": [{"type": "retrieval"}]}, "function"),
+])
+def test_bad_tools_are_refused(fields: dict[str, Any], wrong: str) -> None:
+    with pytest.raises(ValidationError, match=wrong):
+        request(**fields)
+
+
+def test_modes_and_the_prompt() -> None:
+    assert request(tools=[CLOCK]).tool_mode == "auto"
+    assert request(tools=[CLOCK], tool_choice="none").tool_mode is None
+    assert request(tools=[CLOCK], tool_choice="none").constraint is None
+    assert request(tools=[CLOCK], tool_choice="required").tool_mode == "required"
+    body = ChatRequest.model_validate({"model": "m", "tools": [WEATHER], "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}},
+            {"id": "call_2", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text",
+                                                                "text": "rain"}]}]})
+    env = body.envelope()
+    assert [m.role for m in env] == ["system", "user", "assistant", "user"]
+    assert env[0].text().startswith("Be brief.\n\n# Tools")
+    assert json.dumps(WEATHER) in env[0].text()
+    assert env[2].text() == (call("get_weather", '{"city": "Paris"}') + "\n"
+                             + call("get_weather", '{"city": "Rome"}'))
+    assert env[3].text() == ("<tool_response>\nsunny\n</tool_response>\n"
+                             "<tool_response>\nrain\n</tool_response>")
+    assert request(tools=[CLOCK]).envelope()[0].role == "system"
+    with pytest.raises(ValidationError, match="tool_call_id"):
+        ChatRequest.model_validate({"model": "m", "messages": [
+            {"role": "tool", "content": "x"}]})
+
+
+def test_the_grammar(compiler: GrammarCompiler) -> None:  # noqa: F811
+    auto = request(tools=[WEATHER, CLOCK])
+    assert accepts(compiler, auto, "Hello there")
+    assert accepts(compiler, auto, call("now", "{}"))
+    assert accepts(compiler, auto, call("get_weather", '{"city": "Oslo"}'))
+    assert not accepts(compiler, auto, call("get_weather", '{"town": "Oslo"}'))
+    assert not accepts(compiler, auto, call("now", '{"x": 1}'))
+    assert not accepts(compiler, auto, "Sure! " + call("now", "{}"))
+    required = request(tools=[WEATHER, CLOCK], tool_choice="required")
+    assert not accepts(compiler, required, "Hello")
+    two = call("now", "{}") + "\n" + call("get_weather", '{"city": "Oslo"}')
+    assert accepts(compiler, required, two)
+    single = request(tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False)
+    assert not accepts(compiler, single, two)
+    named = request(tools=[WEATHER, CLOCK], tool_choice={"type": "function",
+                                                          "function": {"name": "now"}})
+    assert accepts(compiler, named, call("now", "{}"))
+    assert not accepts(compiler, named, call("get_weather", '{"city": "Oslo"}'))
+    assert named.tool_names == ("now",)
+    bad = request(tools=[CLOCK, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "maxlength": 2}}}}}])
+    with pytest.raises(GrammarError) as info:
+        GrammarSpec.lark(bad.constraint.text)  # type: ignore[union-attr]
+    assert info.value.where == "%json[1]#/properties/a"
+    assert bad.tool_names == ("now", "f")
+
+
+def test_answers_whole_and_streamed() -> None:
+    text = call("get_weather", '{"city": "Oslo"}') + "\n" + call("now", "{}")
+    msg, finish = tools.message(text, "stop", "required")
+    assert finish == "tool_calls" and msg["content"] is None
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather", "now"]
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert all(c["id"].startswith("call_") for c in msg["tool_calls"])
+    assert tools.message("Hello", "stop", "auto") == ({"role": "assistant",
+                                                        "content": "Hello"}, "stop")
+    assert tools.message(text, "stop", None)[0]["content"] == text
+    s = tools.ToolStream("auto")
+    assert [s.feed(t) for t in ["<to", "ol_call>\n{", text[13:]]] == ["", "", ""]
+    content, deltas, finish = s.end("stop")
+    assert (content, finish) == ("", "tool_calls")
+    assert deltas[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    args = "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas
+                   if d["tool_calls"][0]["index"] == 0)
+    assert json.loads(args) == {"city": "Oslo"}
+    s = tools.ToolStream("auto")
+    assert [s.feed(t) for t in ["<t", "ab", "le>"]] == ["", "<tab", "le>"]
+    assert s.end("stop") == ("", [], "stop")
