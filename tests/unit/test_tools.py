@@ -49,6 +49,7 @@ def call(name: str, args: str) -> str:
     ({"tool_choice": "required"}, "needs tools"),
     ({"tools": [CLOCK], "response_format": {"type": "json_object"}}, "cannot be combined"),
     ({"functions": [{"name": "f"}]}, "deprecated"),
+    ({"tools": [CLOCK], "logprobs": True}, "logprobs cannot be combined"),
     ({"tools": [{"type": "retrieval"}]}, "function"),
 ])
 def test_bad_tools_are_refused(fields: dict[str, Any], wrong: str) -> None:
