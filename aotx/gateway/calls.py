@@ -131,6 +131,9 @@ async def admission_body(g: Gateway, body: ChatRequest, principal: Principal) ->
     if body.stream:
         raise ApiError(400, "stream must be absent or false on /aotx/v1/requests; "
                             "follow GET /aotx/v1/requests/{id}/events instead", param="stream")
+    if (body.n or 1) > 1:
+        raise ApiError(400, "n must be 1 on /aotx/v1/requests: a request is one choice; "
+                            "submit one per choice", param="n")
     a = await submit(g, body, principal, allow_media=True)
     return dumps({"schema": "aotx.admission.v1",
                   "id": ids.format_request_id(a.header.epoch, a.header.identity),

@@ -31,6 +31,7 @@ from ..wire import MAX_BIAS, MAX_STOP_BYTES, MAX_TOP_LOGPROBS, Constraint, Gramm
 from . import tools as T
 
 MAX_STOP = 16
+MAX_CHOICES = 8  # n: choices of one chat completion (each a device request)
 MAX_INLINE_CHARS = 1 << 21  # longer than any body the gateway accepts (1 MiB)
 
 
@@ -154,7 +155,7 @@ class ChatRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     memory: Literal["on", "off"] | None = None
     # The rest of the sampler (wire.Sampling): OpenAI's penalties and logit bias, and the
     # extensions llama.cpp's server and vLLM accept.
@@ -218,8 +219,8 @@ class ChatRequest(BaseModel):
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatRequest:
-        if self.n not in (None, 1):
-            raise ValueError("n must be 1: aotx returns one choice per request")
+        if (self.n or 1) > 1 and (self.tool_mode or self.logprobs):
+            raise ValueError("n > 1 cannot be combined with tools or logprobs yet")
         if self.functions or self.function_call is not None:
             raise ValueError("functions and function_call are deprecated and not supported: "
                              "use tools and tool_choice")

@@ -14,7 +14,7 @@ from . import calls
 from . import schemas as S
 from .errors import ApiError
 from .render import dumps, json_response, model_entry, sse, state_fields
-from .requests import ChatRequest, b64
+from .requests import MAX_CHOICES, ChatRequest, b64
 from .service import Caller, Gateway, Principal, Service, parse_id
 
 router = APIRouter(tags=["native"], redirect_slashes=False)
@@ -39,6 +39,7 @@ async def capabilities(principal: Principal = Caller, g: Gateway = Service) -> R
             "retention_requests": str(info.retention_requests),
             "constraint_bytes": str(wire.MAX_CONSTRAINT_BYTES),
             "constraint_depth": str(wire.MAX_SCHEMA_DEPTH),
+            "choices": str(MAX_CHOICES),
         },
         "models": [model_entry(m) for m in g.visible_models(principal)],
         # Every native function; false exactly when no route provides it.

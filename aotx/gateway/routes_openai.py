@@ -20,7 +20,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
 
 from .. import ids, wire
-from . import calls, tools
+from . import calls, choices, tools
 from . import schemas as S
 from .errors import ApiError, wording
 from .render import FINISH_NAMES, json_response, openai_model, sse_data, token_logprob, usage
@@ -57,6 +57,8 @@ def _failed(h: wire.Header) -> ApiError:
                                              "stream of chat.completion.chunk objects"}})
 async def chat_completions(body: ChatRequest, principal: Principal = Caller,
                            g: Gateway = Service) -> Response:
+    if (body.n or 1) > 1:
+        return await choices.completion(g, body, principal, _failed)
     a = await calls.submit(g, body, principal)
     rh = a.header
     rid = ids.format_request_id(rh.epoch, rh.identity)

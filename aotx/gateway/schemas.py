@@ -188,6 +188,7 @@ class Limits(_Doc):
     retention_requests: Decimal = _DEC
     constraint_bytes: Decimal = _DEC
     constraint_depth: Decimal = _DEC
+    choices: Decimal = _DEC
 
 
 class ModelEntry(_Doc):

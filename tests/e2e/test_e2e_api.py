@@ -293,7 +293,7 @@ def test_models_routes(service: Service) -> None:
     (json.dumps({"model": "smollm2", "messages": [{"role": "wizard", "content": "x"}]}).encode(),
      400, None),
     (json.dumps({"model": "nope", "messages": RUSSIAN}).encode(), 404, "model"),
-    (json.dumps({"model": "smollm2", "messages": RUSSIAN, "n": 2}).encode(), 400, None),
+    (json.dumps({"model": "smollm2", "messages": RUSSIAN, "n": 9}).encode(), 400, "n"),
     (json.dumps({"model": "smollm2", "messages": RUSSIAN, "temperature": "hot"}).encode(), 400,
      "temperature"),
     (json.dumps({"model": "smollm2", "messages": RUSSIAN, "max_tokens": 0}).encode(), 400,
