@@ -1,5 +1,5 @@
-"""Fixtures: one shared service for the end-to-end tests, a service of its own for tests
-that restart it, and the ``e2e`` marker on every test under ``tests/e2e`` (the tests that
+"""Fixtures: one shared service for the end-to-end tests (and the ``openai`` client on
+it), a service of its own for tests that restart it, and the ``e2e`` marker on every test under ``tests/e2e`` (the tests that
 load the real model), so that ``pytest -m "not e2e"`` runs without one."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import pathlib
 import shutil
 from collections.abc import Iterator
 
+import openai
 import pytest
 
 from .helpers import Service, make_service, running_service
@@ -26,6 +27,14 @@ def service() -> Iterator[Service]:
     """One shared service for the end-to-end tests that do not restart it."""
     with running_service() as svc:
         yield svc
+
+
+@pytest.fixture(scope="session")
+def oai(service: Service) -> openai.OpenAI:
+    """The official ``openai`` client on the shared service (no retries: a test sees the
+    first answer)."""
+    return openai.OpenAI(base_url=service.url + "/v1", api_key=service.token, max_retries=0,
+                         timeout=120)
 
 
 @pytest.fixture

@@ -6,29 +6,17 @@ from __future__ import annotations
 
 import base64
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from ..helpers import Service, running_service
+from ..helpers import Service
 
 pytestmark = pytest.mark.e2e
 
 ASK: Any = [{"role": "user", "content": "List three fruits with an emoji for each, like 🍎."}]
-
-
-@pytest.fixture(scope="module")
-def svc() -> Iterator[Service]:
-    with running_service() as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(svc: Service) -> openai.OpenAI:
-    return openai.OpenAI(base_url=svc.url + "/v1", api_key=svc.token, max_retries=0)
 
 
 def check_tokens(content: Any, k: int, greedy: bool) -> bytes:
@@ -55,9 +43,9 @@ def check_tokens(content: Any, k: int, greedy: bool) -> bytes:
 
 
 @pytest.mark.parametrize("k", [0, 1, 5, 20])
-def test_non_stream_logprobs_cover_the_content_exactly(client: openai.OpenAI, k: int) -> None:
-    r = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=40,
-                                       temperature=0, logprobs=True, top_logprobs=k)
+def test_non_stream_logprobs_cover_the_content_exactly(oai: openai.OpenAI, k: int) -> None:
+    r = oai.chat.completions.create(model="smollm2", messages=ASK, max_tokens=40,
+                                    temperature=0, logprobs=True, top_logprobs=k)
     choice = r.choices[0]
     assert choice.logprobs is not None and choice.logprobs.content
     text = choice.message.content or ""
@@ -65,37 +53,37 @@ def test_non_stream_logprobs_cover_the_content_exactly(client: openai.OpenAI, k:
     assert len(choice.logprobs.content) <= r.usage.completion_tokens  # type: ignore[union-attr]
 
 
-def test_sampled_tokens_keep_their_own_logprob(client: openai.OpenAI) -> None:
+def test_sampled_tokens_keep_their_own_logprob(oai: openai.OpenAI) -> None:
     for seed in (1, 2):
-        r = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=30,
-                                           temperature=1.2, seed=seed, logprobs=True,
-                                           top_logprobs=5)
+        r = oai.chat.completions.create(model="smollm2", messages=ASK, max_tokens=30,
+                                        temperature=1.2, seed=seed, logprobs=True,
+                                        top_logprobs=5)
         content = r.choices[0].logprobs.content  # type: ignore[union-attr]
         assert check_tokens(content, 5, greedy=False) == (r.choices[0].message.content
                                                           or "").encode()
 
 
-def test_without_logprobs_the_choice_says_null(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=5)
+def test_without_logprobs_the_choice_says_null(oai: openai.OpenAI) -> None:
+    r = oai.chat.completions.create(model="smollm2", messages=ASK, max_tokens=5)
     assert r.choices[0].logprobs is None
 
 
 @pytest.mark.parametrize("kw", [{"logprobs": True, "top_logprobs": 21},
                                 {"logprobs": True, "top_logprobs": -1},
                                 {"top_logprobs": 3}])
-def test_bad_top_logprobs_is_400(client: openai.OpenAI, kw: dict[str, Any]) -> None:
+def test_bad_top_logprobs_is_400(oai: openai.OpenAI, kw: dict[str, Any]) -> None:
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=5,
-                                       **kw)
+        oai.chat.completions.create(model="smollm2", messages=ASK, max_tokens=5,
+                                    **kw)
 
 
 def test_stream_chunks_carry_the_logprobs_of_exactly_their_content(
-        client: openai.OpenAI) -> None:
-    whole = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=40,
-                                           temperature=0, logprobs=True, top_logprobs=3)
-    stream = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=40,
-                                            temperature=0, logprobs=True, top_logprobs=3,
-                                            stream=True)
+        oai: openai.OpenAI) -> None:
+    whole = oai.chat.completions.create(model="smollm2", messages=ASK, max_tokens=40,
+                                        temperature=0, logprobs=True, top_logprobs=3)
+    stream = oai.chat.completions.create(model="smollm2", messages=ASK, max_tokens=40,
+                                         temperature=0, logprobs=True, top_logprobs=3,
+                                         stream=True)
     tokens: list[Any] = []
     text, chunks = "", 0
     for chunk in stream:
@@ -116,13 +104,13 @@ def test_stream_chunks_carry_the_logprobs_of_exactly_their_content(
         for t in whole.choices[0].logprobs.content]  # type: ignore[union-attr]
 
 
-def test_a_stop_string_ends_the_logprobs_with_the_content(client: openai.OpenAI) -> None:
-    full = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=30,
-                                          temperature=0)
+def test_a_stop_string_ends_the_logprobs_with_the_content(oai: openai.OpenAI) -> None:
+    full = oai.chat.completions.create(model="smollm2", messages=ASK, max_tokens=30,
+                                       temperature=0)
     words = (full.choices[0].message.content or "").split()
     stop = words[len(words) // 2]
-    r = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=30,
-                                       temperature=0, stop=[stop], logprobs=True)
+    r = oai.chat.completions.create(model="smollm2", messages=ASK, max_tokens=30,
+                                    temperature=0, stop=[stop], logprobs=True)
     text = (r.choices[0].message.content or "").encode()
     joined = check_tokens(r.choices[0].logprobs.content, 0, greedy=True)  # type: ignore[union-attr]
     # a token that the stop string cut has no entry: the tokens are the content, less at
@@ -130,12 +118,12 @@ def test_a_stop_string_ends_the_logprobs_with_the_content(client: openai.OpenAI)
     assert text.startswith(joined) and len(text) - len(joined) < 16
 
 
-def test_the_native_route_gives_the_same_logprobs_in_windows(svc: Service,
-                                                             client: openai.OpenAI) -> None:
-    whole = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=40,
-                                           temperature=0, logprobs=True, top_logprobs=4)
-    auth = {"Authorization": f"Bearer {svc.token}"}
-    with httpx.Client(base_url=svc.url, headers=auth, timeout=60) as http:
+def test_the_native_route_gives_the_same_logprobs_in_windows(service: Service,
+                                                             oai: openai.OpenAI) -> None:
+    whole = oai.chat.completions.create(model="smollm2", messages=ASK, max_tokens=40,
+                                        temperature=0, logprobs=True, top_logprobs=4)
+    auth = {"Authorization": f"Bearer {service.token}"}
+    with httpx.Client(base_url=service.url, headers=auth, timeout=60) as http:
         a = http.post("/aotx/v1/requests", json={
             "model": "smollm2", "messages": ASK, "max_tokens": 40, "temperature": 0,
             "logprobs": True, "top_logprobs": 4}).json()

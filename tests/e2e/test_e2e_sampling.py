@@ -5,71 +5,59 @@ top_k, min_p, repetition_penalty, repeat_last_n.  Each field changes what is gen
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
 
-from ..helpers import Service, running_service
+from ..helpers import Service
 
 pytestmark = pytest.mark.e2e
 
 REPEAT = [{"role": "user", "content": "Say 'cat cat cat cat cat cat cat cat cat cat' again."}]
 
 
-@pytest.fixture(scope="module")
-def ssvc() -> Iterator[Service]:
-    with running_service() as svc:
-        yield svc
-
-
-@pytest.fixture(scope="module")
-def client(ssvc: Service) -> openai.OpenAI:
-    return openai.OpenAI(base_url=ssvc.url + "/v1", api_key=ssvc.token, max_retries=0)
-
-
-def chat(client: openai.OpenAI, messages: Any = REPEAT, **kw: Any) -> str:
-    r = client.chat.completions.create(model="smollm2", messages=messages,
-                                       max_tokens=kw.pop("max_tokens", 40), **kw)
+def chat(oai: openai.OpenAI, messages: Any = REPEAT, **kw: Any) -> str:
+    r = oai.chat.completions.create(model="smollm2", messages=messages,
+                                    max_tokens=kw.pop("max_tokens", 40), **kw)
     return r.choices[0].message.content or ""
 
 
-def test_top_k_one_and_min_p_one_are_greedy_at_any_temperature(client: openai.OpenAI) -> None:
-    greedy = chat(client, temperature=0)
+def test_top_k_one_and_min_p_one_are_greedy_at_any_temperature(oai: openai.OpenAI) -> None:
+    greedy = chat(oai, temperature=0)
     for seed in (1, 2, 3):
-        assert chat(client, temperature=1.5, seed=seed, extra_body={"top_k": 1}) == greedy
-        assert chat(client, temperature=1.5, seed=seed, extra_body={"min_p": 1.0}) == greedy
+        assert chat(oai, temperature=1.5, seed=seed, extra_body={"top_k": 1}) == greedy
+        assert chat(oai, temperature=1.5, seed=seed, extra_body={"min_p": 1.0}) == greedy
     # without them, a hot sampler wanders off the greedy text for some seed
-    assert any(chat(client, temperature=1.5, seed=s) != greedy for s in (1, 2, 3))
+    assert any(chat(oai, temperature=1.5, seed=s) != greedy for s in (1, 2, 3))
 
 
-def test_penalties_change_a_repetitive_answer(client: openai.OpenAI) -> None:
-    plain = chat(client, temperature=0)
+def test_penalties_change_a_repetitive_answer(oai: openai.OpenAI) -> None:
+    plain = chat(oai, temperature=0)
     assert plain.lower().count("cat") >= 8  # the model repeats as asked
     for kw in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0},
                {"extra_body": {"repetition_penalty": 2.0}}):
-        shaped = chat(client, temperature=0, **kw)
+        shaped = chat(oai, temperature=0, **kw)
         assert shaped != plain, kw
         assert shaped.lower().count("cat") < plain.lower().count("cat"), (kw, shaped)
     # the penalties look at the last repeat_last_n tokens only (0: every generated one):
     # a window of 1 cannot stop a line that repeats
     poem = [{"role": "user", "content": "Write a long poem about the sea."}]
-    full = chat(client, poem, temperature=0, frequency_penalty=2.0, max_tokens=60)
-    windowed = chat(client, poem, temperature=0, frequency_penalty=2.0, max_tokens=60,
+    full = chat(oai, poem, temperature=0, frequency_penalty=2.0, max_tokens=60)
+    windowed = chat(oai, poem, temperature=0, frequency_penalty=2.0, max_tokens=60,
                     extra_body={"repeat_last_n": 1})
     assert windowed != full and windowed.count("aria") > full.count("aria")
 
 
-def test_logit_bias_forces_and_forbids_a_token(client: openai.OpenAI) -> None:
-    forced = chat(client, temperature=0, max_tokens=6, logit_bias={"330": 100})
+def test_logit_bias_forces_and_forbids_a_token(oai: openai.OpenAI) -> None:
+    forced = chat(oai, temperature=0, max_tokens=6, logit_bias={"330": 100})
     piece = forced[:len(forced) // 6]
     assert piece and forced == piece * 6  # the same token six times
-    assert chat(client, temperature=0, max_tokens=6) != forced
+    assert chat(oai, temperature=0, max_tokens=6) != forced
     # a banned token stays out even beside a forced one
-    other = chat(client, temperature=0, max_tokens=6, logit_bias={"331": 100})
+    other = chat(oai, temperature=0, max_tokens=6, logit_bias={"331": 100})
     assert other and other != forced
-    assert chat(client, temperature=0, max_tokens=6,
+    assert chat(oai, temperature=0, max_tokens=6,
                 logit_bias={"330": -100, "331": 100}) == other
 
 
@@ -79,17 +67,17 @@ def test_logit_bias_forces_and_forbids_a_token(client: openai.OpenAI) -> None:
     ({"logit_bias": {"4000000": 1}}, "logit_bias"),
     ({"extra_body": {"min_p": 1.5}}, None), ({"extra_body": {"repetition_penalty": 0}}, None),
 ])
-def test_bad_sampler_values_answer_400(client: openai.OpenAI, kw: dict[str, Any],
+def test_bad_sampler_values_answer_400(oai: openai.OpenAI, kw: dict[str, Any],
                                        param: str | None) -> None:
     with pytest.raises(openai.BadRequestError) as err:
-        chat(client, temperature=0, **kw)
+        chat(oai, temperature=0, **kw)
     assert err.value.status_code == 400
     if param:
         assert err.value.body["param"] == param  # type: ignore[index]
 
 
-def test_the_native_route_carries_the_sampler(ssvc: Service) -> None:
-    with ssvc.client() as c:
+def test_the_native_route_carries_the_sampler(service: Service) -> None:
+    with service.client() as c:
         bodies = [{"model": "smollm2", "messages": REPEAT, "max_tokens": 20, "temperature": 0,
                    **extra} for extra in ({}, {"frequency_penalty": 2.0})]
         outs = []

@@ -8,15 +8,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import jsonschema
 import openai
 import pydantic
 import pytest
-
-from ..helpers import Service, running_service
 
 pytestmark = pytest.mark.e2e
 
@@ -42,39 +39,27 @@ PERSON: dict[str, Any] = {
 }
 
 
-@pytest.fixture(scope="module")
-def svc() -> Iterator[Service]:
-    with running_service() as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(svc: Service) -> openai.OpenAI:
-    return openai.OpenAI(base_url=svc.url + "/v1", api_key=svc.token, max_retries=0,
-                         timeout=120)
-
-
 def schema_format(schema: dict[str, Any]) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema,
                                                    "strict": True}}
 
 
 @pytest.mark.parametrize("temperature, seed", [(0, 1), (1.2, 1), (1.2, 2), (1.2, 3)])
-def test_json_schema_output_validates(client: openai.OpenAI, temperature: float,
+def test_json_schema_output_validates(oai: openai.OpenAI, temperature: float,
                                       seed: int) -> None:
-    r = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=300,
-                                       temperature=temperature, seed=seed,
-                                       response_format=schema_format(PERSON))  # type: ignore[arg-type]
+    r = oai.chat.completions.create(model="smollm2", messages=ASK, max_tokens=300,
+                                    temperature=temperature, seed=seed,
+                                    response_format=schema_format(PERSON))  # type: ignore[arg-type]
     choice = r.choices[0]
     assert choice.finish_reason == "stop", choice
     jsonschema.validate(json.loads(choice.message.content or ""), PERSON)
 
 
 @pytest.mark.parametrize("temperature, seed", [(0, 4), (1.2, 5)])
-def test_json_schema_stream_validates(client: openai.OpenAI, temperature: float,
+def test_json_schema_stream_validates(oai: openai.OpenAI, temperature: float,
                                       seed: int) -> None:
     text, finish = "", None
-    for chunk in client.chat.completions.create(
+    for chunk in oai.chat.completions.create(
             model="smollm2", messages=ASK, max_tokens=300, temperature=temperature, seed=seed,
             stream=True, response_format=schema_format(PERSON)):  # type: ignore[arg-type]
         for ch in chunk.choices:
@@ -85,11 +70,11 @@ def test_json_schema_stream_validates(client: openai.OpenAI, temperature: float,
 
 
 @pytest.mark.parametrize("temperature, seed", [(0, 1), (1.2, 7)])
-def test_json_object_is_one_object(client: openai.OpenAI, temperature: float,
+def test_json_object_is_one_object(oai: openai.OpenAI, temperature: float,
                                    seed: int) -> None:
-    r = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=200,
-                                       temperature=temperature, seed=seed,
-                                       response_format={"type": "json_object"})
+    r = oai.chat.completions.create(model="smollm2", messages=ASK, max_tokens=200,
+                                    temperature=temperature, seed=seed,
+                                    response_format={"type": "json_object"})
     assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
     assert r.choices[0].finish_reason == "stop"
 
@@ -100,8 +85,8 @@ class Pet(pydantic.BaseModel):
     legs: int = pydantic.Field(ge=0, le=4)
 
 
-def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
-    r = client.chat.completions.parse(
+def test_parse_with_a_pydantic_model(oai: openai.OpenAI) -> None:
+    r = oai.chat.completions.parse(
         model="smollm2", messages=[{"role": "user", "content": "Invent a pet."}],
         max_tokens=100, temperature=0, response_format=Pet)
     pet = r.choices[0].message.parsed
@@ -113,12 +98,12 @@ def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
     ({"type": "object", "properties": {"a": {"type": "string", "maxlength": 3}}}, "maxlength"),
     ({"type": "strnig"}, None),
 ])
-def test_what_cannot_be_enforced_is_refused_by_name(client: openai.OpenAI,
+def test_what_cannot_be_enforced_is_refused_by_name(oai: openai.OpenAI,
                                                     schema: dict[str, Any],
                                                     words: str | None) -> None:
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=10,
-                                       response_format=schema_format(schema))  # type: ignore[arg-type]
+        oai.chat.completions.create(model="smollm2", messages=ASK, max_tokens=10,
+                                    response_format=schema_format(schema))  # type: ignore[arg-type]
     body = err.value.body
     assert isinstance(body, dict) and body["param"] == "response_format", body
     assert body["code"] == "invalid_schema"
@@ -128,20 +113,20 @@ def test_what_cannot_be_enforced_is_refused_by_name(client: openai.OpenAI,
 
 @pytest.mark.parametrize("rf", [{"type": "xml"}, {"type": "json_schema"},
                                 {"type": "json_schema", "json_schema": {"name": "a b"}}])
-def test_malformed_response_formats_answer_400(client: openai.OpenAI, rf: dict[str, Any]) -> None:
+def test_malformed_response_formats_answer_400(oai: openai.OpenAI, rf: dict[str, Any]) -> None:
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=10,
-                                       response_format=rf)  # type: ignore[arg-type]
+        oai.chat.completions.create(model="smollm2", messages=ASK, max_tokens=10,
+                                    response_format=rf)  # type: ignore[arg-type]
 
 
-def test_pathological_schemas_never_stall_other_streams(client: openai.OpenAI) -> None:
+def test_pathological_schemas_never_stall_other_streams(oai: openai.OpenAI) -> None:
     """A huge enum, deep nesting and a catastrophic pattern are refused (or bounded)
     while another stream runs; that stream's tokens keep coming."""
     gaps: list[float] = []
 
     def stream() -> None:
         last = time.monotonic()
-        for _ in client.chat.completions.create(
+        for _ in oai.chat.completions.create(
                 model="smollm2", messages=[{"role": "user", "content": "Tell a long story."}],
                 max_tokens=120, temperature=0, stream=True):
             now = time.monotonic()
@@ -158,8 +143,8 @@ def test_pathological_schemas_never_stall_other_streams(client: openai.OpenAI) -
     for schema in bad:
         started = time.monotonic()
         try:
-            client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=20,
-                                           response_format=schema_format(schema))  # type: ignore[arg-type]
+            oai.chat.completions.create(model="smollm2", messages=ASK, max_tokens=20,
+                                        response_format=schema_format(schema))  # type: ignore[arg-type]
         except (openai.BadRequestError, openai.APIStatusError) as exc:
             assert exc.status_code in (400, 413), exc
         assert time.monotonic() - started < 10

@@ -7,7 +7,6 @@ the refusals of bad names, duplicates and schemas that cannot be enforced."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -15,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from ..helpers import Service, running_service
+from ..helpers import Service
 
 pytestmark = pytest.mark.e2e
 
@@ -50,18 +49,6 @@ NAMED = {"type": "function", "function": {"name": "web-search"}}
 TERMINAL = ("completed", "failed", "cancelled")
 
 
-@pytest.fixture(scope="module")
-def svc() -> Iterator[Service]:
-    with running_service() as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(svc: Service) -> openai.OpenAI:
-    return openai.OpenAI(base_url=svc.url + "/v1", api_key=svc.token, max_retries=0,
-                         timeout=120)
-
-
 def check_calls(calls: list[Any], only: str | None = None) -> None:
     assert calls
     for c in calls:
@@ -71,10 +58,10 @@ def check_calls(calls: list[Any], only: str | None = None) -> None:
     assert len({c.id for c in calls}) == len(calls)
 
 
-def streamed(client: openai.OpenAI, **kw: Any) -> tuple[str, list[dict[str, Any]], str | None]:
+def streamed(oai: openai.OpenAI, **kw: Any) -> tuple[str, list[dict[str, Any]], str | None]:
     """(content, calls as assembled from delta.tool_calls, finish_reason)."""
     text, calls, finish = "", [], None
-    for chunk in client.chat.completions.create(model="smollm2", stream=True, **kw):
+    for chunk in oai.chat.completions.create(model="smollm2", stream=True, **kw):
         for ch in chunk.choices:
             text += ch.delta.content or ""
             for d in ch.delta.tool_calls or []:
@@ -92,9 +79,9 @@ def streamed(client: openai.OpenAI, **kw: Any) -> tuple[str, list[dict[str, Any]
 
 @pytest.mark.parametrize("temperature, seed", [(0, 1), (1.2, 1), (1.2, 2), (1.2, 3)])
 @pytest.mark.parametrize("choice", ["required", "named"])
-def test_required_and_named_always_call(client: openai.OpenAI, choice: str,
+def test_required_and_named_always_call(oai: openai.OpenAI, choice: str,
                                         temperature: float, seed: int) -> None:
-    r = client.chat.completions.create(
+    r = oai.chat.completions.create(
         model="smollm2", messages=ASK, max_tokens=400, temperature=temperature, seed=seed,
         tools=TOOLS, tool_choice=NAMED if choice == "named" else "required")  # type: ignore[arg-type]
     c = r.choices[0]
@@ -105,10 +92,10 @@ def test_required_and_named_always_call(client: openai.OpenAI, choice: str,
 
 @pytest.mark.parametrize("temperature, seed", [(0, 4), (1.2, 5), (1.2, 6)])
 @pytest.mark.parametrize("choice", ["required", "named"])
-def test_streamed_calls(client: openai.OpenAI, choice: str, temperature: float,
+def test_streamed_calls(oai: openai.OpenAI, choice: str, temperature: float,
                         seed: int) -> None:
     text, calls, finish = streamed(
-        client, messages=ASK, max_tokens=400, temperature=temperature, seed=seed, tools=TOOLS,
+        oai, messages=ASK, max_tokens=400, temperature=temperature, seed=seed, tools=TOOLS,
         tool_choice=NAMED if choice == "named" else "required", parallel_tool_calls=False)
     assert finish == "tool_calls" and text == ""
     assert len(calls) == 1
@@ -118,10 +105,10 @@ def test_streamed_calls(client: openai.OpenAI, choice: str, temperature: float,
 
 
 @pytest.mark.parametrize("temperature, seed", [(0, 7), (1.2, 7), (1.2, 8)])
-def test_auto_answers_text_or_a_valid_call(client: openai.OpenAI, temperature: float,
+def test_auto_answers_text_or_a_valid_call(oai: openai.OpenAI, temperature: float,
                                            seed: int) -> None:
-    r = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=200,
-                                       temperature=temperature, seed=seed, tools=TOOLS)  # type: ignore[arg-type]
+    r = oai.chat.completions.create(model="smollm2", messages=ASK, max_tokens=200,
+                                    temperature=temperature, seed=seed, tools=TOOLS)  # type: ignore[arg-type]
     c = r.choices[0]
     if c.message.tool_calls:
         assert c.finish_reason == "tool_calls"
@@ -129,7 +116,7 @@ def test_auto_answers_text_or_a_valid_call(client: openai.OpenAI, temperature: f
     else:
         assert c.finish_reason in ("stop", "length") and c.message.content
         assert "<tool_call>" not in c.message.content
-    text, calls, finish = streamed(client, messages=ASK, max_tokens=200,
+    text, calls, finish = streamed(oai, messages=ASK, max_tokens=200,
                                    temperature=temperature, seed=seed, tools=TOOLS)
     if calls:
         assert finish == "tool_calls"
@@ -141,15 +128,15 @@ def test_auto_answers_text_or_a_valid_call(client: openai.OpenAI, temperature: f
     assert bool(calls) == bool(c.message.tool_calls)
 
 
-def test_none_answers_text(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=40,
-                                       temperature=0, tools=TOOLS, tool_choice="none")  # type: ignore[arg-type]
+def test_none_answers_text(oai: openai.OpenAI) -> None:
+    r = oai.chat.completions.create(model="smollm2", messages=ASK, max_tokens=40,
+                                    temperature=0, tools=TOOLS, tool_choice="none")  # type: ignore[arg-type]
     c = r.choices[0]
     assert c.message.tool_calls is None and c.message.content
     assert c.finish_reason in ("stop", "length")
 
 
-def test_a_conversation_with_calls_and_results(client: openai.OpenAI) -> None:
+def test_a_conversation_with_calls_and_results(oai: openai.OpenAI) -> None:
     messages: list[Any] = [
         {"role": "system", "content": "You are a weather assistant."}, *ASK,
         {"role": "assistant", "content": None, "tool_calls": [
@@ -158,12 +145,12 @@ def test_a_conversation_with_calls_and_results(client: openai.OpenAI) -> None:
                 "arguments": '{"city": "Paris", "unit": "celsius", "days": 1}'}}]},
         {"role": "tool", "tool_call_id": "call_abc",
          "content": '{"forecast": "sunny", "temperature": 24}'}]
-    r = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=60,
-                                       temperature=0, tools=TOOLS, tool_choice="none")  # type: ignore[arg-type]
+    r = oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=60,
+                                    temperature=0, tools=TOOLS, tool_choice="none")  # type: ignore[arg-type]
     assert r.choices[0].message.content
     # The same history may go on calling.
-    r = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=300,
-                                       temperature=0, tools=TOOLS, tool_choice="required")  # type: ignore[arg-type]
+    r = oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=300,
+                                    temperature=0, tools=TOOLS, tool_choice="required")  # type: ignore[arg-type]
     assert r.choices[0].finish_reason == "tool_calls"
     check_calls(r.choices[0].message.tool_calls or [])
 
@@ -187,20 +174,20 @@ def _tool(name: str, parameters: Any = None) -> dict[str, Any]:
         "a": {"type": "array", "uniqueItems": True}}})], "auto", "uniqueItems"),
     ([_tool("f", {"type": "object", "properties": {"a": {"type": "strnig"}}})], "auto", None),
 ])
-def test_bad_tools_answer_400(client: openai.OpenAI, tools: list[Any], choice: Any,
+def test_bad_tools_answer_400(oai: openai.OpenAI, tools: list[Any], choice: Any,
                               words: str | None) -> None:
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=10,
-                                       tools=tools, tool_choice=choice)
+        oai.chat.completions.create(model="smollm2", messages=ASK, max_tokens=10,
+                                    tools=tools, tool_choice=choice)
     body = err.value.body
     assert isinstance(body, dict), body
     if words:
         assert words in body["message"], body
 
 
-def test_schema_refusals_name_the_function(client: openai.OpenAI) -> None:
+def test_schema_refusals_name_the_function(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(
+        oai.chat.completions.create(
             model="smollm2", messages=ASK, max_tokens=10, tool_choice="auto",
             tools=[_tool("ok"), _tool("bad", {"type": "object", "properties": {
                 "a": {"type": "string", "maxlength": 3}}})])
@@ -211,14 +198,14 @@ def test_schema_refusals_name_the_function(client: openai.OpenAI) -> None:
     assert "#/properties/a" in body["message"], body
 
 
-def test_the_native_route_takes_tools(svc: Service) -> None:
+def test_the_native_route_takes_tools(service: Service) -> None:
     """The same fields on POST /aotx/v1/requests; the call is in the byte output in the
     fallback format."""
     import base64
     import time
 
-    h = {"Authorization": f"Bearer {svc.token}"}
-    with httpx.Client(base_url=svc.url, headers=h, timeout=60) as http:
+    h = {"Authorization": f"Bearer {service.token}"}
+    with httpx.Client(base_url=service.url, headers=h, timeout=60) as http:
         r = http.post("/aotx/v1/requests", json={
             "model": "smollm2", "messages": ASK, "max_tokens": 300, "temperature": 0,
             "tools": TOOLS, "tool_choice": NAMED, "parallel_tool_calls": False})
