@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -292,9 +291,6 @@ class ChatRequest(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-
 def _response_format(rf: dict[str, Any] | None) -> Constraint | None:
     """OpenAI's ``response_format``: ``text``, ``json_object`` (any JSON object) or
     ``json_schema`` (``{"name", "schema", "strict", "description"}``; the output always
@@ -310,7 +306,7 @@ def _response_format(rf: dict[str, Any] | None) -> Constraint | None:
     spec = rf.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise ValueError("response_format.json_schema needs a name and a schema")
-    if not _SCHEMA_NAME.fullmatch(spec["name"]):
+    if not T.NAME.fullmatch(spec["name"]):  # OpenAI's rule, as for function names
         raise ValueError("response_format.json_schema.name is 1-64 of a-z, A-Z, 0-9, _ and -")
     schema = spec.get("schema", {})
     if not isinstance(schema, dict):
