@@ -64,8 +64,7 @@ FAILURES: dict[Failure, tuple[int, Reason]] = {
     Failure.DECODE: (500, Reason.DECODE),
     Failure.MEDIA: (500, Reason.MEDIA_ENCODE),
     # A grammar's matcher ran past llguidance's per-step limits mid-generation (the
-    # request's compile checks passed).  Until the wire has a reason of its own for it,
-    # it answers as the device's internal failure.
+    # request's compile checks passed).
     Failure.GRAMMAR: (500, Reason.GRAMMAR_FAILED),
 }
 
