@@ -156,7 +156,12 @@ def response_text(content: str) -> str:
 def grammar(tools: Sequence[ToolDef], choice: ToolChoice | None, parallel: bool
             ) -> tuple[str, tuple[str, ...]]:
     """The Lark grammar for ``mode(tools, choice)`` (not None), and the functions' names
-    in the order of its ``%json`` schemas (for naming a refused one)."""
+    in the order of its ``%json`` schemas (for naming a refused one).
+
+    ``auto``: plain text that never holds ``<tool_call>``, or text (possibly none) up
+    to the first ``<tool_call>`` and then calls only.  The text before a call is a lazy
+    lexeme (llguidance's docs/syntax.md, "Tool calling"): it ends at the first
+    ``<tool_call>``, where a greedy one would swallow the marker's first bytes."""
     allowed = [t.function for t in tools
                if not isinstance(choice, NamedChoice) or t.function.name == choice.function.name]
     rules = []
@@ -164,11 +169,13 @@ def grammar(tools: Sequence[ToolDef], choice: ToolChoice | None, parallel: bool
         schema = json.dumps(parameters(f), ensure_ascii=False, separators=(",", ":"))
         rules.append(f'f{i}: "{{\\"name\\": \\"{f.name}\\", \\"arguments\\": " %json {schema}'
                      f' "}}"')
-    repeat = f'("\\n" call){{0,{MAX_PARALLEL - 1}}}' if parallel else ""
-    start = "start: calls" if mode(tools, choice) == "required" else "start: TEXT | calls"
-    lines = [start, f"calls: call {repeat}".rstrip(),
-             'call: "<tool_call>\\n" (' + " | ".join(f"f{i}" for i in range(len(allowed)))
+    repeat = f' ("\\n<tool_call>" body){{0,{MAX_PARALLEL - 1}}}' if parallel else ""
+    start = ('start: "<tool_call>" calls' if mode(tools, choice) == "required"
+             else "start: TEXT | head calls")
+    lines = [start, f"calls: body{repeat}",
+             'body: "\\n" (' + " | ".join(f"f{i}" for i in range(len(allowed)))
              + ') "\\n</tool_call>"',
+             "head[lazy]: /(.|\\n)*<tool_call>/",
              "TEXT: /(.|\\n)+/ & ~/(.|\\n)*<tool_call>(.|\\n)*/", *rules]
     return "\n".join(lines) + "\n", tuple(f.name for f in allowed)
 
@@ -190,7 +197,7 @@ def parse(text: str) -> tuple[str | None, list[dict[str, Any]]]:
                                    "arguments": json.dumps(args, ensure_ascii=False)}})
     if not calls:
         return text, []
-    return text[:text.find(OPEN)].strip() or None, calls
+    return text[:text.find(OPEN)].rstrip() or None, calls
 
 
 def message(text: str, finish: str, active: Mode | None) -> tuple[dict[str, Any], str]:
@@ -203,27 +210,27 @@ def message(text: str, finish: str, active: Mode | None) -> tuple[dict[str, Any]
 
 
 class ToolStream:
-    """A stream's text, split into what streams as content at once and the calls, held
-    until the output ends.  While the output could still begin a call (a prefix of
-    ``<tool_call>``) nothing is sent; once it cannot, it is text and streams as is."""
+    """A stream's text, split into the content that streams at once and the calls, held
+    until the output ends.  Content streams until ``<tool_call>``; what could still
+    begin one (a prefix of it at the end) and trailing whitespace (the non-streaming
+    content is right-stripped before a call) wait for the next characters."""
 
     def __init__(self, active: Mode) -> None:
         self.held = ""
-        self.state = "undecided" if active == "auto" else "calls"
+        self.calls = active == "required"  # past the first <tool_call>: all is held
 
     def feed(self, text: str) -> str:
         """The content to stream now for ``text``, the output's next characters."""
-        if self.state == "text":
-            return text
         self.held += text
-        if self.state == "undecided":
-            if self.held.startswith(OPEN):
-                self.state = "calls"
-            elif not OPEN.startswith(self.held):
-                self.state = "text"
-                out, self.held = self.held, ""
-                return out
-        return ""
+        if self.calls:
+            return ""
+        at = self.held.find(OPEN)
+        self.calls = at >= 0
+        if not self.calls:
+            at = len(self.held) - _opening(self.held)
+        cut = len(self.held[:at].rstrip())
+        out, self.held = self.held[:cut], self.held[cut:]
+        return out
 
     def end(self, finish: str) -> tuple[str, list[dict[str, Any]], str]:
         """(the content still to send, the calls' deltas, the finish_reason)."""
@@ -231,6 +238,12 @@ class ToolStream:
         if not calls:
             return self.held, [], finish
         return content or "", list(deltas(calls)), "tool_calls" if finish == "stop" else finish
+
+
+def _opening(text: str) -> int:
+    """The length of the longest end of ``text`` that could still begin ``<tool_call>``."""
+    return next((k for k in range(min(len(OPEN) - 1, len(text)), 0, -1)
+                 if text.endswith(OPEN[:k])), 0)
 
 
 def deltas(calls: Sequence[dict[str, Any]]) -> Iterator[dict[str, Any]]:

@@ -49,7 +49,6 @@ def call(name: str, args: str) -> str:
     ({"tool_choice": "required"}, "needs tools"),
     ({"tools": [CLOCK], "response_format": {"type": "json_object"}}, "cannot be combined"),
     ({"functions": [{"name": "f"}]}, "deprecated"),
-    ({"tools": [CLOCK], "logprobs": True}, "logprobs cannot be combined"),
     ({"tools": [{"type": "retrieval"}]}, "function"),
 ])
 def test_bad_tools_are_refused(fields: dict[str, Any], wrong: str) -> None:
@@ -94,9 +93,13 @@ def test_the_grammar(compiler: GrammarCompiler) -> None:  # noqa: F811
     assert accepts(compiler, auto, call("get_weather", '{"city": "Oslo"}'))
     assert not accepts(compiler, auto, call("get_weather", '{"town": "Oslo"}'))
     assert not accepts(compiler, auto, call("now", '{"x": 1}'))
-    assert not accepts(compiler, auto, "Sure! " + call("now", "{}"))
+    assert accepts(compiler, auto, "Sure!\n" + call("now", "{}"))
+    assert accepts(compiler, auto, "a < b <tool_ca" + call("now", "{}"))
+    assert not accepts(compiler, auto, "x <tool_call> y")
+    assert not accepts(compiler, auto, call("now", "{}") + " and text after")
     required = request(tools=[WEATHER, CLOCK], tool_choice="required")
     assert not accepts(compiler, required, "Hello")
+    assert not accepts(compiler, required, "Hello " + call("now", "{}"))
     two = call("now", "{}") + "\n" + call("get_weather", '{"city": "Oslo"}')
     assert accepts(compiler, required, two)
     single = request(tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False)
@@ -135,3 +138,20 @@ def test_answers_whole_and_streamed() -> None:
     s = tools.ToolStream("auto")
     assert [s.feed(t) for t in ["<t", "ab", "le>"]] == ["", "<tab", "le>"]
     assert s.end("stop") == ("", [], "stop")
+
+
+def test_text_before_calls_whole_and_streamed() -> None:
+    text = "Let me look.\n" + call("now", "{}")
+    msg, finish = tools.message(text, "stop", "auto")
+    assert (msg["content"], finish) == ("Let me look.", "tool_calls")
+    assert msg["tool_calls"][0]["function"]["name"] == "now"
+    s = tools.ToolStream("auto")
+    sent = [s.feed(t) for t in ["Let me", " look.\n", "<tool", "_call>\n{", text[26:]]]
+    assert sent == ["Let me", " look.", "", "", ""]
+    content, deltas, finish = s.end("stop")
+    assert (content, finish) == ("", "tool_calls") and len(deltas) == 2
+    # a call cut short (max_tokens) is all content, whitespace included, as unstreamed
+    s = tools.ToolStream("auto")
+    cut = "Hm.\n<tool_call>\n{\"name\""
+    assert s.feed(cut) + s.end("length")[0] == tools.message(cut, "length", "auto")[0][
+        "content"] == cut
