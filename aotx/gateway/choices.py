@@ -1,11 +1,18 @@
-"""``n`` choices of one chat completion: n device requests, followed together.
+"""A chat completion's choices: one device request per choice, followed together.
 
-The gateway admits n requests with the same messages (the seed, when given, is seed,
+``n`` > 1 admits n requests with the same messages (the seed, when given, is seed,
 seed + 1, ...: each choice samples apart, and a seed reproduces them all).  They reach
 the device together, so its scheduler evaluates their common prompt once: the later
 ones wait for the first and copy its cells (``Scheduler._twin_preparing``).  Usage
-counts the prompt once and every choice's tokens.  A stream interleaves the choices'
-chunks, each carrying its ``index``; a client that leaves cancels every choice.
+counts the prompt once and every choice's tokens.
+
+Each choice's bytes become chat deltas in a :class:`ChoiceText`: decoded as UTF-8;
+with ``logprobs``, cut only where a token ends on a character boundary so that each
+chunk carries the logprobs of exactly its tokens (the device publishes a token's
+annotation line with its last byte, so read after the bytes, the lines cover them);
+with tools, calls held back until the output ends (gateway/tools.py).  A stream
+interleaves the choices' chunks, each with its ``index``; a client that leaves cancels
+every choice.
 """
 
 from __future__ import annotations
@@ -13,25 +20,61 @@ from __future__ import annotations
 import asyncio
 import codecs
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
 
 from .. import ids, wire
-from . import calls
+from . import calls, tools
 from .errors import ApiError
-from .render import FINISH_NAMES, json_response, sse_data
+from .render import FINISH_NAMES, json_response, sse_data, token_logprob
 from .requests import ChatRequest
 from .service import Gateway, Principal
 
-Choice = tuple[wire.Header, bytes]  # the final state and the output of one choice
+Failed = Callable[[wire.Header], ApiError]  # how a request that failed answers
+# A stream chunk of one choice: its delta, the logprobs of the tokens the delta's text
+# holds (with ``logprobs``) and the finish_reason (the last chunk).
+Event = tuple[dict[str, Any], list[dict[str, Any]] | None, str | None]
 
 
 async def completion(g: Gateway, body: ChatRequest, principal: Principal,
-                     failed: Any) -> Response:
-    """POST /v1/chat/completions with ``n`` > 1 (``failed``: how a failed request answers)."""
+                     failed: Failed) -> Response:
+    """POST /v1/chat/completions: admit the choices, then answer whole or as a stream."""
+    admitted = await _admit(g, body, principal)
+    first = admitted[0].header
+    rid = ids.format_request_id(first.epoch, first.identity)
+    head = {"id": "chatcmpl-" + rid[4:], "created": int(time.time()),
+            "model": admitted[0].model.alias, "system_fingerprint": f"aotx-{first.epoch}"}
+    texts = [ChoiceText(g, principal, a.header, bool(body.logprobs), body.tool_mode)
+             for a in admitted]
+    headers = {"X-Request-Id": rid}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_stream(texts, head, include_usage, failed),
+                                 media_type="text/event-stream",
+                                 headers={**headers, "Cache-Control": "no-store"})
+    done = False
+    try:
+        got = await asyncio.gather(*(t.whole() for t in texts))
+        done = True
+    finally:
+        if not done:
+            await _cancel(texts)
+    for t in texts:
+        if t.last.phase == wire.Phase.FAILED:
+            raise failed(t.last)
+    return json_response({**head, "object": "chat.completion",
+                          "choices": [{"index": i, **c} for i, c in enumerate(got)],
+                          "usage": _usage([t.last for t in texts])}, headers=headers)
+
+
+async def _admit(g: Gateway, body: ChatRequest, principal: Principal
+                 ) -> list[calls.Admitted]:
     n = body.n or 1
+    if n == 1:
+        return [await calls.submit(g, body, principal)]
     admitted: list[calls.Admitted] = []
     try:
         for i in range(n):
@@ -39,43 +82,10 @@ async def completion(g: Gateway, body: ChatRequest, principal: Principal,
             admitted.append(await calls.submit(g, body.model_copy(update={"seed": seed}),
                                                principal))
     except BaseException:
-        await _cancel(g, principal, admitted)
+        for a in admitted:
+            await calls.cancel_quietly(g, principal, a.header)
         raise
-    first = admitted[0].header
-    rid = ids.format_request_id(first.epoch, first.identity)
-    head = {"id": "chatcmpl-" + rid[4:], "created": int(time.time()),
-            "model": admitted[0].model.alias, "system_fingerprint": f"aotx-{first.epoch}"}
-    headers = {"X-Request-Id": rid}
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(g, principal, admitted, head, include_usage),
-                                 media_type="text/event-stream",
-                                 headers={**headers, "Cache-Control": "no-store"})
-    done = False
-    try:
-        got = await asyncio.gather(*(_whole(g, principal, a.header) for a in admitted))
-        done = True
-    finally:
-        if not done:
-            await _cancel(g, principal, admitted)
-    for last, _ in got:
-        if last.phase == wire.Phase.FAILED:
-            raise failed(last)
-    return json_response({
-        **head, "object": "chat.completion",
-        "choices": [{"index": i, "message": {"role": "assistant",
-                                             "content": out.decode("utf-8", "replace")},
-                     "logprobs": None, "finish_reason": _finish(last)}
-                    for i, (last, out) in enumerate(got)],
-        "usage": _usage([last for last, _ in got]),
-    }, headers=headers)
-
-
-async def _whole(g: Gateway, principal: Principal, rh: wire.Header) -> Choice:
-    out, last = [], rh
-    async for last, data, _ in calls.follow(g, principal, rh.epoch, rh.identity, 0):  # noqa: B007
-        out.append(data)
-    return last, b"".join(out)
+    return admitted
 
 
 def _finish(h: wire.Header) -> str:
@@ -89,65 +99,202 @@ def _usage(lasts: list[wire.Header]) -> dict[str, int]:
             "total_tokens": lasts[0].prompt_tokens + completion_tokens}
 
 
-async def _cancel(g: Gateway, principal: Principal, admitted: list[calls.Admitted]) -> None:
-    for a in admitted:
-        await calls.cancel_quietly(g, principal, a.header)
+async def _cancel(texts: list[ChoiceText]) -> None:
+    for t in texts:
+        await calls.cancel_quietly(t.g, t.principal, t.rh)
 
 
-async def _stream(g: Gateway, principal: Principal, admitted: list[calls.Admitted],
-                  head: dict[str, Any], include_usage: bool) -> AsyncIterator[bytes]:
-    def chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> bytes:
+class ChoiceText:
+    """One choice: its request's bytes as chat deltas, or its whole message."""
+
+    def __init__(self, g: Gateway, principal: Principal, rh: wire.Header, notes: bool,
+                 tool_mode: tools.Mode | None) -> None:
+        self.g, self.principal, self.rh, self.notes = g, principal, rh, notes
+        self.last = rh  # the request's latest state
+        self.mode = tool_mode
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._tools = tools.ToolStream(tool_mode) if tool_mode else None
+        # with notes: output bytes not sent yet (from ``start``), the annotation cursor
+        # and the lines read but not sent yet
+        self._held = bytearray()
+        self._start = 0
+        self._cursor = 0
+        self._pending: list[dict[str, Any]] = []
+        # with tools: logprobs of text the tool stream holds, with the count of characters
+        # fed when each piece ends
+        self._fed = 0
+        self._lps: list[tuple[int, list[dict[str, Any]]]] = []
+
+    async def whole(self) -> dict[str, Any]:
+        """The choice's ``message``, ``logprobs`` and ``finish_reason`` (to its end)."""
+        chunks = [data async for data in self._output()]
+        logprobs = None
+        if self.notes:
+            lines, _ = await calls.notes(self.g, self.principal, self.rh.epoch,
+                                         self.rh.identity, 0)
+            logprobs = {"content": [token_logprob(n) for n in lines], "refusal": None}
+        text = b"".join(chunks).decode("utf-8", errors="replace")
+        message, finish = tools.message(text, _finish(self.last), self.mode)
+        return {"message": message, "logprobs": logprobs, "finish_reason": finish}
+
+    async def events(self) -> AsyncIterator[Event]:
+        """The choice's deltas to its end (then ``last`` is its final state); a failed
+        request ends them without a finish_reason."""
+        async for data in self._output():
+            for delta in await self.add(data):
+                yield delta
+        for delta in await self.add(b"", final=True):
+            yield delta
+        if self.last.phase != wire.Phase.FAILED:
+            for delta in self.end():
+                yield delta
+
+    async def _output(self) -> AsyncIterator[bytes]:
+        """The request's output as it comes; ``last`` follows its state."""
+        async for last, data, _ in calls.follow(self.g, self.principal, self.rh.epoch,
+                                                self.rh.identity, 0):
+            self.last = last
+            yield data
+
+    async def add(self, data: bytes, final: bool = False) -> list[Event]:
+        """The content deltas that ``data`` completes (``final``: the output is whole)."""
+        out: list[Event] = []
+        for text, lps in await self._pieces(data, final):
+            if self._tools is None:
+                out.append(({"content": text}, lps, None))
+                continue
+            self._fed += len(text)
+            if lps is not None:
+                self._lps.append((self._fed, lps))
+            sent = self._tools.feed(text)
+            if sent:
+                lps_ = self._release(self._fed - len(self._tools.held))
+                out.append(({"content": sent}, lps_, None))
+        return out
+
+    def end(self) -> list[Event]:
+        """The deltas held back (content, then the calls') and the last, with the
+        finish_reason.  Held logprobs go with the first of them."""
+        finish = _finish(self.last)
+        deltas: list[dict[str, Any]] = []
+        if self._tools is not None:
+            content, calls_, finish = self._tools.end(finish)
+            deltas = [{"content": content}] * bool(content) + calls_
+        lps = self._release(None)
+        out: list[Event] = [(d, lps if i == 0 else None, None) for i, d in enumerate(deltas)]
+        if lps and not out:
+            out.append(({"content": ""}, lps, None))
+        return [*out, ({}, None, finish)]
+
+    def _release(self, upto: int | None) -> list[dict[str, Any]] | None:
+        """The held logprobs of pieces that end by character ``upto`` (None: all)."""
+        if not self.notes:
+            return None
+        take = [lps for end, lps in self._lps if upto is None or end <= upto]
+        self._lps = self._lps[len(take):]
+        return [x for lps in take for x in lps]
+
+    async def _pieces(self, data: bytes, final: bool) -> list[tuple[str, Any]]:
+        """(text, logprobs or None) for the pieces ``data`` completes."""
+        if not self.notes:
+            text = self._utf8.decode(data, final)
+            return [(text, None)] if text else []
+        self._held += data
+        end = self._start + len(self._held)
+        if data or final:
+            more, self._cursor = await calls.notes(self.g, self.principal, self.rh.epoch,
+                                                   self.rh.identity, self._cursor)
+            self._pending += more
+        take, cut = 0, self._start
+        for i, n in enumerate(self._pending):
+            e = int(n["offset"]) + len(n["bytes"])
+            if e > end:
+                break
+            if _boundary(self._held, e - self._start):
+                take, cut = i + 1, e
+        if final:
+            take, cut = len(self._pending), end
+        if not take and cut == self._start:
+            return []
+        text = bytes(self._held[:cut - self._start]).decode("utf-8", errors="replace")
+        del self._held[:cut - self._start]
+        sent, self._pending, self._start = self._pending[:take], self._pending[take:], cut
+        return [(text, [token_logprob(n) for n in sent])]
+
+
+def _boundary(data: bytearray, p: int) -> bool:
+    """Is ``p`` a character boundary in UTF-8 ``data`` (its end: unless a character runs
+    past it)?"""
+    if p < len(data):
+        return data[p] & 0xC0 != 0x80
+    for back in range(1, min(4, p) + 1):
+        b = data[p - back]
+        if b & 0xC0 != 0x80:
+            return back >= (1 if b < 0x80 else 2 if b < 0xE0 else 3 if b < 0xF0 else 4)
+    return True
+
+
+async def _stream(texts: list[ChoiceText], head: dict[str, Any], include_usage: bool,
+                  failed: Failed) -> AsyncIterator[bytes]:
+    """The chunks of every choice as they come, then the usage chunk (asked) and [DONE];
+    a choice that fails ends the stream with its error and cancels the others."""
+    def chunk(index: int, delta: dict[str, Any], lps: list[dict[str, Any]] | None,
+              finish: str | None) -> bytes:
         obj = {**head, "object": "chat.completion.chunk",
-               "choices": [{"index": index, "delta": delta, "logprobs": None,
-                            "finish_reason": finish}]}
+               "choices": [{"index": index, "delta": delta, "finish_reason": finish,
+                            "logprobs": None if lps is None else {"content": lps,
+                                                                   "refusal": None}}]}
         return sse_data({**obj, "usage": None} if include_usage else obj)
 
-    queue: asyncio.Queue[tuple[int, dict[str, Any] | None, wire.Header]] = asyncio.Queue()
-    followers = [asyncio.ensure_future(_feed(g, principal, a.header, i, queue))
-                 for i, a in enumerate(admitted)]
-    lasts: list[wire.Header] = [a.header for a in admitted]
     done = False
     try:
-        for i in range(len(admitted)):
-            yield chunk(i, {"role": "assistant", "content": ""})
-        open_choices = len(admitted)
-        while open_choices:
-            i, delta, last = await queue.get()
-            if delta is not None:
-                yield chunk(i, delta)
-                continue
-            open_choices -= 1
-            lasts[i] = last
-            if last.phase == wire.Phase.FAILED:
-                raise ApiError(last.failure or 500, "a choice failed on the device")
-            yield chunk(i, {}, _finish(last))
+        for i in range(len(texts)):
+            yield chunk(i, {"role": "assistant", "content": ""}, None, None)
+        async with aclosing(_merge(texts)) as events:
+            async for i, event in events:
+                if event is not None:
+                    yield chunk(i, *event)
+                elif texts[i].last.phase == wire.Phase.FAILED:
+                    raise failed(texts[i].last)
         done = True
         if include_usage:
             yield sse_data({**head, "object": "chat.completion.chunk", "choices": [],
-                            "usage": _usage(lasts)})
+                            "usage": _usage([t.last for t in texts])})
         yield b"data: [DONE]\n\n"
     except ApiError as exc:
         yield sse_data(exc.body())
     finally:
-        for f in followers:
-            f.cancel()
         if not done:
-            await _cancel(g, principal, admitted)
+            await _cancel(texts)
 
 
-async def _feed(g: Gateway, principal: Principal, rh: wire.Header, index: int,
-                queue: asyncio.Queue[tuple[int, dict[str, Any] | None, wire.Header]]) -> None:
-    """One choice's text deltas into ``queue``, then (index, None, its final state)."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    last = rh
+async def _merge(texts: list[ChoiceText]) -> AsyncGenerator[tuple[int, Event | None]]:
+    """(choice index, event) as each choice's events come; (index, None) when a choice
+    ends.  One choice is followed in place; several each in a task of their own."""
+    if len(texts) == 1:
+        async for event in texts[0].events():
+            yield 0, event
+        yield 0, None
+        return
+    queue: asyncio.Queue[tuple[int, Event | None | ApiError]] = asyncio.Queue()
+
+    async def feed(i: int, t: ChoiceText) -> None:
+        try:
+            async for event in t.events():
+                await queue.put((i, event))
+            await queue.put((i, None))
+        except ApiError as exc:
+            await queue.put((i, exc))
+
+    tasks = [asyncio.ensure_future(feed(i, t)) for i, t in enumerate(texts)]
     try:
-        async for last, data, _ in calls.follow(g, principal, rh.epoch, rh.identity, 0):  # noqa: B007
-            text = decoder.decode(data)
-            if text:
-                await queue.put((index, {"content": text}, last))
-        tail = decoder.decode(b"", final=True)
-        if tail:
-            await queue.put((index, {"content": tail}, last))
-    except ApiError:
-        last = last._replace(phase=int(wire.Phase.FAILED), failure=503)
-    await queue.put((index, None, last))
+        open_choices = len(texts)
+        while open_choices:
+            i, got = await queue.get()
+            if isinstance(got, ApiError):
+                raise got
+            open_choices -= got is None
+            yield i, got
+    finally:
+        for task in tasks:
+            task.cancel()

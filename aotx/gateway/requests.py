@@ -218,8 +218,6 @@ class ChatRequest(BaseModel):
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatRequest:
-        if (self.n or 1) > 1 and (self.tool_mode or self.logprobs):
-            raise ValueError("n > 1 cannot be combined with tools or logprobs yet")
         if self.functions or self.function_call is not None:
             raise ValueError("functions and function_call are deprecated and not supported: "
                              "use tools and tool_choice")
@@ -227,8 +225,6 @@ class ChatRequest(BaseModel):
         if self.tool_mode and (self.response_format or {}).get("type", "text") != "text":
             raise ValueError("response_format cannot be combined with tools (except with "
                              "tool_choice none)")
-        if self.tool_mode and self.logprobs:
-            raise ValueError("logprobs cannot be combined with tools yet")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         _response_format(self.response_format)

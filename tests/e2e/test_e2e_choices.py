@@ -1,12 +1,16 @@
 """``n`` choices end to end through the official ``openai`` client (issue 20): n choices
 with their indexes, stream and not, reproducible with a seed, usage counting the prompt
-once and every choice, the prompt evaluated once on the device, and the refusals."""
+once and every choice, the prompt evaluated once on the device, each choice with its
+logprobs or its tool calls, and the refusals."""
 
 from __future__ import annotations
 
+import json
 import re
+from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -65,8 +69,7 @@ def test_a_stream_of_n_choices_carries_their_indexes(oai: openai.OpenAI) -> None
     assert usage is not None and usage.completion_tokens == 3 * whole.usage.completion_tokens  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("kw", [{"n": 9}, {"n": 2, "logprobs": True},
-                                {"n": 0}])
+@pytest.mark.parametrize("kw", [{"n": 9}, {"n": 0}])
 def test_n_refusals(oai: openai.OpenAI, kw: dict[str, object]) -> None:
     with pytest.raises(openai.BadRequestError):
         oai.chat.completions.create(model="smollm2", messages=ASK, max_tokens=4, **kw)  # type: ignore[call-overload]
@@ -78,3 +81,57 @@ def test_the_native_route_takes_one_choice(service: Service) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"
         caps = c.get("/aotx/v1/capabilities").json()
         assert caps["limits"]["choices"] == "8"
+
+
+def test_each_choice_carries_its_own_logprobs(oai: openai.OpenAI) -> None:
+    r = oai.chat.completions.create(model="smollm2", messages=ASK, n=3, max_tokens=12,
+                                    temperature=1.2, seed=5, logprobs=True, top_logprobs=2)
+    for c in r.choices:
+        assert c.logprobs is not None and c.logprobs.content
+        joined = b"".join(bytes(t.bytes or []) for t in c.logprobs.content)
+        assert joined.decode() == c.message.content
+        assert all(len(t.top_logprobs) == 2 for t in c.logprobs.content)
+    streamed: dict[int, list[Any]] = {0: [], 1: [], 2: []}
+    texts = {0: "", 1: "", 2: ""}
+    for chunk in oai.chat.completions.create(
+            model="smollm2", messages=ASK, n=3, max_tokens=12, temperature=1.2, seed=5,
+            logprobs=True, top_logprobs=2, stream=True):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+            streamed[ch.index] += ch.logprobs.content if ch.logprobs and ch.logprobs.content else []
+    for c in r.choices:  # seeded: the stream samples what the whole answer did
+        assert texts[c.index] == c.message.content
+        assert [t.token for t in streamed[c.index]] == [
+            t.token for t in c.logprobs.content]  # type: ignore[union-attr]
+
+
+CLOCK = {"type": "function", "function": {"name": "set_alarm", "parameters": {
+    "type": "object", "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23}},
+    "required": ["hour"], "additionalProperties": False}}}
+
+
+def test_each_choice_makes_its_own_call(oai: openai.OpenAI) -> None:
+    ask = [{"role": "user", "content": "Wake me up early tomorrow."}]
+    r = oai.chat.completions.create(model="smollm2", messages=ask, n=3, max_tokens=60,
+                                    temperature=1.2, seed=3, tools=[CLOCK],  # type: ignore[list-item]
+                                    tool_choice="required", parallel_tool_calls=False)
+    ids = set()
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls
+        (call,) = c.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), CLOCK["function"]["parameters"])  # type: ignore[index]
+        ids.add(call.id)
+    assert len(ids) == 3
+    names: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    for chunk in oai.chat.completions.create(
+            model="smollm2", messages=ask, n=3, max_tokens=60, temperature=1.2, seed=3,
+            tools=[CLOCK], tool_choice="required", parallel_tool_calls=False,  # type: ignore[list-item]
+            stream=True):
+        for ch in chunk.choices:
+            for d in ch.delta.tool_calls or []:
+                if d.function and d.function.name:
+                    names[ch.index] = d.function.name
+            finishes[ch.index] = ch.finish_reason or finishes.get(ch.index, "")
+    assert names == {0: "set_alarm", 1: "set_alarm", 2: "set_alarm"}
+    assert finishes == {0: "tool_calls", 1: "tool_calls", 2: "tool_calls"}

@@ -7,6 +7,7 @@ the refusals of bad names, duplicates and schemas that cannot be enforced."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import httpx
@@ -128,6 +129,80 @@ def test_auto_answers_text_or_a_valid_call(oai: openai.OpenAI, temperature: floa
     assert bool(calls) == bool(c.message.tool_calls)
 
 
+def test_logprobs_cover_text_and_calls(oai: openai.OpenAI) -> None:
+    """Every generated token's logprob, the call's markup included (the device's tokens);
+    a stream sends each once, the held call's with its first delta."""
+    kw: dict[str, Any] = dict(model="smollm2", messages=ASK, max_tokens=300, temperature=0,
+                              tools=TOOLS, tool_choice=NAMED, logprobs=True, top_logprobs=1,
+                              parallel_tool_calls=False)
+    r = oai.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.logprobs and c.logprobs.content
+    whole = [t.token for t in c.logprobs.content]
+    joined = "".join(whole)
+    assert joined.startswith("<tool_call>\n") and '"web-search"' in joined
+    # every sampled token (usage also counts an end-of-generation token, which has no text,
+    # where the grammar let the model end the answer)
+    assert len(whole) in (r.usage.completion_tokens - 1, r.usage.completion_tokens)  # type: ignore[union-attr]
+    streamed: list[str] = []
+    first_call_lps = None
+    arguments = ""
+    for chunk in oai.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            lps = [t.token for t in (ch.logprobs.content or [])] if ch.logprobs else []
+            if ch.delta.tool_calls and first_call_lps is None:
+                first_call_lps = lps
+            streamed += lps
+            for d in ch.delta.tool_calls or []:
+                arguments += d.function.arguments or "" if d.function else ""
+    # (not compared with the whole answer token for token: a near tie may go either way
+    # between a fresh prompt and a cached one)
+    assert first_call_lps == streamed
+    text = "".join(streamed)
+    assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>")
+    call = json.loads(text[len("<tool_call>\n"):-len("\n</tool_call>")])
+    assert call["name"] == "web-search" and call["arguments"] == json.loads(arguments)
+
+
+def test_auto_may_write_text_before_a_call(oai: openai.OpenAI, service: Service) -> None:
+    """A sentence, then a call: the sentence is the content, the call is parsed and
+    valid, stream and not.  Shown the pattern, SmolLM2 writes the sentence but then
+    "<tool_response>" (its own guess at a result); a bias on the token "call", found
+    in the native logprobs of that answer, tips it into the call."""
+    shot = {"city": "Oslo", "unit": "celsius", "days": 1}
+    messages = [
+        {"role": "user", "content": "What is the weather like in Oslo today?"},
+        {"role": "assistant", "content": "Let me check the forecast for you.",
+         "tool_calls": [{"id": "call_1", "type": "function", "function": {
+             "name": "get_weather", "arguments": json.dumps(shot)}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"forecast": "rain"}'},
+        {"role": "assistant", "content": "It rains in Oslo today."}, *ASK]
+    with service.client() as http:
+        rid = http.post("/aotx/v1/requests", json={
+            "model": "smollm2", "messages": messages, "max_tokens": 14, "temperature": 0,
+            "tools": TOOLS, "logprobs": True, "top_logprobs": 20}).json()["id"]
+        lines: list[dict[str, Any]] = []
+        for _ in range(600):
+            doc = http.get(f"/aotx/v1/requests/{rid}/logprobs").json()
+            lines = doc["logprobs"]["content"]  # one window holds these 14 tokens
+            if doc["state"] in TERMINAL:
+                break
+            time.sleep(0.1)
+    call_token = next(t["token_id"] for line in lines for t in line["top_logprobs"]
+                      if t["token"] == "call")
+    kw: dict[str, Any] = dict(messages=messages, max_tokens=300, temperature=0, tools=TOOLS,
+                              logit_bias={str(call_token): 8})
+    r = oai.chat.completions.create(model="smollm2", **kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c
+    assert c.message.content and "<tool" not in c.message.content
+    check_calls(c.message.tool_calls or [])
+    text, calls, finish = streamed(oai, **kw)
+    assert (text, finish) == (c.message.content, "tool_calls")
+    assert [x["arguments"] for x in calls] == [
+        x.function.arguments for x in c.message.tool_calls or []]
+
+
 def test_none_answers_text(oai: openai.OpenAI) -> None:
     r = oai.chat.completions.create(model="smollm2", messages=ASK, max_tokens=40,
                                     temperature=0, tools=TOOLS, tool_choice="none")  # type: ignore[arg-type]
@@ -202,7 +277,6 @@ def test_the_native_route_takes_tools(service: Service) -> None:
     """The same fields on POST /aotx/v1/requests; the call is in the byte output in the
     fallback format."""
     import base64
-    import time
 
     h = {"Authorization": f"Bearer {service.token}"}
     with httpx.Client(base_url=service.url, headers=h, timeout=60) as http:

@@ -263,7 +263,7 @@ def test_read_flag_bits_other_than_annotations_are_refused(device: Pair) -> None
 def test_stream_chunks_hold_exactly_their_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     import asyncio
 
-    from aotx.gateway import routes_openai
+    from aotx.gateway import choices
 
     toks = [b"a", b"\xe2", b"\x82\xac", b"b", b""]
     stream, at = [], 0
@@ -275,14 +275,45 @@ def test_stream_chunks_hold_exactly_their_tokens(monkeypatch: pytest.MonkeyPatch
                     ) -> tuple[list[dict[str, Any]], int]:
         return stream[cursor:], len(stream)  # (its cursor counts lines here)
 
-    monkeypatch.setattr(routes_openai.calls, "notes", notes)
-    text = routes_openai._Text(None, None, wire.Header(), True)  # type: ignore[arg-type]
+    monkeypatch.setattr(choices.calls, "notes", notes)
+    text = choices.ChoiceText(None, None, wire.Header(), True, None)  # type: ignore[arg-type]
 
     def add(data: bytes, final: bool = False) -> list[tuple[str, list[bytes]]]:
-        got = asyncio.run(text.add(data, final))
+        got = asyncio.run(text._pieces(data, final))
         return [(s, [bytes(t["bytes"]) for t in lps]) for s, lps in got]
 
     assert add(b"a\xe2") == [("a", [b"a"])]  # "\xe2" ends inside a character: held
     assert add(b"\x82") == []
     assert add(b"\xacb") == [("€b", [b"\xe2", b"\x82\xac", b"b", b""])]
     assert add(b"", final=True) == []
+
+
+def test_tool_streams_send_every_tokens_logprobs_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With tools, the text before a call streams with its tokens' logprobs; the call's
+    tokens are held with the call and go with its first delta."""
+    import asyncio
+
+    from aotx.gateway import choices
+
+    call = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    toks = [b"Hi", b".", b"\n", b"<", b"tool", b"_call", b">\n", call[12:].encode()]
+    stream, at = [], 0
+    for i, t in enumerate(toks):
+        stream.append({"offset": at, "token": i, "logprob": -0.5, "bytes": list(t), "top": []})
+        at += len(t)
+
+    async def notes(g: Any, p: Any, epoch: int, identity: bytes, cursor: int
+                    ) -> tuple[list[dict[str, Any]], int]:
+        return stream[cursor:], len(stream)
+
+    monkeypatch.setattr(choices.calls, "notes", notes)
+    text = choices.ChoiceText(None, None, wire.Header(), True, "auto")  # type: ignore[arg-type]
+    events = [e for t in toks for e in asyncio.run(text.add(t))]
+    events += asyncio.run(text.add(b"", final=True)) + text.end()
+    got = [(d, [bytes(x["bytes"]) for x in lps or []], f) for d, lps, f in events]
+    assert got[0] == ({"content": "Hi"}, [b"Hi"], None)
+    assert got[1] == ({"content": "."}, [b"."], None)
+    first_call = next(i for i, (d, _, _) in enumerate(got) if "tool_calls" in d)
+    assert got[first_call][1] == toks[2:]  # the newline and the call's tokens
+    assert sum(len(lps) for _, lps, _ in got) == len(toks)
+    assert got[-1] == ({}, [], "tool_calls")
