@@ -99,6 +99,7 @@ class PartKind(enum.IntEnum):
     TEXT = 0
     IMAGE_DIGEST = 1
     AUDIO_DIGEST = 2
+    TOKENS = 3  # ours: u32 token ids, only in a raw prompt (SUBMIT_FLAG_RAW)
 
 
 class Action(enum.IntFlag):
@@ -132,6 +133,7 @@ MAX_AUDIO_SECONDS = 600  # decoded as float32 at the projector's rate
 #: Header flags for SUBMIT (offset 116).
 SUBMIT_FLAG_SEED = 1  # the seed field at 120 is meaningful
 SUBMIT_FLAG_MEMORY_OFF = 2  # the request opts out of automatic memory
+SUBMIT_FLAG_RAW = 4  # one message of one part, the prompt itself: no chat template
 CANCEL_FLAG_ADMIN = 1  # cancel any principal's request (needs Action.ADMIN)
 READ_FLAG_ANNOTATIONS = 1  # READ/WAIT: the request's annotation stream, not its output
 
@@ -191,6 +193,7 @@ class Reason(enum.IntEnum):
     NO_DECISION = 52  #: no such pending memory decision
     MEMORY_OP = 53  #: unknown memory sub-operation
     GRAMMAR = 54  #: the constraint cannot be compiled or enforced; payload: UTF-8 JSON, why
+    PROMPT_TOKEN = 55  #: a raw prompt's token id is not in the model's vocabulary; detail: it
     KV_FULL = 60  #: the engine ran out of KV cache (503)
     DECODE = 61  #: llama_decode failed (500)
     MEDIA_ENCODE = 62  #: encoding a media part failed (500)
@@ -407,7 +410,7 @@ REQUEST_FIELDS: dict[Op, tuple[str, ...]] = {
     Op.METRICS: ("principal",), Op.MEMORY: ("principal", "role", "cursor"),
 }
 #: The flag bits each operation defines; other bits are unused, so zero.
-REQUEST_FLAGS: dict[int, int] = {Op.SUBMIT: SUBMIT_FLAG_SEED | SUBMIT_FLAG_MEMORY_OFF,
+REQUEST_FLAGS: dict[int, int] = {Op.SUBMIT: SUBMIT_FLAG_SEED | SUBMIT_FLAG_MEMORY_OFF | SUBMIT_FLAG_RAW,
                  Op.CANCEL: CANCEL_FLAG_ADMIN, Op.READ: READ_FLAG_ANNOTATIONS,
                  Op.WAIT: READ_FLAG_ANNOTATIONS,
                  Op.MEDIA_PUT: MEDIA_FLAG_FINAL | MEDIA_FLAG_ABORT | MEDIA_FLAG_EPHEMERAL}
@@ -434,13 +437,9 @@ def check_request(h: Header) -> None:
         raise WireError("a seed without SUBMIT_FLAG_SEED", 400, Reason.NONZERO_FIELD, 120)
 
 
-# -- Submission payload: the seed's layout, then our optional extension
-#
-#   u32 message_count
-#   message_count x { u32 role, u32 part_count,
-#                     part_count x { u32 kind, u32 byte_count, bytes[byte_count] } }
-#   (extension, only when there are stop strings; a payload may end after the messages)
-#   u32 stop_count, stop_count x { u32 byte_count, bytes[byte_count] }  UTF-8, non-empty
+# -- Submission payload (docs/protocol.md section 5): the seed's u32 message_count, then
+# message_count x { u32 role, u32 part_count, part_count x { u32 kind, u32 byte_count, bytes } };
+# then our optional extensions: stop strings, the sampling record and bias pairs, a constraint.
 
 MAX_MESSAGES = 4096
 MAX_PARTS = 4096
@@ -518,7 +517,9 @@ def _part(kind: int, data: bytes) -> Part:
             data.decode("utf-8")
         except UnicodeDecodeError:
             raise WireError("text part is not valid UTF-8") from None
-    elif len(data) != DIGEST_SIZE:
+    elif kind == PartKind.TOKENS and (not data or len(data) % 4):
+        raise WireError(f"a token part holds u32 token ids, not {len(data)} bytes")
+    elif kind != PartKind.TOKENS and len(data) != DIGEST_SIZE:
         raise WireError(f"digest part must be exactly {DIGEST_SIZE} bytes, got {len(data)}")
     return Part(PartKind(kind), data)
 
@@ -835,8 +836,8 @@ def decode_media_meta(data: bytes | memoryview) -> MediaMeta:
         raise WireError("media metadata must be 64 bytes")
     m = MediaMeta._make(MEDIA_META.unpack_from(data))
     _check_enum(PartKind, m.kind, "media kind")
-    if m.kind == PartKind.TEXT:
-        raise WireError("media kind cannot be text")
+    if m.kind not in PART_MODALITY:
+        raise WireError("media kind must be image or audio")
     _check_enum(MediaState, m.state, "media state")
     if m.content_type not in MEDIA_TYPES:
         raise WireError(f"unknown content type code {m.content_type}")

@@ -110,8 +110,11 @@ text_parts = st.builds(lambda t: wire.Part(wire.PartKind.TEXT, t.encode()), st.t
 digest_parts = st.builds(wire.Part, st.sampled_from([wire.PartKind.IMAGE_DIGEST,
                                                      wire.PartKind.AUDIO_DIGEST]),
                          st.binary(min_size=32, max_size=32))
+token_parts = st.builds(lambda ids: wire.Part(wire.PartKind.TOKENS,
+                                               struct.pack(f"<{len(ids)}I", *ids)),
+                        st.lists(u32, min_size=1, max_size=6))
 messages = st.builds(wire.Message, st.sampled_from(list(wire.Role)),
-                     st.lists(text_parts | digest_parts, max_size=4).map(tuple))
+                     st.lists(text_parts | digest_parts | token_parts, max_size=4).map(tuple))
 f32 = {"width": 32}
 samplings = st.builds(
     wire.Sampling, top_k=u32, min_p=st.floats(0, 1, **f32), presence=st.floats(-2, 2, **f32),
@@ -148,6 +151,9 @@ P = struct.Struct("<I").pack
     (P(1) + P(1) + P(1) + P(0) + P(2) + b"\xc3\x28" + P(0), "UTF-8"),
     (P(1) + P(1) + P(1) + P(1) + P(31) + bytes(31) + P(0), "exactly 32"),
     (P(1) + P(1) + P(1) + P(2) + P(33) + bytes(33) + P(0), "exactly 32"),
+    # a token part (raw prompts) holds whole u32 ids, at least one
+    (P(1) + P(1) + P(1) + P(3) + P(0), "u32 token ids"),
+    (P(1) + P(1) + P(1) + P(3) + P(6) + bytes(6), "u32 token ids"),
     (P(1) + P(1) + P(0) + P(0) + wire.SAMPLING.pack(*wire.Sampling()[:-1]) + P(1) + P(2)
      + b"{}" + b"junk", "trailing"),
     (P(1) + P(1) + P(0) + P(0) + wire.SAMPLING.pack(*wire.Sampling()[:-1]) + P(9) + P(0),
@@ -298,7 +304,8 @@ def test_media_rejections() -> None:
     row = bytearray(wire.encode_media_rows([(bytes(16), meta)]))
     with pytest.raises(WireError):
         wire.decode_media_rows(bytes(row[:79]))
-    for off, val in [(16 + 40, 0), (16 + 44, 9), (16 + 52, 999)]:
+    # kind 3 is a prompt's token part, never a media source's kind
+    for off, val in [(16 + 40, 0), (16 + 40, 3), (16 + 44, 9), (16 + 52, 999)]:
         bad = bytearray(row)
         struct.pack_into("<I", bad, off, val)
         with pytest.raises(WireError):
