@@ -7,6 +7,9 @@ its markup and the messages' text (:mod:`.prompt`: only the markup's special-tok
 texts become control tokens), the prompt tokenized, the limits checked, the request
 queued.
 
+A raw prompt (``SUBMIT_FLAG_RAW``, a text completion's) skips the template: its text is
+tokenized as text, with the BOS the model adds, or its token ids are taken as they are.
+
 A request with media parts leases its sources (so they cannot be removed meanwhile)
 and becomes a :class:`MediaJob`: decoding and preprocessing an image takes a good part
 of a second, so the media worker does it without the lock, then admits the request
@@ -21,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+import struct
 import time
 from dataclasses import dataclass
 
@@ -28,14 +32,14 @@ from .. import wire
 from ..engine.grammar import Matcher
 from ..engine.multimodal import MediaInputError, MediaProblem, MediaSegment, release_all
 from ..engine.scheduler import Request
-from ..wire import Header, PartKind, Reason
+from ..wire import Header, PartKind, Reason, Role
 from .constraints import constraint_matcher
 from .errors import DeviceError
 from .loading import LoadedModel
 from .media import Source
 from .memory import Source as MemorySource
 from .memory import inject
-from .prompt import Prompt, TextRefused, media_tokens, split, text_tokens
+from .prompt import Prompt, TextRefused, media_tokens, raw, split, text_tokens
 from .state import DeviceState
 from .template import TemplateError
 
@@ -67,6 +71,7 @@ class Prepared:
     messages: list[dict[str, str]]
     leased: list[Source]  # media sources, in prompt order (leased from now on)
     memory_on: bool
+    tokens: list[int] | None = None  # a raw prompt's token ids, as the submission gave them
 
 
 @dataclass
@@ -88,8 +93,7 @@ class Admission:
         p = self._prepare(h, payload)
         model = p.model
         if not p.leased and p.submission.constraint is None:
-            prompt = text_tokens(model.engine, p.prompt, add_special=model.engine.add_bos)
-            return self._admit(p, prompt, [])
+            return self._admit(p, self._tokens(p), [])
         if p.leased and model.encoder is None:
             raise DeviceError(400, Reason.NO_PROJECTOR)
         for src in p.leased:
@@ -106,6 +110,8 @@ class Admission:
         for token, _ in sub.sampling.bias:
             if token >= model.engine.n_vocab:
                 raise DeviceError(400, Reason.LOGIT_BIAS, token)
+        if h.submit_flags & wire.SUBMIT_FLAG_RAW:
+            return self._raw(h, grant, model, sub)
         messages, media_at, leased = self._messages(h, model, sub)
         memory_on = bool(model.automatic_memory and grant.flags & wire.GRANT_FLAG_MEMORY
                          and not h.submit_flags & wire.SUBMIT_FLAG_MEMORY_OFF and not leased)
@@ -130,6 +136,33 @@ class Admission:
             raise DeviceError(400, Reason.MEDIA_PREPARE) from None
         return Prepared(h, grant, model, sub, prompt, messages, leased, memory_on)
 
+    @staticmethod
+    def _raw(h: Header, grant: wire.Grant, model: LoadedModel, sub: wire.Submission
+             ) -> Prepared:
+        """A raw prompt: one user message of one part, text or token ids.  Automatic
+        memory stays out of it: its facts are a system message, and there is none."""
+        msg = sub.messages[0]
+        if (len(sub.messages) != 1 or msg.role is not Role.USER or len(msg.parts) != 1
+                or msg.parts[0].kind not in (PartKind.TEXT, PartKind.TOKENS)):
+            raise DeviceError(400, Reason.MALFORMED)
+        part = msg.parts[0]
+        if part.kind is PartKind.TEXT:
+            return Prepared(h, grant, model, sub, raw(part.text), [], [], False)
+        tokens = list(struct.unpack(f"<{len(part.data) // 4}I", part.data))
+        if max(tokens) >= model.engine.n_vocab:  # (the codec refuses an empty token part)
+            raise DeviceError(400, Reason.PROMPT_TOKEN,
+                              next(t for t in tokens if t >= model.engine.n_vocab))
+        return Prepared(h, grant, model, sub, raw(""), [], [], False, tokens)
+
+    @staticmethod
+    def _tokens(p: Prepared) -> list[int]:
+        """The prompt tokens of a submission without media."""
+        tokens = (p.tokens if p.tokens is not None
+                  else text_tokens(p.model.engine, p.prompt, add_special=p.model.engine.add_bos))
+        if not tokens:  # an empty raw text of a model without BOS: nothing to evaluate
+            raise DeviceError(400, Reason.MALFORMED)
+        return tokens
+
     def _messages(self, h: Header, model: LoadedModel, sub: wire.Submission
                   ) -> tuple[list[dict[str, str]], list[list[int]], list[Source]]:
         """The message array the template renders, where each message's media parts sit
@@ -146,6 +179,8 @@ class Admission:
                     text.append(part.text)
                     size += len(part.text)
                     continue
+                if part.kind is PartKind.TOKENS:  # raw prompts only
+                    raise DeviceError(400, Reason.MALFORMED)
                 if not model.modalities & wire.MODALITY_BITS[wire.PART_MODALITY[part.kind]]:
                     raise DeviceError(400, Reason.MODALITY, int(part.kind))
                 src = self.state.media.ready_by_digest(h.principal, part.data)
@@ -173,8 +208,7 @@ class Admission:
             matcher = constraint_matcher(p.model, p.submission.constraint)
             try:
                 if p.model.encoder is None or not p.leased:
-                    prompt = text_tokens(p.model.engine, p.prompt,
-                                         add_special=p.model.engine.add_bos)
+                    prompt = self._tokens(p)
                 else:
                     prompt, segments = media_tokens(
                         p.model.engine, p.model.encoder, p.prompt,
@@ -187,6 +221,8 @@ class Admission:
                 detail = (int(p.leased[exc.part].kind) if exc.problem is MediaProblem.MODALITY
                           else exc.part)
                 raise DeviceError(status, reason, detail) from None
+            except DeviceError:
+                raise  # a raw prompt's own refusal (_tokens), not the media's
             except Exception:
                 log.exception("event=media.error")
                 raise DeviceError(400, Reason.MEDIA_PREPARE) from None

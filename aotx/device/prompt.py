@@ -57,11 +57,12 @@ class Kind(enum.Enum):
 
 
 class Method(enum.Enum):
-    """How :func:`split` found the pieces."""
+    """How :func:`split` found the pieces (or :func:`raw`: there was no template)."""
 
     PLACEHOLDERS = "placeholders"
     VERBATIM = "verbatim"
     WHOLE = "whole"
+    RAW = "raw"
 
 
 class Piece(NamedTuple):  # a tuple: made for every message of every request
@@ -117,6 +118,12 @@ def split(template: ChatTemplate, messages: Sequence[dict[str, str]], specials: 
         pieces += [Piece(Kind.MEDIA, media=k), Piece(Kind.MARKUP, part)]
     return Prompt(text, tuple(p for p in pieces if p.text or p.kind is Kind.MEDIA),
                   Method.WHOLE)
+
+
+def raw(text: str) -> Prompt:
+    """A completion's prompt, not wrapped in the chat template: one piece of text, so a
+    special-token text in it is tokenized as the characters it is (as a message's text)."""
+    return Prompt(text, (Piece(Kind.TEXT, text),) if text else (), Method.RAW)
 
 
 def _placeholder_layout(template: ChatTemplate,

@@ -43,6 +43,7 @@ class TokenizingEngine(ScriptedEngine):
     """A token a byte; no special tokens."""
 
     add_bos = False
+    n_vocab = 150  # the tokens it makes are 100..149
     special_ids: frozenset[int] = frozenset()
     model_bytes = 0  # (the telemetry's allocation counts requests and media alone)
 
