@@ -1,9 +1,10 @@
 """The gateway's ASGI application: the factory that puts the routers, the exception
 handlers, the console and the connection guard together, and the process's ``run``.
 
-Routers by surface: ``routes_openai`` (standard ``/v1``), ``routes_native`` (requests,
-capabilities, telemetry), ``routes_media``, ``routes_policy`` (policy and memory),
-``routes_ops`` (health, readiness, metrics).  The :class:`~aotx.gateway.service.Gateway`
+Routers by surface: ``routes_openai`` (standard ``/v1``), ``routes_completions`` (the
+legacy ``/v1/completions``), ``routes_native`` (requests, capabilities, telemetry),
+``routes_media``, ``routes_policy`` (policy and memory), ``routes_ops`` (health,
+readiness, metrics).  The :class:`~aotx.gateway.service.Gateway`
 lives on ``app.state.gateway``; routes reach it and the caller through dependencies.
 Every error becomes the standard error object here, in the handlers, or in-band once a
 stream has started.
@@ -30,7 +31,14 @@ from starlette.types import ASGIApp
 from ..config import Settings
 from ..cpuslice import request_short_slice
 from ..paths import RuntimePaths
-from . import routes_media, routes_native, routes_openai, routes_ops, routes_policy
+from . import (
+    routes_completions,
+    routes_media,
+    routes_native,
+    routes_openai,
+    routes_ops,
+    routes_policy,
+)
 from . import schemas as S
 from .broker_client import BrokerClient
 from .credentials import ensure_admin_token
@@ -69,7 +77,8 @@ def create_app(paths: RuntimePaths, settings: Settings | None = None, loopback_o
                   description="Local LLM inference: standard OpenAI routes and the native "
                               "aotx API.")
     _handle_errors(app)
-    for module in (routes_ops, routes_native, routes_media, routes_policy, routes_openai):
+    for module in (routes_ops, routes_native, routes_media, routes_policy, routes_openai,
+                   routes_completions):
         _document_errors(module.router.routes)
         app.include_router(module.router)
     # The web console: static files shipped in the package (no CDN). They hold no secret;

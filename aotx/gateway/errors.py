@@ -155,6 +155,8 @@ REASONS: dict[Reason, Wording] = {
                             "invalid_schema", "response_format"),
     Reason.GRAMMAR_FAILED: Wording("the output could not be kept to the response_format "
                                    "schema (the matcher failed while generating)"),
+    Reason.PROMPT_TOKEN: Wording("the prompt names token {detail}, which is not in model "
+                                 "{model}'s vocabulary", param="prompt"),
     Reason.LOGIT_BIAS: Wording("logit_bias names token {detail}, which is not in the "
                                "model's vocabulary", param="logit_bias"),
     Reason.SPECIAL_TEXT: Wording("message {detail} holds special-token text (or a media "

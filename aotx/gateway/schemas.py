@@ -334,3 +334,35 @@ class RequestLogprobs(RequestState):
 
     schema_: Literal["aotx.logprobs.v1"] = Field(alias="schema")  # type: ignore[assignment]
     logprobs: LogprobsWindow
+
+
+class CompletionLogprobs(_Doc):
+    """OpenAI's legacy logprobs: four arrays, one entry per output token."""
+
+    tokens: list[str] = Field(description="each token's text: the characters whose last "
+                                          "byte it holds (joined: the choice's text)")
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] = Field(
+        description="the logprobs likeliest tokens and the sampled one, by their text")
+    text_offset: list[int] = Field(description="where each token's text starts in the "
+                                               "choice's text, in characters")
+
+
+class CompletionChoice(_Doc):
+    index: int = Field(description="prompt index x n + choice")
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length"]
+
+
+class Completion(_Doc):
+    """A non-streaming ``text_completion``; with ``stream: true`` the route answers
+    ``text/event-stream`` of ``text_completion`` chunks instead."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChoice]
+    usage: Usage
