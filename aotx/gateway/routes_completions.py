@@ -192,8 +192,9 @@ async def _stream(g: Gateway, principal: Principal, body: CompletionRequest,
     finally:
         for f in followers:
             f.cancel()
-        if any(not wire.Phase(h.phase).terminal for h in lasts):  # a client gone, a failure
-            await _cancel(g, principal, choices)
+        # a client gone, a failed or unreadable choice: the choices still running end too
+        await _cancel(g, principal, [c for c, h in zip(choices, lasts, strict=True)
+                                     if not wire.Phase(h.phase).terminal])
 
 
 async def _feed(g: Gateway, principal: Principal, c: Choice, logprobs: int | None,

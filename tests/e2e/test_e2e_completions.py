@@ -241,6 +241,21 @@ def test_the_native_routes_read_a_completion(oai: openai.OpenAI, service: Servic
     assert base64.b64decode(body["output"]["bytes"]).decode() == text
 
 
+def test_a_stream_whose_client_leaves_is_cancelled(service: Service) -> None:
+    body = {"model": "smollm2", "prompt": ["Once upon a time", COUNT], "max_tokens": 1000,
+            "stream": True, "logit_bias": {"0": -100, "2": -100}}  # no end of text
+    with service.client() as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            rid = r.headers["x-request-id"]
+            assert next(r.iter_lines()).startswith("data: {")
+        # the connection is closed: the first choice (and the second) end cancelled
+        eventually(lambda: c.get(f"/aotx/v1/requests/{rid}").json()["state"] == "cancelled",
+                   10)
+        done = c.get(f"/aotx/v1/requests/{rid}").json()
+        assert done["usage"]["completion_tokens"] < 1000
+
+
 @pytest.mark.parametrize("kw, param", [
     ({"suffix": " and so on."}, "suffix"),
     ({"best_of": 3}, "best_of"),
