@@ -53,6 +53,7 @@ class Op(enum.IntEnum):
     BROKER_STATS = 17  #: Broker counters, answered by the broker itself (payload: UTF-8 JSON).
     MEMORY = 18  #: The caller's automatic memory (sub-operation at offset 72, payload UTF-8 JSON).
     UNPARK = 19  #: Answer the caller's WAITs parked on a request now (their stream was closed).
+    EMBED = 20  #: Embed inputs (payload: encode_embed) with a model (role): unit float32 vectors.
 
 
 class MemoryOp(enum.IntEnum):
@@ -198,6 +199,7 @@ class Reason(enum.IntEnum):
     DECODE = 61  #: llama_decode failed (500)
     MEDIA_ENCODE = 62  #: encoding a media part failed (500)
     GRAMMAR_FAILED = 63  #: the constraint's matcher failed while generating (500)
+    TOKEN_ID = 70  #: an EMBED input (its index at offset 64) holds a token id outside the vocabulary; detail: the id
 
 
 class WireError(Exception):
@@ -408,6 +410,7 @@ REQUEST_FIELDS: dict[Op, tuple[str, ...]] = {
     Op.MEDIA_READ: ("principal", "identity"), Op.MEDIA_DELETE: ("principal", "identity"),
     Op.POLICY: ("principal", "epoch"), Op.TELEMETRY: ("principal",),
     Op.METRICS: ("principal",), Op.MEMORY: ("principal", "role", "cursor"),
+    Op.EMBED: ("principal", "role", "cursor"),
 }
 #: The flag bits each operation defines; other bits are unused, so zero.
 REQUEST_FLAGS: dict[int, int] = {Op.SUBMIT: SUBMIT_FLAG_SEED | SUBMIT_FLAG_MEMORY_OFF | SUBMIT_FLAG_RAW,
@@ -648,6 +651,8 @@ class ModelInfo(NamedTuple):
     published_at: int
     context_tokens: int
     automatic_memory: bool = False
+    embedding_dims: int = 0  # EMBED: floats per vector; 0: the model does not embed
+    embedding_tokens: int = 0  # EMBED: the most tokens of one input
 
 
 class ModelRow(NamedTuple):
@@ -658,7 +663,8 @@ class ModelRow(NamedTuple):
     alias_offset: Annotated[int, F("I", 20, False, "in the string area")]
     alias_length: Annotated[int, F("I", 24, False, "UTF-8 bytes")]
     digest_offset: Annotated[int, F("I", 28, False, "32 bytes of SHA-256, in the string area")]
-    reserved: Annotated[int, F("Q", 32, False, "zero")] = 0
+    embedding_dims: Annotated[int, F("I", 32, False, "EMBED: floats per vector (0: no embeddings)")] = 0
+    embedding_tokens: Annotated[int, F("I", 36, False, "EMBED: the most tokens of one input")] = 0
 
 
 class Info(NamedTuple):
@@ -699,7 +705,7 @@ def encode_info(info: Info) -> bytes:
             raise WireError("model digest must be 32 bytes")
         alias = m.alias.encode("utf-8")
         row = ModelRow(m.role, m.modalities, m.published_at, m.context_tokens, len(strings),
-                       len(alias), len(strings) + len(alias))
+                       len(alias), len(strings) + len(alias), m.embedding_dims, m.embedding_tokens)
         strings += alias + m.sha256
         table += INFO_ROW.pack(*row)
         roles |= int(m.automatic_memory) << m.role
@@ -722,8 +728,6 @@ def decode_info(data: bytes | memoryview) -> Info:
     strings, models, visible = data[rows_end:], [], 0
     for i in range(info.model_count):
         r = ModelRow._make(INFO_ROW.unpack_from(data, INFO_HEADER.size + i * INFO_ROW.size))
-        if r.reserved:
-            raise WireError("reserved model row bytes are not zero")
         if r.role >= 32 or visible >> r.role & 1:
             raise WireError(f"bad or repeated model role {r.role}")
         visible |= 1 << r.role
@@ -736,7 +740,8 @@ def decode_info(data: bytes | memoryview) -> Info:
         except UnicodeDecodeError:
             raise WireError("model alias is not valid UTF-8") from None
         models.append(ModelInfo(r.role, alias, digest, r.modalities, r.published_at,
-                                r.context_tokens, bool(info.memory_roles >> r.role & 1)))
+                                r.context_tokens, bool(info.memory_roles >> r.role & 1),
+                                r.embedding_dims, r.embedding_tokens))
     if info.memory_roles & ~visible:
         raise WireError("automatic-memory bits set for roles that are not visible")
     return info._replace(models=tuple(models))
@@ -978,3 +983,30 @@ def decode_telemetry(data: bytes | memoryview) -> Telemetry:
     if t.reserved:
         raise WireError("reserved telemetry bytes are not zero")
     return t
+
+
+# -- Embedding inputs (EMBED): u32 count, count x { u32 kind (1: UTF-8 text, 2: u32 token
+# ids), u32 byte_count, bytes }, none empty.  The reply: count x embedding_dims f32, in order.
+
+MAX_EMBED_INPUTS = 2048
+
+
+def encode_embed(inputs: list[str] | list[list[int]]) -> bytes:
+    raw = [(1, x.encode("utf-8")) if isinstance(x, str) else (2, struct.pack(f"<{len(x)}I", *x))
+           for x in inputs]
+    out = _U32.pack(len(raw)) + b"".join(_U32x2.pack(k, len(b)) + b for k, b in raw)
+    if len(out) > MAX_PAYLOAD:
+        raise WireError(f"embedding inputs of {len(out)} bytes exceed a packet", 413, Reason.TOO_LARGE)
+    return out
+
+
+def decode_embed(data: bytes | memoryview) -> list[str | tuple[int, ...]]:
+    r, out = _Reader(data), []
+    for _ in range(r.bounded("embedding input count", MAX_EMBED_INPUTS)):
+        kind, raw = r.u32(), r.take(r.u32())
+        if kind not in (1, 2) or not raw or kind == 2 and len(raw) % 4:
+            raise WireError(f"bad embedding input: kind {kind}, {len(raw)} bytes")
+        out.append(_part(PartKind.TEXT, raw).text if kind == 1 else struct.unpack(f"<{len(raw) // 4}I", raw))
+    if not out or r.pos != len(r.data):
+        raise WireError("no embedding input, or bytes after the inputs")
+    return out
