@@ -55,6 +55,14 @@ class StepOutcome:
         return self.ran
 
 
+class Side(Protocol):
+    """Other work of the engine thread, one bounded piece after each step (embeddings:
+    engine/embedding.py): ``pending`` with the lock held, ``step`` takes it itself."""
+
+    def pending(self) -> bool: ...
+    def step(self) -> None: ...
+
+
 class Engine(Protocol):
     slot_context: int
 
@@ -191,6 +199,7 @@ class Scheduler:
         self.itl = Histogram()
         self.masks = MaskFiller()  # constrained requests' bitmasks, filled during the decode
         self._stopping = False
+        self.side: Side | None = None
 
     # -- called with the lock held (control thread) -------------------------
     def submit(self, req: Request) -> None:
@@ -544,11 +553,15 @@ class Scheduler:
         """The engine thread: step while there is work, sleep on the condition otherwise."""
         while True:
             with self.lock:
-                while not self._stopping and not self.queue and not self.active:
+                while not self._stopping and not self.queue and not self.active and not (
+                        self.side and self.side.pending()):
                     self.cond.wait()
                 if self._stopping:
                     break
+                side = self.side if self.side and self.side.pending() else None
             self.step()
+            if side is not None:
+                side.step()
         self.masks.close()  # here, on the engine thread: no step is using it
 
     def stop(self) -> None:

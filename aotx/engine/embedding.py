@@ -1,0 +1,204 @@
+"""Embeddings: a second llama.cpp context on a loaded model, and the engine thread's queue
+of embedding jobs.
+
+:class:`Embedder` is a context of its own on the model the generation engine already
+loaded (the weights are shared, not loaded twice), created with ``embeddings`` on and a
+pooling type: the generation context's KV streams and sequences are never touched, so an
+embedding batch cannot evict a cached prompt or take a slot.  Its KV cache holds exactly
+one decode (``context`` tokens, one unified buffer) and is cleared before each one: an
+input is embedded in a single ``llama_decode``, which pooling over a whole sequence (and
+a non-causal encoder) needs.
+
+:class:`EmbedQueue` runs on the model's engine thread, between decode steps
+(``Scheduler.side``): each :meth:`EmbedQueue.step` is one decode of at most ``context``
+tokens, packing whole inputs of the queued jobs (several requests' inputs in one decode,
+each its own sequence id) in arrival order.  A stream being generated therefore waits at
+most one such decode per token, as it waits for a prompt chunk of ``batch`` tokens
+anyway; an embedder thread of its own would instead compete with the generation
+thread pool for the same cores, where ggml's spinning workers slow both down.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import llama_cpp
+import numpy as np
+
+from .llama import EngineError, LlamaEngine, _ggml_libs
+
+log = logging.getLogger("aotx.engine")
+
+#: Pooling names (the models file's and the capabilities') -> llama.cpp's pooling types.
+POOLING = {"mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN, "cls": llama_cpp.LLAMA_POOLING_TYPE_CLS,
+           "last": llama_cpp.LLAMA_POOLING_TYPE_LAST}
+#: Inputs one decode may hold (each is a sequence of the embedding context).
+MAX_SEQS = 64
+
+Vectors = np.ndarray[Any, np.dtype[np.float32]]
+
+
+class Embedder:
+    """An embedding context on ``engine``'s model: ``context`` tokens per decode (and so per
+    input), ``pooling`` a name of :data:`POOLING`, or None for the pooling the GGUF file
+    declares (mean when it declares none)."""
+
+    def __init__(self, engine: LlamaEngine, context: int, pooling: str | None = "mean") -> None:
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = params.n_batch = params.n_ubatch = context
+        params.n_seq_max = MAX_SEQS
+        params.n_threads = params.n_threads_batch = engine.threads
+        params.embeddings = True
+        params.kv_unified = True  # one decode's inputs share the cells; any length fits
+        params.pooling_type = (llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED if pooling is None
+                               else POOLING[pooling])
+        params.no_perf = True
+        self.ctx = llama_cpp.llama_init_from_model(engine.model, params)
+        if not self.ctx:
+            raise EngineError(f"llama.cpp could not create an embedding context of {context}")
+        kind = int(llama_cpp.llama_pooling_type(self.ctx))
+        if kind == llama_cpp.LLAMA_POOLING_TYPE_NONE:  # the GGUF names none: mean
+            llama_cpp.llama_free(self.ctx)
+            params.pooling_type = POOLING["mean"]
+            self.ctx = llama_cpp.llama_init_from_model(engine.model, params)
+            kind = int(llama_cpp.llama_pooling_type(self.ctx))
+        names = {v: k for k, v in POOLING.items()}
+        if kind not in names:  # RANK: a reranker's score, not an embedding
+            llama_cpp.llama_free(self.ctx)
+            raise EngineError(f"pooling type {kind} does not give embeddings")
+        self.pooling = names[kind]
+        if engine.threadpool:  # the engine thread's pool: both contexts run on that thread
+            lib = llama_cpp.llama_cpp._lib
+            _ggml_libs()
+            lib.llama_attach_threadpool(ctypes.c_void_p(self.ctx),
+                                        ctypes.c_void_p(engine.threadpool),
+                                        ctypes.c_void_p(engine.threadpool))
+        self.context = context
+        self.dims = int(llama_cpp.llama_model_n_embd(engine.model))
+        self.memory = llama_cpp.llama_get_memory(self.ctx)  # None for an encoder without KV
+        self.batch = llama_cpp.llama_batch_init(context, 0, 1)
+
+    def embed(self, inputs: list[list[int]]) -> Vectors:
+        """Unit vectors of ``inputs`` (at most :data:`MAX_SEQS`, ``context`` tokens in all),
+        one decode.  Raises EngineError when the decode fails."""
+        b, n = self.batch, 0
+        if len(inputs) > MAX_SEQS or sum(map(len, inputs)) > self.context:
+            raise EngineError("embedding batch overflow")
+        for seq, tokens in enumerate(inputs):
+            for pos, token in enumerate(tokens):
+                b.token[n], b.pos[n], b.n_seq_id[n] = token, pos, 1
+                b.seq_id[n][0], b.logits[n] = seq, True
+                n += 1
+        b.n_tokens = n
+        if self.memory:
+            llama_cpp.llama_memory_clear(self.memory, True)
+        status = int(llama_cpp.llama_decode(self.ctx, b))
+        if status != 0:
+            raise EngineError(f"llama_decode returned {status}")
+        out = np.empty((len(inputs), self.dims), dtype=np.float32)
+        for seq in range(len(inputs)):
+            row = llama_cpp.llama_get_embeddings_seq(self.ctx, seq)
+            if not row:
+                raise EngineError(f"no embedding for sequence {seq}")
+            out[seq] = np.ctypeslib.as_array(row, shape=(self.dims,))
+        norms = np.linalg.norm(out, axis=1, keepdims=True)
+        out /= np.where(norms > 0, norms, np.float32(1.0))  # unit length, as OpenAI's
+        return out
+
+    def close(self) -> None:
+        if self.ctx:
+            llama_cpp.llama_batch_free(self.batch)
+            llama_cpp.llama_free(self.ctx)
+            self.ctx = None
+
+
+@dataclass(eq=False)
+class EmbedJob:
+    """One EMBED call's inputs (tokens), filled in order; ``done`` is called on the engine
+    thread, with the lock held, once every input is embedded or the decode failed."""
+
+    inputs: list[list[int]]
+    done: Callable[[EmbedJob], None]
+    vectors: Vectors = field(default_factory=lambda: np.empty((0, 0), np.float32))
+    next: int = 0  # the first input not embedded yet
+    error: str = ""  # why the job failed (a decode failed), else ""
+    tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.tokens = sum(map(len, self.inputs))
+
+
+class EmbedQueue:
+    """The jobs of one model's embedder, run on its engine thread (Scheduler.side)."""
+
+    def __init__(self, embedder: Embedder, lock: threading.Lock,
+                 wake: Callable[[], None]) -> None:
+        self.embedder = embedder
+        self.lock = lock
+        self.wake = wake  # notifies the engine thread (lock held)
+        self.jobs: deque[EmbedJob] = deque()
+        self.decodes = 0
+        self.inputs = 0
+        self.tokens = 0
+
+    def submit(self, job: EmbedJob) -> None:
+        """Queue ``job`` (lock held)."""
+        job.vectors = np.empty((len(job.inputs), self.embedder.dims), dtype=np.float32)
+        self.jobs.append(job)
+        self.wake()
+
+    def pending(self) -> bool:
+        return bool(self.jobs)
+
+    def _plan(self) -> list[tuple[EmbedJob, int, int]]:
+        """(job, first input, end) spans for one decode: whole inputs in arrival order
+        while they fit the context and the sequence count (lock held)."""
+        spans: list[tuple[EmbedJob, int, int]] = []
+        room, seqs = self.embedder.context, MAX_SEQS
+        for job in self.jobs:
+            end = job.next
+            while end < len(job.inputs) and seqs and len(job.inputs[end]) <= room:
+                room -= len(job.inputs[end])
+                seqs -= 1
+                end += 1
+            if end > job.next:
+                spans.append((job, job.next, end))
+            if end < len(job.inputs):
+                break  # the next input does not fit: it opens the next decode
+        return spans
+
+    def step(self) -> None:
+        """One decode over the queued jobs' next inputs; finished jobs are answered."""
+        with self.lock:
+            spans = self._plan()
+            if not spans and self.jobs:  # an input longer than the context (the device
+                job = self.jobs[0]       # refuses those): fail it, never spin on it
+                spans, job.error = [(job, job.next, job.next)], "input longer than the context"
+        inputs = [t for job, a, b in spans for t in job.inputs[a:b]]
+        vectors: Vectors | None
+        try:
+            vectors, error = (self.embedder.embed(inputs), "") if inputs else (None, "")
+        except EngineError as exc:
+            vectors, error = np.empty((0, 0), np.float32), str(exc)
+            log.error("event=embed.failed inputs=%d error=%s", len(inputs), error)
+        with self.lock:
+            at = 0
+            for job, a, b in spans:
+                if error:
+                    job.error = error
+                elif vectors is not None:
+                    job.vectors[a:b] = vectors[at:at + b - a]
+                    at += b - a
+                job.next = b
+                if job.error or job.next == len(job.inputs):
+                    self.jobs.remove(job)
+                    job.done(job)
+            self.decodes += 1
+            self.inputs += len(inputs)
+            self.tokens += sum(map(len, inputs))
