@@ -305,6 +305,12 @@ class Admission:
         share = grant.max_active or st.limits.share(st.limits.max_active)
         if st.active[h.principal] >= share:
             raise DeviceError(429, Reason.ACTIVE_LIMIT, share, retry_after=1)
+        self.check_rate(h, grant)
+
+    def check_rate(self, h: Header, grant: wire.Grant) -> None:
+        """Count one admission against the grant's rate a minute (429 past it): a SUBMIT,
+        or the first packet of an EMBED call."""
+        st = self.state
         if grant.rate_per_minute:
             recent = st.admissions[h.principal]
             now = time.monotonic()

@@ -21,6 +21,7 @@ from .. import wire
 from ..engine.scheduler import Request
 from ..wire import Action, Header, MemoryOp, Op, Reason
 from .admission import Admission, MediaJob
+from .embeddings import EmbedCall, embed
 from .errors import DeviceError
 from .state import DeviceState, notes_of
 
@@ -39,7 +40,7 @@ class Park:
     deadline: float
 
 
-Result = Reply | Park | MediaJob
+Result = Reply | Park | MediaJob | EmbedCall
 
 
 class Handlers:
@@ -68,6 +69,7 @@ class Handlers:
             Op.MEMORY: lambda _m, h, _p: self.memory(h),
             Op.TELEMETRY: lambda _m, h, _p: self.telemetry(h),
             Op.METRICS: lambda _m, h, _p: self.metrics(h),
+            Op.EMBED: lambda m, h, p: embed(state, admission, m, h, p),
         }
 
     def handle(self, mailbox: int, h: Header, payload: bytes) -> Result:

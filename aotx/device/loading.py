@@ -17,9 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import wire
+from ..engine.embedding import Embedder, EmbedQueue
 from ..engine.fair import common_prefix
 from ..engine.grammar import GrammarCompiler
-from ..engine.llama import EngineConfig, LlamaEngine
+from ..engine.llama import EngineConfig, EngineError, LlamaEngine
 from ..engine.multimodal import MARKER, MediaEncoder, MediaInputError
 from ..engine.sampling import Sampler
 from ..engine.scheduler import Request, Scheduler
@@ -45,6 +46,12 @@ class LoadedModel:
     encoder: MediaEncoder | None = None  # the projector, for image/audio input
     automatic_memory: bool = False  # model, template, projector and source profile qualified
     grammars: GrammarCompiler | None = None  # built on the first constrained request
+    embeddings: EmbedQueue | None = None  # /v1/embeddings, run by the engine thread
+    chat: bool = True  # False: an embedding model (kind = "embedding"), no SUBMIT
+
+
+#: The template of an embedding model: it takes no chat request, so it renders nothing.
+NO_CHAT = "{% for m in messages %}{% endfor %}"
 
 
 def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
@@ -59,10 +66,13 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
     if spec.sha256 and digest.hex() != spec.sha256:
         raise SystemExit(f"model {spec.alias}: {spec.path} has SHA-256 {digest.hex()}, "
                          f"the models file pins {spec.sha256}")
+    chat = spec.kind == "chat"
+    # An embedding model decodes no stream: one slot (models.py), of its embedding context.
+    context = spec.context if chat else spec.embedding_context
     batch = max(spec.batch, spec.slots)  # every running sequence fits one step
-    engine = LlamaEngine(EngineConfig(path=spec.path, slots=spec.slots, slot_context=spec.context,
+    engine = LlamaEngine(EngineConfig(path=spec.path, slots=spec.slots, slot_context=context,
                                       batch=batch, threads=spec.threads, poll=spec.poll))
-    template = _template(spec, engine)
+    template = _template(spec, engine) if chat else ChatTemplate(NO_CHAT)
     encoder, mods = _projector(spec, engine, batch)
     projector = file_sha256(spec.mmproj, hashes) if spec.mmproj else None
     scheduler = Scheduler(
@@ -72,15 +82,34 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
         free_sampler=lambda s: s.free(),  # type: ignore[attr-defined]
         on_step=on_step, on_terminal=on_terminal,
         encode=encoder.encode if encoder is not None else None)
-    scheduler.warm(template_prefix(engine, template))
+    if chat:
+        scheduler.warm(template_prefix(engine, template))
     model = LoadedModel(spec, engine, template, scheduler, digest,
                         int(os.stat(spec.path).st_mtime), modalities=mods, encoder=encoder,
-                        automatic_memory=qualified(digest, template.source, projector))
+                        automatic_memory=chat and qualified(digest, template.source, projector),
+                        embeddings=_embeddings(spec, engine, scheduler, lock), chat=chat)
     log.info("event=model.ready alias=%s role=%d sha256=%s params_bytes=%d kv_bytes=%d "
              "threads=%d automatic_memory=%s seconds=%.1f", spec.alias, spec.role, digest.hex(),
              engine.model_bytes, engine.kv_bytes(), engine.threads, model.automatic_memory,
              time.monotonic() - t0)
     return model
+
+
+def _embeddings(spec: ModelSpec, engine: LlamaEngine, scheduler: Scheduler,
+                lock: threading.Lock) -> EmbedQueue:
+    """The model's embedding context and its queue, run by the engine thread between steps:
+    mean pooling for a chat model, the GGUF's own for an embedding model."""
+    try:
+        embedder = Embedder(engine, spec.embedding_context,
+                            "mean" if spec.kind == "chat" else None)
+    except EngineError as exc:
+        engine.close()
+        raise SystemExit(f"model {spec.alias}: no embeddings: {exc}") from None
+    queue = EmbedQueue(embedder, lock, scheduler.cond.notify)
+    scheduler.side = queue
+    log.info("event=model.embeddings alias=%s pooling=%s dims=%d context=%d", spec.alias,
+             embedder.pooling, embedder.dims, embedder.context)
+    return queue
 
 
 def _template(spec: ModelSpec, engine: LlamaEngine) -> ChatTemplate:

@@ -11,6 +11,7 @@ installed package, never by a fixed path.
     enabled = true           # false: do not load it
     slots = 16               # sequences decoded together
     context = 4096           # KV cells per sequence (tokens of context per request)
+    embedding_context = 512  # tokens of one /v1/embeddings input (mean pooling)
 
     [[model]]
     alias = "qwen"                      # the name clients use as "model"
@@ -21,6 +22,12 @@ installed package, never by a fixed path.
     modalities = ["text"]
 
     [[model]]
+    alias = "bge"                       # an embedding model: /v1/embeddings only
+    path = "models/bge-small-en-v1.5.gguf"
+    kind = "embedding"                  # pooling as its GGUF declares (mean if none)
+    embedding_context = 512
+
+    [[model]]
     alias = "vision"
     path = "models/some-vlm.gguf"
     mmproj = "models/mmproj-some-vlm.gguf"  # llama.cpp multimodal projector
@@ -29,6 +36,11 @@ A model with ``mmproj`` accepts what its projector encodes (image, audio or
 both, as libmtmd reports at load); ``modalities``, when given, must match.
 Image or audio without a projector is refused.  ``[default]`` takes ``mmproj``
 too (a projector built for SmolLM2's 576-wide embeddings).
+
+Every chat model also answers ``/v1/embeddings`` with mean pooling over its last hidden
+states, in a llama.cpp context of its own of ``embedding_context`` tokens (engine/
+embedding.py).  A ``kind = "embedding"`` model takes no chat requests; its pooling is
+the GGUF's own (``<arch>.pooling_type``), mean where the file declares none.
 
 Roles are assigned in order: the default model is role 1, the models file's
 entries follow (2, 3, ...).  A role is the small number the wire protocol uses
@@ -69,6 +81,8 @@ class ModelSpec:
     threads: int = 0
     poll: int = 50  # ggml thread-pool polling level, 0-100, -1: no pool (EngineConfig.poll)
     mmproj: str | None = None  # multimodal projector (llama.cpp mtmd), None: text only
+    kind: str = "chat"  # "chat", or "embedding": /v1/embeddings only (pooling from the GGUF)
+    embedding_context: int = 512  # tokens of one embedding input (one decode's)
 
 
 def default_model_path() -> str:
@@ -132,6 +146,15 @@ def _modalities(entry: dict[str, object], what: str, mmproj: str | None) -> tupl
     return tuple(mods)
 
 
+def _kind(entry: dict[str, object], what: str) -> str:
+    kind = entry.get("kind", "chat")
+    if kind not in ("chat", "embedding"):
+        raise ModelConfigError(f"{what}: kind must be \"chat\" or \"embedding\", got {kind!r}")
+    if kind == "embedding" and "mmproj" in entry:
+        raise ModelConfigError(f"{what}: an embedding model takes no projector")
+    return str(kind)
+
+
 def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec]:
     path = models_file or os.path.join(state_dir, "models.toml")
     data: dict[str, object] = {}
@@ -157,7 +180,8 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
                                context=_positive(default, "context", 4096),
                                threads=int(default.get("threads", 0)), poll=_poll(default),
                                mmproj=mmproj,
-                               modalities=_modalities(default, "[default]", mmproj)))
+                               modalities=_modalities(default, "[default]", mmproj),
+                               embedding_context=_positive(default, "embedding_context", 512)))
     entries = data.get("model", [])
     if not isinstance(entries, list):
         raise ModelConfigError("[[model]] must be an array of tables")
@@ -171,13 +195,16 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
         sha = entry.get("sha256")
         if sha is not None and (not isinstance(sha, str) or len(sha) != 64):
             raise ModelConfigError(f"model {n}: sha256 must be 64 hex digits")
+        kind = _kind(entry, f"model {n}")
         specs.append(ModelSpec(alias=_check_alias(entry.get("alias")), path=mpath,
-                               role=len(specs) + 1,
-                               slots=_positive(entry, "slots", 8),
+                               role=len(specs) + 1,  # an embedding model decodes no stream
+                               slots=_positive(entry, "slots", 8) if kind == "chat" else 1,
                                context=_positive(entry, "context", 4096),
                                sha256=sha.lower() if sha else None,
                                modalities=mods, mmproj=mmproj,
-                               threads=int(entry.get("threads", 0)), poll=_poll(entry)))
+                               threads=int(entry.get("threads", 0)), poll=_poll(entry),
+                               kind=kind,
+                               embedding_context=_positive(entry, "embedding_context", 512)))
     if not specs:
         raise ModelConfigError("no model to load: the default is disabled and none is configured")
     if len(specs) > MAX_MODELS:

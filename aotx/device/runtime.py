@@ -12,6 +12,9 @@ Threads
   control thread answers them without polling.
 * The **media worker** (models with a projector) prepares media submissions without
   the lock; their mailboxes stay busy until it answers.
+* **Embeddings** (EMBED) are checked and tokenized by the control thread and computed
+  by the model's engine thread between two decode steps; the mailbox stays busy until
+  the engine thread answers it (:meth:`Device._embedded`).
 
 All request state lives in :class:`~aotx.device.state.DeviceState`, guarded by one
 lock, held briefly by every thread and never during ``llama_decode``.  A refusal
@@ -37,13 +40,16 @@ from dataclasses import dataclass
 from .. import wire
 from ..config import Settings
 from ..cpuslice import request_short_slice
+from ..engine.embedding import EmbedJob
 from ..engine.scheduler import Request
 from ..mailbox import REQUEST, SCAN_ALL, WAKE, Bell, Region
 from ..paths import RuntimePaths
 from ..wire import Action, Header, Op, Reason, WireError
 from .admission import Admission, MediaJob
+from .embeddings import EmbedCall
+from .embeddings import reply as embed_reply
 from .errors import DeviceError
-from .handlers import Handlers, Park, Reply, wait_ready
+from .handlers import Handlers, Park, Reply, Result, wait_ready
 from .loading import load_model
 from .memory import EXTRACTION_MAX_TOKENS, EXTRACTION_PROMPT, MAX_SOURCE_CHARS
 from .models import ModelSpec, load_specs
@@ -136,8 +142,7 @@ class Device:
             self.bell.ring_self()
 
     # -- replies -----------------------------------------------------------------------------
-    def reply_to(self, h: Header, work: Callable[[], Reply | Park | MediaJob]
-                 ) -> Reply | Park | MediaJob:
+    def reply_to(self, h: Header, work: Callable[[], Result]) -> Result:
         """Run ``work`` for the request ``h``: the one place where a handler's refusal
         (DeviceError, WireError) or failure becomes a reply, and where refused submissions
         are counted.  (A packet the codec cannot read has no request to answer: ``_take``
@@ -205,7 +210,19 @@ class Device:
             self.busy_mailboxes.add(mailbox)
             self._media_jobs.put(result)
             return None
+        if isinstance(result, EmbedCall):
+            self.busy_mailboxes.add(mailbox)
+            result.queue.submit(EmbedJob(result.inputs,
+                                         functools.partial(self._embedded, result)))
+            return None
         return result
+
+    def _embedded(self, call: EmbedCall, job: EmbedJob) -> None:
+        """Answer an EMBED whose inputs are all embedded (engine thread, lock held)."""
+        result = self.reply_to(call.header, functools.partial(embed_reply, self.state, call, job))
+        assert isinstance(result, tuple)
+        self.busy_mailboxes.discard(call.mailbox)
+        self._publish(call.mailbox, *result)
 
     # -- media submissions (the media worker) -------------------------------------------------
     def _media_worker(self) -> None:
@@ -362,6 +379,8 @@ class Device:
                 if media_busy:
                     continue  # the worker still uses it (and the model): leave them to the exit
                 m.encoder.close()
+            if m.embeddings is not None:  # its context, before the model it shares goes
+                m.embeddings.embedder.close()
             m.engine.close()
         if not media_busy:
             self.region.close()

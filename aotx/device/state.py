@@ -107,10 +107,13 @@ class DeviceState:
             raise DeviceError(403, Reason.ACTION, action)
         return grant
 
-    def submit_grant(self, h: Header) -> wire.Grant:
-        """The caller's grant, if it may submit to the model named by ``h.role``."""
+    def submit_grant(self, h: Header, embed: bool = False) -> wire.Grant:
+        """The caller's grant, if it may submit to the model named by ``h.role`` (``embed``:
+        ask it for embeddings; an embedding model takes nothing else)."""
         grant = self.grant_for(h, wire.Action.SUBMIT)
-        if h.role not in self.models or not (grant.model_mask >> h.role) & 1:
+        m = self.models.get(h.role)
+        if (m is None or not (grant.model_mask >> h.role) & 1
+                or not (m.embeddings is not None if embed else m.chat)):
             raise DeviceError(404, Reason.NO_MODEL)
         return grant
 
@@ -157,8 +160,8 @@ class DeviceState:
         return wire.Info(
             epoch=self.epoch,
             models=tuple(wire.ModelInfo(m.spec.role, m.spec.alias, m.sha256, m.modalities,
-                                        m.published_at, m.engine.slot_context,
-                                        m.automatic_memory)
+                                        m.published_at, m.engine.slot_context if m.chat else 0,
+                                        m.automatic_memory, *_embedding_limits(m))
                          for m in self.models.values()),
             window_bytes=self.limits.window_bytes, context_tokens=first.engine.slot_context,
             output_tokens=self.limits.max_output_tokens,
@@ -230,6 +233,12 @@ class DeviceState:
         for r in mine:
             self.models[r.role].scheduler.cancel(r)
         return mine
+
+
+def _embedding_limits(m: LoadedModel) -> tuple[int, int]:
+    """(floats per vector, tokens of one input) of a model's embeddings; (0, 0): none."""
+    e = m.embeddings
+    return (e.embedder.dims, e.embedder.context) if e is not None else (0, 0)
 
 
 def notes_of(req: Request) -> bytes | bytearray:

@@ -128,6 +128,26 @@ def test_models_file_poll_is_checked(tmp_path) -> None:
             load_specs(str(tmp_path))
 
 
+def test_models_file_kind_and_embedding_context(tmp_path) -> None:
+    import pytest
+
+    from aotx.device.models import ModelConfigError, load_specs
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    (tmp_path / "models.toml").write_text(
+        '[default]\nembedding_context = 256\n[[model]]\nalias = "e"\npath = "m.gguf"\n'
+        'kind = "embedding"\nslots = 6\n')
+    chat, emb = load_specs(str(tmp_path))
+    assert (chat.kind, chat.embedding_context, chat.slots) == ("chat", 256, 16)
+    assert (emb.kind, emb.embedding_context, emb.slots) == ("embedding", 512, 1)  # no streams
+    for bad, why in (('kind = "rerank"', "kind must be"), ("embedding_context = 0", "positive"),
+                     ('kind = "embedding"\nmmproj = "m.gguf"', "no projector")):
+        (tmp_path / "models.toml").write_text(
+            f'[default]\nenabled = false\n[[model]]\nalias = "e"\npath = "m.gguf"\n{bad}\n')
+        with pytest.raises(ModelConfigError, match=why):
+            load_specs(str(tmp_path))
+
+
 def test_forget_drops_a_principals_unprocessed_sources_and_its_running_extraction() -> None:
     """A memory erase: the principal's sources not yet processed are dropped, as are its
     pending facts, and an extraction running on one of its sources is marked to be
