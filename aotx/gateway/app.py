@@ -33,6 +33,7 @@ from ..cpuslice import request_short_slice
 from ..paths import RuntimePaths
 from . import (
     routes_completions,
+    routes_embeddings,
     routes_media,
     routes_native,
     routes_openai,
@@ -78,7 +79,7 @@ def create_app(paths: RuntimePaths, settings: Settings | None = None, loopback_o
                               "aotx API.")
     _handle_errors(app)
     for module in (routes_ops, routes_native, routes_media, routes_policy, routes_openai,
-                   routes_completions):
+                   routes_completions, routes_embeddings):
         _document_errors(module.router.routes)
         app.include_router(module.router)
     # The web console: static files shipped in the package (no CDN). They hold no secret;

@@ -14,6 +14,9 @@ says which budget each operation gets; the seconds come from
   queue ahead), so it gets the media deadline.
 * ``WAIT``: the device holds a WAIT until its own ``wait_ms`` runs out, then answers; the
   deadline is that time plus a margin.
+* ``WORK``: an EMBED.  The engine thread computes it between decode steps, behind the
+  embeddings queued before it (a packet asks for about four decodes: routes_embeddings.py),
+  so it gets the media deadline.
 
 A call past its deadline has not been withdrawn: its packet stays in its mailbox, and a
 device that is merely slow may still carry it out (a submission admitted then runs with
@@ -34,6 +37,7 @@ class Budget(enum.Enum):
     CONTROL = "control"
     ADMIT = "admit"
     WAIT = "wait"
+    WORK = "work"
 
 
 #: Every operation's budget (tests/unit/test_deadlines.py checks that none is missing).
@@ -57,6 +61,7 @@ DEADLINES: dict[wire.Op, Budget] = {
     wire.Op.BROKER_STATS: Budget.CONTROL,  # the broker answers it itself
     wire.Op.MEMORY: Budget.CONTROL,  # a principal's memory file, read or rewritten
     wire.Op.UNPARK: Budget.CONTROL,
+    wire.Op.EMBED: Budget.WORK,  # computed by the engine thread, between decode steps
 }
 
 
@@ -77,6 +82,6 @@ class Deadlines:
         budget = DEADLINES[wire.Op(h.op)]
         if budget is Budget.WAIT:
             return h.wait_ms / 1000 + self.wait_margin
-        if budget is Budget.ADMIT and media:
+        if budget is Budget.ADMIT and media or budget is Budget.WORK:
             return self.media
         return self.control

@@ -142,12 +142,21 @@ def model_entry(m: wire.ModelInfo) -> dict[str, Any]:
     return {"alias": m.alias, "role": m.role, "model_sha256": m.sha256.hex(),
             "input_modalities": wire.modality_names(m.modalities),
             "published_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m.published_at)),
-            "context_tokens": str(m.context_tokens), "automatic_memory": m.automatic_memory}
+            "context_tokens": str(m.context_tokens), "automatic_memory": m.automatic_memory,
+            **capabilities(m)}
 
 
 def openai_model(m: wire.ModelInfo) -> dict[str, Any]:
     return {"id": m.alias, "object": "model", "created": m.published_at, "owned_by": "aotx",
-            "automatic_memory": m.automatic_memory}
+            "automatic_memory": m.automatic_memory, **capabilities(m)}
+
+
+def capabilities(m: wire.ModelInfo) -> dict[str, Any]:
+    """Which standard routes a model answers: chat (an embedding model's context is 0),
+    and embeddings with their dimensions and input limit (null: none)."""
+    return {"chat": m.context_tokens > 0,
+            "embeddings": {"dimensions": m.embedding_dims,
+                           "max_input_tokens": m.embedding_tokens} if m.embedding_dims else None}
 
 
 # -- /metrics: Prometheus text from the device's METRICS and the broker's BROKER_STATS --------

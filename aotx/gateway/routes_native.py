@@ -40,13 +40,15 @@ async def capabilities(principal: Principal = Caller, g: Gateway = Service) -> R
             "constraint_bytes": str(wire.MAX_CONSTRAINT_BYTES),
             "constraint_depth": str(wire.MAX_SCHEMA_DEPTH),
             "choices": str(MAX_CHOICES),
+            "embedding_inputs": str(wire.MAX_EMBED_INPUTS),
         },
         "models": [model_entry(m) for m in g.visible_models(principal)],
         # Every native function; false exactly when no route provides it.
         "features": {"requests": True, "windows": True, "events": True, "cancel": True,
                      "media": True, "telemetry": True, "metrics": True, "policy": True,
                      "automatic_memory": memory, "shared_operations": False,
-                     "response_format": ["text", "json_object", "json_schema"]},
+                     "response_format": ["text", "json_object", "json_schema"],
+                     "embeddings": any(m.embedding_dims for m in info.models)},
         "lineage": {"kind": "automatic_memory", "path": "memory/"} if memory else None,
     })
 

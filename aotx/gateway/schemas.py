@@ -189,6 +189,15 @@ class Limits(_Doc):
     constraint_bytes: Decimal = _DEC
     constraint_depth: Decimal = _DEC
     choices: Decimal = _DEC
+    embedding_inputs: Decimal = _DEC
+
+
+class EmbeddingsCapability(_Doc):
+    """What a model's ``/v1/embeddings`` gives: vectors of ``dimensions`` float32 values
+    (unit length), from inputs of at most ``max_input_tokens`` tokens."""
+
+    dimensions: int
+    max_input_tokens: int
 
 
 class ModelEntry(_Doc):
@@ -199,6 +208,8 @@ class ModelEntry(_Doc):
     published_at: str
     context_tokens: Decimal = _DEC
     automatic_memory: bool
+    chat: bool = Field(description="false: an embedding model (no chat requests)")
+    embeddings: EmbeddingsCapability | None
 
 
 class Features(_Doc):
@@ -213,6 +224,7 @@ class Features(_Doc):
     automatic_memory: bool
     shared_operations: bool
     response_format: list[Literal["text", "json_object", "json_schema"]]
+    embeddings: bool
 
 
 class Lineage(_Doc):
@@ -249,6 +261,30 @@ class OpenAIModel(_Doc):
     created: int
     owned_by: str
     automatic_memory: bool
+    chat: bool = Field(description="false: an embedding model (no chat requests)")
+    embeddings: EmbeddingsCapability | None
+
+
+class Embedding(_Doc):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str = Field(
+        description="the unit vector: numbers, or with encoding_format \"base64\" its "
+                    "little-endian float32 bytes in base64")
+
+
+class EmbeddingUsage(_Doc):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(_Doc):
+    """The answer of ``POST /v1/embeddings``: one vector per input, in order."""
+
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
 
 
 class OpenAIModelList(_Doc):

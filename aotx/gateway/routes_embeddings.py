@@ -1,0 +1,166 @@
+"""``POST /v1/embeddings`` (OpenAI's embeddings route) on the device's EMBED operation.
+
+The inputs go to the device in EMBED packets: as many inputs as one packet takes and its
+reply can hold (each vector is ``embedding_dims`` float32), and about four embedding
+decodes' worth of tokens, so that a packet's answer comes within its deadline whatever
+else the engine does.  The packets of one call are sent one after the other; the device
+packs inputs of every queued packet (this call's and others') into each decode.  The
+first packet (``cursor`` 0) is the call's admission against the grant's rate.
+
+The vectors come back as little-endian float32, unit length: ``encoding_format: "base64"``
+sends those bytes as they are (OpenAI's format), ``"float"`` writes each value as the
+double it is (``float(np.float32)``), so both decode to the same numbers.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Annotated, Any, Literal
+
+import numpy as np
+import orjson
+from fastapi import APIRouter
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from .. import wire
+from . import schemas as S
+from .errors import ApiError, Call, refusal
+from .service import Caller, Gateway, Principal, Service
+
+router = APIRouter(tags=["standard"], redirect_slashes=False)
+
+Token = Annotated[int, Field(ge=0, lt=1 << 32)]
+#: Decodes' worth of tokens one packet may ask for (text: its bytes bound its tokens).
+PACKET_DECODES = 4
+
+
+class EmbeddingRequest(BaseModel):
+    """The body of ``POST /v1/embeddings``; a field not listed here is refused (400)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(min_length=1, max_length=256)
+    input: str | list[str] | list[Token] | list[list[Token]] = Field(
+        description="a string, an array of strings, an array of token ids, or an array of "
+                    "token-id arrays: at most 2048 inputs, none empty")
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, description="refused (400): the vectors "
+                                                             "have the model's own dimensions")
+    user: str | None = Field(default=None, max_length=256,
+                             description="accepted; the caller is the token's principal")
+
+    def inputs(self) -> list[str] | list[list[int]]:
+        """The inputs as a list: strings, or token arrays."""
+        x = self.input
+        if isinstance(x, str):
+            return [x]
+        if x and isinstance(x[0], int):
+            return [x]
+        return x  # type: ignore[return-value]
+
+
+@router.post("/v1/embeddings", response_model=S.EmbeddingList)
+async def embeddings(body: EmbeddingRequest, principal: Principal = Caller,
+                     g: Gateway = Service) -> Response:
+    await g.ensure_ready()
+    m = g.model_for(body.model, principal)
+    if not m.embedding_dims:
+        raise ApiError(400, f"model {m.alias!r} does not provide embeddings", param="model")
+    if body.dimensions is not None:
+        raise ApiError(400, f"model {m.alias!r} does not support dimensions: its vectors "
+                            f"have {m.embedding_dims}", param="dimensions")
+    inputs = _checked(body.inputs(), m)
+    vectors, tokens = bytearray(), 0
+    for start, chunk in _packets(inputs, m):
+        data, used = await _embed(g, principal, m, start, chunk)
+        vectors += data
+        tokens += used
+    row = 4 * m.embedding_dims
+    if body.encoding_format == "base64":
+        items: list[Any] = [base64.b64encode(vectors[i:i + row]).decode("ascii")
+                            for i in range(0, len(vectors), row)]
+    else:
+        items = list(np.frombuffer(bytes(vectors), "<f4").astype(np.float64)
+                     .reshape(-1, m.embedding_dims))
+    return Response(orjson.dumps({
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": e}
+                 for i, e in enumerate(items)],
+        "model": m.alias,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
+
+
+def _checked(inputs: list[str] | list[list[int]], m: wire.ModelInfo) -> list[str] | list[list[int]]:
+    """The call's inputs, or 400 naming the first that cannot be sent (the device checks
+    each text's tokens)."""
+    if not inputs:
+        raise ApiError(400, "input is empty: give at least one input", param="input")
+    if len(inputs) > wire.MAX_EMBED_INPUTS:
+        raise ApiError(400, f"input has {len(inputs)} items; at most "
+                            f"{wire.MAX_EMBED_INPUTS} are embedded at once", param="input")
+    for i, x in enumerate(inputs):
+        if not x:
+            raise ApiError(400, f"input[{i}] is empty: every input needs a token",
+                           param="input")
+        if isinstance(x, str):
+            try:
+                size = len(x.encode("utf-8"))
+            except UnicodeEncodeError:
+                raise ApiError(400, f"input[{i}] is not valid Unicode (lone surrogate)",
+                               param="input") from None
+            if size > wire.MAX_PAYLOAD - 12:
+                raise ApiError(400, f"input[{i}] has {size} bytes, more than model "
+                                    f"{m.alias} embeds at once", param="input",
+                               code="context_length_exceeded")
+        elif len(x) > m.embedding_tokens:
+            raise _too_long(i, len(x), m)
+    return inputs
+
+
+def _too_long(index: int, tokens: int, m: wire.ModelInfo) -> ApiError:
+    # The input is refused, never truncated: a cut vector would not say what was cut.
+    return ApiError(400, f"input[{index}] has {tokens} tokens; model {m.alias} embeds at most "
+                         f"{m.embedding_tokens} tokens of one input", param="input",
+                    code="context_length_exceeded")
+
+
+def _packets(inputs: list[str] | list[list[int]], m: wire.ModelInfo
+             ) -> list[tuple[int, list[Any]]]:
+    """(index of the first input, inputs) of each EMBED packet."""
+    per_reply = max(1, wire.MAX_PAYLOAD // (4 * m.embedding_dims))
+    token_room = PACKET_DECODES * m.embedding_tokens
+    out: list[tuple[int, list[Any]]] = []
+    start, size, tokens = 0, 4, 0
+    for i, x in enumerate(inputs):
+        n = len(x.encode("utf-8")) if isinstance(x, str) else 4 * len(x)
+        # a text's tokens are at most its bytes (and the model's limit), plus start and end
+        est = min(n + 2 if isinstance(x, str) else len(x), m.embedding_tokens)
+        if i > start and (i - start >= per_reply or size + 8 + n > wire.MAX_PAYLOAD
+                          or tokens + est > token_room):
+            out.append((start, list(inputs[start:i])))
+            start, size, tokens = i, 4, 0
+        size, tokens = size + 8 + n, tokens + est
+    out.append((start, list(inputs[start:])))
+    return out
+
+
+async def _embed(g: Gateway, principal: Principal, m: wire.ModelInfo, start: int,
+                 chunk: list[Any]) -> tuple[bytes, int]:
+    """One EMBED packet: its vectors' bytes and tokens, or the refusal as an ApiError."""
+    payload = wire.encode_embed(chunk)
+    h = wire.Header.request(wire.Op.EMBED, principal=principal.id, role=m.role, cursor=start)
+    rh, body = await g.call(h, payload)
+    if rh.status != 200:
+        if rh.reason == wire.Reason.PROMPT_LENGTH:
+            raise _too_long(rh.cursor, rh.prompt_tokens, m)
+        if rh.reason == wire.Reason.TOKEN_ID:
+            raise ApiError(400, f"input[{rh.cursor}] holds token {rh.detail}, which is not in "
+                                f"model {m.alias}'s vocabulary", param="input")
+        err = refusal(rh, Call(m.alias, input_bytes=len(payload)))
+        if rh.reason == wire.Reason.INPUT_BYTES:
+            err.param = "input"
+        raise err
+    if len(body) != len(chunk) * 4 * m.embedding_dims:
+        raise ApiError(502, "the device answered with other vectors than asked")
+    return body, rh.prompt_tokens
