@@ -57,10 +57,11 @@ class StepOutcome:
 
 class Side(Protocol):
     """Other work of the engine thread, one bounded piece after each step (embeddings:
-    engine/embedding.py): ``pending`` with the lock held, ``step`` takes it itself."""
+    engine/embedding.py): ``pending`` with the lock held, ``step`` takes it itself;
+    ``busy``: requests are being decoded, so the piece should be a small one."""
 
     def pending(self) -> bool: ...
-    def step(self) -> None: ...
+    def step(self, busy: bool) -> None: ...
 
 
 class Engine(Protocol):
@@ -561,7 +562,7 @@ class Scheduler:
                 side = self.side if self.side and self.side.pending() else None
             self.step()
             if side is not None:
-                side.step()
+                side.step(bool(self.active or self.queue))
         self.masks.close()  # here, on the engine thread: no step is using it
 
     def stop(self) -> None:
