@@ -10,12 +10,13 @@ input is embedded in a single ``llama_decode``, which pooling over a whole seque
 a non-causal encoder) needs.
 
 :class:`EmbedQueue` runs on the model's engine thread, between decode steps
-(``Scheduler.side``): each :meth:`EmbedQueue.step` is one decode of at most ``context``
-tokens, packing whole inputs of the queued jobs (several requests' inputs in one decode,
-each its own sequence id) in arrival order.  A stream being generated therefore waits at
-most one such decode per token, as it waits for a prompt chunk of ``batch`` tokens
-anyway; an embedder thread of its own would instead compete with the generation
-thread pool for the same cores, where ggml's spinning workers slow both down.
+(``Scheduler.side``): each :meth:`EmbedQueue.step` is one decode, packing whole inputs of
+the queued jobs (several requests' inputs in one decode, each its own sequence id) in
+arrival order: the whole context when nothing is generated, else :data:`BUSY_TOKENS`
+and at most :data:`BUSY_SHARE` of the thread's time, so a stream keeps about half its
+pace and waits one short decode at most.  An embedder thread of its own would instead
+compete with the generation thread pool for the same cores, where ggml's spinning
+workers slow both down (docs/architecture.md, "Embeddings", has the figures).
 """
 
 from __future__ import annotations
