@@ -58,6 +58,8 @@ class Embedder:
     declares (mean when it declares none)."""
 
     def __init__(self, engine: LlamaEngine, context: int, pooling: str | None = "mean") -> None:
+        if llama_cpp.llama_model_has_encoder(engine.model):  # T5: llama_encode, not here
+            raise EngineError("encoder-decoder models are not supported for embeddings")
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = params.n_batch = params.n_ubatch = context
         params.n_seq_max = MAX_SEQS
