@@ -96,13 +96,18 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
 
 
 def _embeddings(spec: ModelSpec, engine: LlamaEngine, scheduler: Scheduler,
-                lock: threading.Lock) -> EmbedQueue:
+                lock: threading.Lock) -> EmbedQueue | None:
     """The model's embedding context and its queue, run by the engine thread between steps:
-    mean pooling for a chat model, the GGUF's own for an embedding model."""
+    mean pooling for a chat model, the GGUF's own for an embedding model.  A chat model
+    that cannot have one still chats (its capabilities say no embeddings); an embedding
+    model stops the device."""
     try:
         embedder = Embedder(engine, spec.embedding_context,
                             "mean" if spec.kind == "chat" else None)
     except EngineError as exc:
+        if spec.kind == "chat":
+            log.warning("event=model.no_embeddings alias=%s error=%s", spec.alias, exc)
+            return None
         engine.close()
         raise SystemExit(f"model {spec.alias}: no embeddings: {exc}") from None
     queue = EmbedQueue(embedder, lock, scheduler.cond.notify)
