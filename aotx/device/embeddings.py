@@ -31,7 +31,7 @@ class EmbedCall:
 def embed(state: DeviceState, admission: Admission, mailbox: int, h: Header,
           payload: bytes) -> EmbedCall:
     """Check an EMBED and tokenize its inputs (control thread, lock held); the order of the
-    checks is docs/protocol.md's (section 5.2)."""
+    checks is docs/protocol.md's (section 5.3)."""
     grant = state.submit_grant(h, embed=True)
     model = state.models[h.role]
     assert model.embeddings is not None  # submit_grant checked it
