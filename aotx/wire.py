@@ -135,6 +135,7 @@ MAX_AUDIO_SECONDS = 600  # decoded as float32 at the projector's rate
 SUBMIT_FLAG_SEED = 1  # the seed field at 120 is meaningful
 SUBMIT_FLAG_MEMORY_OFF = 2  # the request opts out of automatic memory
 SUBMIT_FLAG_RAW = 4  # one message of one part, the prompt itself: no chat template
+SUBMIT_FLAG_TOOLS = 8  # the output is tool calls' format: kept, and in every state reply
 CANCEL_FLAG_ADMIN = 1  # cancel any principal's request (needs Action.ADMIN)
 READ_FLAG_ANNOTATIONS = 1  # READ/WAIT: the request's annotation stream, not its output
 
@@ -294,7 +295,7 @@ class Header(_Fields):
     wait_ms = _View[int]("limit", "WAIT: timeout")
     max_rows = _View[int]("limit", "MEDIA_LIST")
     retry_after = _View[int]("limit", "429 reply: seconds")
-    submit_flags = _View[int]("flags", "SUBMIT: SUBMIT_FLAG_*")
+    submit_flags = _View[int]("flags", "SUBMIT: SUBMIT_FLAG_*; a state reply: the kept ones")
     cancel_flags = _View[int]("flags", "CANCEL: CANCEL_FLAG_*")
     media_flags = _View[int]("flags", "MEDIA_PUT: MEDIA_FLAG_*")
     seed = _View[int]("value", "SUBMIT, with SUBMIT_FLAG_SEED")
@@ -413,10 +414,10 @@ REQUEST_FIELDS: dict[Op, tuple[str, ...]] = {
     Op.EMBED: ("principal", "role", "cursor"),
 }
 #: The flag bits each operation defines; other bits are unused, so zero.
-REQUEST_FLAGS: dict[int, int] = {Op.SUBMIT: SUBMIT_FLAG_SEED | SUBMIT_FLAG_MEMORY_OFF | SUBMIT_FLAG_RAW,
-                 Op.CANCEL: CANCEL_FLAG_ADMIN, Op.READ: READ_FLAG_ANNOTATIONS,
-                 Op.WAIT: READ_FLAG_ANNOTATIONS,
-                 Op.MEDIA_PUT: MEDIA_FLAG_FINAL | MEDIA_FLAG_ABORT | MEDIA_FLAG_EPHEMERAL}
+REQUEST_FLAGS: dict[int, int] = {
+    Op.SUBMIT: SUBMIT_FLAG_SEED | SUBMIT_FLAG_MEMORY_OFF | SUBMIT_FLAG_RAW | SUBMIT_FLAG_TOOLS,
+    Op.CANCEL: CANCEL_FLAG_ADMIN, Op.READ: READ_FLAG_ANNOTATIONS, Op.WAIT: READ_FLAG_ANNOTATIONS,
+    Op.MEDIA_PUT: MEDIA_FLAG_FINAL | MEDIA_FLAG_ABORT | MEDIA_FLAG_EPHEMERAL}
 _ZERO = Header(magic=0, version=0)
 _UNUSED: dict[int, list[int]] = {op: [i for i, name in enumerate(Header._fields) if name not in (
     "magic", "version", "op", "tag", "payload_length", *used)] for op, used in REQUEST_FIELDS.items()}

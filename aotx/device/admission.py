@@ -257,6 +257,7 @@ class Admission:
                       stops=tuple(s.encode() for s in p.submission.stop),
                       sampling=p.submission.sampling, matcher=matcher,
                       memory_off=bool(h.submit_flags & wire.SUBMIT_FLAG_MEMORY_OFF),
+                      kept_flags=h.submit_flags & wire.SUBMIT_FLAG_TOOLS,
                       segments=segments)
         if p.memory_on and st.policy.enabled:
             req.source_text = "\n".join(f"{m['role'].capitalize()}: {m['content']}"

@@ -139,7 +139,8 @@ class DeviceState:
                     if notes else len(req.out),
                     prompt_tokens=req.prompt_tokens, sampled_tokens=req.sampled,
                     finish=int(req.finish), failure=failure, reason=int(reason),
-                    cancel_requested=int(req.cancel_requested), revision=req.revision)
+                    cancel_requested=int(req.cancel_requested), revision=req.revision,
+                    flags=req.kept_flags)
 
     def window(self, req: Request, cursor: int, notes: bool = False) -> bytes:
         """The output window at ``cursor`` (409 past the bytes produced so far); with

@@ -141,6 +141,7 @@ class Request:
     media: list[bytes] = field(default_factory=list)  # leased media sources, in prompt order
     finished_ns: int = 0
     memory_off: bool = False
+    kept_flags: int = 0  # SUBMIT flags the state replies carry back (SUBMIT_FLAG_TOOLS)
     background: bool = False  # resident-policy work: yields to any foreground request
     preempted: bool = False  # a background request cancelled because foreground work came
     source_text: str = ""  # the conversation, kept only when it may become a memory source

@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 
 from .. import ids, wire
+from . import tools
 from .errors import ApiError, Call, refusal
 from .render import dumps, native_token, state_fields
 from .requests import ChatRequest, ImageUrlPart, InputAudioPart, MediaPart, b64
@@ -94,6 +95,8 @@ def submission(body: ChatRequest, m: wire.ModelInfo, principal: Principal, allow
         seed = body.seed & ((1 << 64) - 1)
     if body.memory == "off":
         flags |= wire.SUBMIT_FLAG_MEMORY_OFF
+    if body.tool_mode:
+        flags |= wire.SUBMIT_FLAG_TOOLS
     h = wire.Header.request(
         wire.Op.SUBMIT, principal=principal.id, role=m.role, max_tokens=limit,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -264,6 +267,26 @@ async def logprobs_body(g: Gateway, principal: Principal, rid: str, cursor: str 
                                "total_bytes": str(rh.total),
                                "content": [native_token(orjson.loads(x))
                                            for x in body.splitlines()]}})
+
+
+async def tool_calls_body(g: Gateway, principal: Principal, rid: str) -> bytes:
+    """The aotx.tool_calls.v1 document for ``rid``: its output so far, parsed as the
+    standard route parses a finished one (gateway/tools.py); 409 for a request that
+    offered no tools (its output is text)."""
+    epoch, identity = parse_id(rid)
+    out, cursor = bytearray(), 0
+    while True:
+        rh, data = await read(g, principal, epoch, identity, cursor)
+        out += data
+        cursor += len(data)
+        if not data or cursor >= rh.total:
+            break
+    if not rh.submit_flags & wire.SUBMIT_FLAG_TOOLS:
+        raise ApiError(409, "the request offered no tools: its output is text, read it with "
+                            "GET /aotx/v1/requests/{id}", code="no_tools")
+    message, _ = tools.message(out.decode("utf-8", errors="replace"), "stop", "auto", identity)
+    return dumps({"schema": "aotx.tool_calls.v1", **state_fields(rh, g.by_role),
+                  "message": message})
 
 
 async def window_body(g: Gateway, principal: Principal, rid: str, cursor: str | None) -> bytes:

@@ -113,7 +113,7 @@ class ChoiceText:
         self.last = rh  # the request's latest state
         self.mode = tool_mode
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._tools = tools.ToolStream(tool_mode) if tool_mode else None
+        self._tools = tools.ToolStream(tool_mode, rh.identity) if tool_mode else None
         # with notes: output bytes not sent yet (from ``start``), the annotation cursor
         # and the lines read but not sent yet
         self._held = bytearray()
@@ -134,7 +134,7 @@ class ChoiceText:
                                          self.rh.identity, 0)
             logprobs = {"content": [token_logprob(n) for n in lines], "refusal": None}
         text = b"".join(chunks).decode("utf-8", errors="replace")
-        message, finish = tools.message(text, _finish(self.last), self.mode)
+        message, finish = tools.message(text, _finish(self.last), self.mode, self.rh.identity)
         return {"message": message, "logprobs": logprobs, "finish_reason": finish}
 
     async def events(self) -> AsyncIterator[Event]:

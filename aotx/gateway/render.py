@@ -105,6 +105,7 @@ def state_fields(h: wire.Header, by_role: dict[int, wire.ModelInfo]) -> dict[str
         "finish_reason": FINISH_NAMES[wire.Finish(h.finish)],
         "failure": failure(h),
         "usage": usage(h),
+        "tools": bool(h.submit_flags & wire.SUBMIT_FLAG_TOOLS),
     }
 
 

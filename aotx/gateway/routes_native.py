@@ -80,6 +80,16 @@ async def get_logprobs(rid: str, cursor: str | None = None, principal: Principal
                     media_type="application/json")
 
 
+@router.get("/aotx/v1/requests/{rid}/tool_calls", response_model=S.RequestToolCalls)
+async def get_tool_calls(rid: str, principal: Principal = Caller,
+                         g: Gateway = Service) -> Response:
+    """The request's output parsed into text and tool calls (it offered ``tools``), as
+    ``POST /v1/chat/completions`` answers it, the calls' ids alike; while it runs, the
+    calls complete so far."""
+    return Response(await calls.tool_calls_body(g, principal, rid),
+                    media_type="application/json")
+
+
 @router.post("/aotx/v1/requests/{rid}/cancel", status_code=202, response_model=S.RequestState)
 async def cancel_request(rid: str, principal: Principal = Caller,
                          g: Gateway = Service) -> Response:

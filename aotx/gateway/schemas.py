@@ -90,6 +90,8 @@ class RequestState(_Doc):
     finish_reason: _FINISH
     failure: ErrorObject | None
     usage: Usage
+    tools: bool = Field(description="tools were offered: the output is in the tool-call "
+                                    "format, parsed at .../tool_calls")
 
 
 class OutputWindow(_Doc):
@@ -370,6 +372,14 @@ class RequestLogprobs(RequestState):
 
     schema_: Literal["aotx.logprobs.v1"] = Field(alias="schema")  # type: ignore[assignment]
     logprobs: LogprobsWindow
+
+
+class RequestToolCalls(RequestState):
+    """``aotx.tool_calls.v1``: state plus the output parsed as the standard route parses
+    it: the text before the first call and every complete call."""
+
+    schema_: Literal["aotx.tool_calls.v1"] = Field(alias="schema")  # type: ignore[assignment]
+    message: ChatMessageOut
 
 
 class CompletionLogprobs(_Doc):

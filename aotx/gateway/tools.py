@@ -23,9 +23,9 @@ text that never contains ``<tool_call>``, or calls.  ``none`` offers no tools.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-import secrets
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -181,18 +181,24 @@ def grammar(tools: Sequence[ToolDef], choice: ToolChoice | None, parallel: bool
 
 
 # -- the answer -------------------------------------------------------------------------------
-def parse(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool_calls) of a finished output: the text before the first call (None
-    if empty) and each complete call, with a fresh id and its arguments as a JSON string.
-    An output with no complete call is all content."""
-    calls = []
+def call_id(identity: bytes, index: int) -> str:
+    """The id of a request's ``index``-th call: derived from the request, so that its
+    standard answer, its stream and its native tool-call document name it alike."""
+    return "call_" + hashlib.sha256(identity + index.to_bytes(4, "little")).hexdigest()[:24]
+
+
+def parse(text: str, identity: bytes) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool_calls) of the finished output of request ``identity``: the text
+    before the first call (None if empty) and each complete call, with its id and its
+    arguments as a JSON string.  An output with no complete call is all content."""
+    calls: list[dict[str, Any]] = []
     for found in _CALL.finditer(text):
         try:
             call = json.loads(found.group(1))
             name, args = call["name"], call["arguments"]
         except (ValueError, KeyError, TypeError):
             continue
-        calls.append({"id": "call_" + secrets.token_hex(12), "type": "function",
+        calls.append({"id": call_id(identity, len(calls)), "type": "function",
                       "function": {"name": str(name),
                                    "arguments": json.dumps(args, ensure_ascii=False)}})
     if not calls:
@@ -200,9 +206,10 @@ def parse(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     return text[:text.find(OPEN)].rstrip() or None, calls
 
 
-def message(text: str, finish: str, active: Mode | None) -> tuple[dict[str, Any], str]:
+def message(text: str, finish: str, active: Mode | None, identity: bytes
+            ) -> tuple[dict[str, Any], str]:
     """The non-streaming ``message`` and ``finish_reason`` for a finished output."""
-    content, calls = parse(text) if active else (text, [])
+    content, calls = parse(text, identity) if active else (text, [])
     if not calls:
         return {"role": "assistant", "content": text}, finish
     return ({"role": "assistant", "content": content, "tool_calls": calls},
@@ -215,8 +222,9 @@ class ToolStream:
     begin one (a prefix of it at the end) and trailing whitespace (the non-streaming
     content is right-stripped before a call) wait for the next characters."""
 
-    def __init__(self, active: Mode) -> None:
+    def __init__(self, active: Mode, identity: bytes) -> None:
         self.held = ""
+        self.identity = identity
         self.calls = active == "required"  # past the first <tool_call>: all is held
 
     def feed(self, text: str) -> str:
@@ -234,7 +242,7 @@ class ToolStream:
 
     def end(self, finish: str) -> tuple[str, list[dict[str, Any]], str]:
         """(the content still to send, the calls' deltas, the finish_reason)."""
-        content, calls = parse(self.held)
+        content, calls = parse(self.held, self.identity)
         if not calls:
             return self.held, [], finish
         return content or "", list(deltas(calls)), "tool_calls" if finish == "stop" else finish

@@ -295,3 +295,27 @@ def test_the_native_route_takes_tools(service: Service) -> None:
     assert text.endswith("}\n</tool_call>")
     call = json.loads(text[len("<tool_call>\n"):-len("\n</tool_call>")])
     jsonschema.validate(call["arguments"], SEARCH_PARAMS)
+    with httpx.Client(base_url=service.url, headers=h, timeout=60) as http:
+        parsed = http.get(f"/aotx/v1/requests/{rid}/tool_calls").json()
+    assert parsed["schema"] == "aotx.tool_calls.v1" and parsed["tools"] is True
+    assert parsed["state"] == "completed" and parsed["message"]["content"] is None
+    (got,) = parsed["message"]["tool_calls"]
+    assert got["function"]["name"] == "web-search" and got["id"].startswith("call_")
+    assert json.loads(got["function"]["arguments"]) == call["arguments"]
+
+
+def test_the_native_and_standard_views_of_calls_agree(service: Service,
+                                                       oai: openai.OpenAI) -> None:
+    raw = oai.chat.completions.with_raw_response.create(
+        model="smollm2", messages=ASK, max_tokens=400, temperature=0, tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="required")
+    message = raw.parse().choices[0].message
+    rid = raw.headers["x-request-id"]
+    with service.client() as http:
+        doc = http.get(f"/aotx/v1/requests/{rid}/tool_calls").json()
+        assert http.get(f"/aotx/v1/requests/{rid}").json()["tools"] is True
+        plain = oai.chat.completions.with_raw_response.create(
+            model="smollm2", messages=ASK, max_tokens=2, temperature=0)
+        refused = http.get(f"/aotx/v1/requests/{plain.headers['x-request-id']}/tool_calls")
+    assert [c.model_dump() for c in message.tool_calls or []] == doc["message"]["tool_calls"]
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "no_tools"

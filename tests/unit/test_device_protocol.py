@@ -82,7 +82,7 @@ def test_unused_input_fields_must_be_zero(device: Pair, op: wire.Op) -> None:
 def test_undefined_flag_bits_and_a_seed_without_its_flag_are_refused(device: Pair) -> None:
     dev, _ = device
     submit = wire.Header.request(wire.Op.SUBMIT, principal=7, role=1)
-    for bad, offset in ((submit._replace(flags=8), 116), (submit._replace(value=42), 120),
+    for bad, offset in ((submit._replace(flags=16), 116), (submit._replace(value=42), 120),
                         (wire.Header.request(wire.Op.MEDIA_PUT, principal=7, media_flags=16),
                          116)):
         with dev.state.lock:
@@ -90,6 +90,23 @@ def test_undefined_flag_bits_and_a_seed_without_its_flag_are_refused(device: Pai
         assert (h.status, h.reason, h.detail) == (400, wire.Reason.NONZERO_FIELD, offset)
     seeded = submit._replace(flags=wire.SUBMIT_FLAG_SEED, value=42)
     assert call(dev, seeded, text_submission())[0].status == 202
+
+
+def test_the_tools_flag_is_kept_and_in_every_state_reply(device: Pair) -> None:
+    """SUBMIT_FLAG_TOOLS: the device keeps it and answers it with the request's state,
+    so a later reader knows the output is in the tool-call format."""
+    dev, _ = device
+    plain = call(dev, wire.Header.request(wire.Op.SUBMIT, principal=7, role=1),
+                 text_submission())[0]
+    tools = call(dev, wire.Header.request(wire.Op.SUBMIT, principal=7, role=1,
+                                          submit_flags=wire.SUBMIT_FLAG_TOOLS),
+                 text_submission())[0]
+    assert (plain.status, tools.status) == (202, 202)
+    assert (plain.submit_flags, tools.submit_flags) == (0, wire.SUBMIT_FLAG_TOOLS)
+    for op in (wire.Op.READ, wire.Op.CANCEL):
+        h, _ = call(dev, wire.Header.request(op, principal=7, epoch=tools.epoch,
+                                             identity=tools.identity))
+        assert h.submit_flags == wire.SUBMIT_FLAG_TOOLS, op
 
 
 @pytest.mark.parametrize("op", [wire.Op.SHARED_SAVE, wire.Op.SHARED_LOAD])

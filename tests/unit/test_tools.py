@@ -5,6 +5,7 @@ answers, whole and streamed."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                    "required": ["city"], "additionalProperties": False}}}
 CLOCK = {"type": "function", "function": {"name": "now"}}
+ID = bytes(16)  # a request's identity
 
 
 def request(**fields: Any) -> ChatRequest:
@@ -119,15 +121,17 @@ def test_the_grammar(compiler: GrammarCompiler) -> None:  # noqa: F811
 
 def test_answers_whole_and_streamed() -> None:
     text = call("get_weather", '{"city": "Oslo"}') + "\n" + call("now", "{}")
-    msg, finish = tools.message(text, "stop", "required")
+    msg, finish = tools.message(text, "stop", "required", ID)
     assert finish == "tool_calls" and msg["content"] is None
     assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather", "now"]
     assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
-    assert all(c["id"].startswith("call_") for c in msg["tool_calls"])
-    assert tools.message("Hello", "stop", "auto") == ({"role": "assistant",
+    assert [c["id"] for c in msg["tool_calls"]] == [tools.call_id(ID, 0), tools.call_id(ID, 1)]
+    assert tools.call_id(ID, 0) != tools.call_id(b"\1" * 16, 0)
+    assert re.fullmatch(r"call_[0-9a-f]{24}", tools.call_id(ID, 0))
+    assert tools.message("Hello", "stop", "auto", ID) == ({"role": "assistant",
                                                         "content": "Hello"}, "stop")
-    assert tools.message(text, "stop", None)[0]["content"] == text
-    s = tools.ToolStream("auto")
+    assert tools.message(text, "stop", None, ID)[0]["content"] == text
+    s = tools.ToolStream("auto", ID)
     assert [s.feed(t) for t in ["<to", "ol_call>\n{", text[13:]]] == ["", "", ""]
     content, deltas, finish = s.end("stop")
     assert (content, finish) == ("", "tool_calls")
@@ -135,23 +139,23 @@ def test_answers_whole_and_streamed() -> None:
     args = "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas
                    if d["tool_calls"][0]["index"] == 0)
     assert json.loads(args) == {"city": "Oslo"}
-    s = tools.ToolStream("auto")
+    s = tools.ToolStream("auto", ID)
     assert [s.feed(t) for t in ["<t", "ab", "le>"]] == ["", "<tab", "le>"]
     assert s.end("stop") == ("", [], "stop")
 
 
 def test_text_before_calls_whole_and_streamed() -> None:
     text = "Let me look.\n" + call("now", "{}")
-    msg, finish = tools.message(text, "stop", "auto")
+    msg, finish = tools.message(text, "stop", "auto", ID)
     assert (msg["content"], finish) == ("Let me look.", "tool_calls")
     assert msg["tool_calls"][0]["function"]["name"] == "now"
-    s = tools.ToolStream("auto")
+    s = tools.ToolStream("auto", ID)
     sent = [s.feed(t) for t in ["Let me", " look.\n", "<tool", "_call>\n{", text[26:]]]
     assert sent == ["Let me", " look.", "", "", ""]
     content, deltas, finish = s.end("stop")
     assert (content, finish) == ("", "tool_calls") and len(deltas) == 2
     # a call cut short (max_tokens) is all content, whitespace included, as unstreamed
-    s = tools.ToolStream("auto")
+    s = tools.ToolStream("auto", ID)
     cut = "Hm.\n<tool_call>\n{\"name\""
-    assert s.feed(cut) + s.end("length")[0] == tools.message(cut, "length", "auto")[0][
+    assert s.feed(cut) + s.end("length")[0] == tools.message(cut, "length", "auto", ID)[0][
         "content"] == cut
