@@ -192,7 +192,10 @@ class DeviceState:
                 "queue_depth": len(sc.queue), "active_slots": len(sc.active),
                 "slots": m.spec.slots, "steps": sc.tick, "prompt_tokens": sc.prompt_tokens_in,
                 "completion_tokens": sc.tokens_out, "finished": dict(sc.finished),
-                "ttft_seconds": sc.ttft.snapshot(), "inter_token_seconds": sc.itl.snapshot()}
+                "ttft_seconds": sc.ttft.snapshot(), "inter_token_seconds": sc.itl.snapshot(),
+                "grammar_steps": sc.masks.steps, "grammar_masks": sc.masks.masks,
+                "grammar_fill_seconds": sc.masks.fill_ns / 1e9,
+                "grammar_wait_seconds": sc.masks.wait_ns / 1e9}
         return {"epoch": self.epoch, "requests_by_state": dict(by_phase),
                 "admitted": self.counters.admitted,
                 "refused": {str(k): v for k, v in self.counters.refused.items()},

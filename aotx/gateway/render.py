@@ -168,6 +168,12 @@ _MODEL_FAMILIES = (  # (key in the device's per-model counters, name, help, coun
     ("steps", "aotx_scheduler_steps", "Decode steps (device tick)", True),
     ("queue_depth", "aotx_queue_depth", "Requests waiting for a slot", False),
     ("active_slots", "aotx_active_slots", "Sequences in the batch", False),
+    ("grammar_steps", "aotx_grammar_steps", "Decode steps with constrained samples", True),
+    ("grammar_masks", "aotx_grammar_masks", "Token masks of constrained samples", True),
+    ("grammar_fill_seconds", "aotx_grammar_fill_seconds",
+     "Time the mask worker spent filling masks (beside the decode)", True),
+    ("grammar_wait_seconds", "aotx_grammar_wait_seconds",
+     "Time the engine thread still waited for masks after the decode", True),
 )
 _HISTOGRAMS = (("ttft_seconds", "aotx_time_to_first_token_seconds", "Admission to first token"),
                ("inter_token_seconds", "aotx_inter_token_seconds",

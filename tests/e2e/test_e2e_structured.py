@@ -10,10 +10,14 @@ import threading
 import time
 from typing import Any, Literal
 
+import httpx
 import jsonschema
 import openai
 import pydantic
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ..helpers import Service
 
 pytestmark = pytest.mark.e2e
 
@@ -42,6 +46,26 @@ PERSON: dict[str, Any] = {
 def schema_format(schema: dict[str, Any]) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema,
                                                    "strict": True}}
+
+
+def grammar_metrics(service: Service) -> dict[str, float]:
+    text = httpx.get(service.url + "/metrics", headers=service.headers, timeout=10).text
+    return {f.name: f.samples[0].value for f in text_string_to_metric_families(text)
+            if f.name.startswith("aotx_grammar_")}
+
+
+def test_the_masks_cost_is_in_the_metrics(service: Service, oai: openai.OpenAI) -> None:
+    before = grammar_metrics(service)
+    r = oai.chat.completions.create(model="smollm2", messages=ASK, max_tokens=60,
+                                    temperature=0, response_format=schema_format(PERSON))  # type: ignore[arg-type]
+    after = grammar_metrics(service)
+    grew = {k: after[k] - before[k] for k in after}
+    assert r.usage is not None
+    # a mask for every token sampled under the grammar (the last may be EOS)
+    assert grew["aotx_grammar_masks"] >= r.usage.completion_tokens - 1 > 0
+    assert grew["aotx_grammar_steps"] >= r.usage.completion_tokens - 1
+    assert grew["aotx_grammar_fill_seconds"] > 0
+    assert 0 <= grew["aotx_grammar_wait_seconds"] <= grew["aotx_grammar_fill_seconds"] + 0.05
 
 
 @pytest.mark.parametrize("temperature, seed", [(0, 1), (1.2, 1), (1.2, 2), (1.2, 3)])
