@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
@@ -32,6 +33,8 @@ from .errors import ApiError
 from .render import FINISH_NAMES, json_response, sse_data, token_logprob
 from .requests import ChatRequest
 from .service import Gateway, Principal
+
+log = logging.getLogger("aotx.gateway")
 
 Failed = Callable[[wire.Header], ApiError]  # how a request that failed answers
 # A stream chunk of one choice: its delta, the logprobs of the tokens the delta's text
@@ -50,6 +53,10 @@ async def completion(g: Gateway, body: ChatRequest, principal: Principal,
     texts = [ChoiceText(g, principal, a.header, bool(body.logprobs), body.tool_mode)
              for a in admitted]
     headers = {"X-Request-Id": rid}
+    if body.user is not None or body.safety_identifier is not None:
+        # OpenAI's end-user tags: for the operator tracing abuse to an end user
+        log.debug("event=chat.user id=%s choices=%d user=%r safety_identifier=%r", rid,
+                  len(admitted), body.user, body.safety_identifier)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(texts, head, include_usage, failed),

@@ -1,10 +1,10 @@
 """HTTP request bodies (pydantic).  They also produce the OpenAPI document.
 
 The standard message envelope is shared by ``POST /v1/chat/completions`` and
-``POST /aotx/v1/requests``.  Unknown fields are ignored (OpenAI clients send
-many optional ones); fields that would change the meaning of the request and
-that aotx does not implement (``functions``, n > 1) are refused with 400 instead of
-being silently dropped.  ``response_format``, or ``tools`` with their ``tool_choice``
+``POST /aotx/v1/requests``.  A field aotx does not implement is refused with 400
+naming it (as OpenAI refuses an argument it does not know), never silently dropped;
+a message may carry what the SDK's own answer messages hold, so that a client can
+append an answer to its messages.  ``response_format``, or ``tools`` with their ``tool_choice``
 (gateway/tools.py), becomes the submission's constraint.  The sampler's
 fields (penalties, logit bias, top-k, min-p) are applied on the device.
 """
@@ -106,15 +106,25 @@ ContentPart = Annotated[
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: str | None = Field(default=None, max_length=256)  # not rendered: see docs/api.md
     tool_calls: list[T.ToolCall] | None = Field(default=None, max_length=T.MAX_TOOLS)
     tool_call_id: str | None = Field(default=None, max_length=256)
+    # What the SDK's own answer message holds, so that ``messages.append(message)``
+    # works: a refusal is the assistant's text; the rest must be empty.
+    refusal: str | None = None
+    annotations: list[Any] | None = Field(default=None, max_length=0)
+    audio: None = None
+    function_call: None = None
 
     @model_validator(mode="after")
     def _shape(self) -> ChatMessage:
+        if self.refusal is not None:
+            if self.role != "assistant" or self.content is not None:
+                raise ValueError("refusal is an assistant message's text, instead of content")
+            self.content, self.refusal = self.refusal, None
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
         if self.tool_calls and self.role != "assistant":
@@ -138,11 +148,14 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
 class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # OpenAI answers 400 to an argument it does not know; so does aotx, naming it, for
+    # every field it does not implement (audio, prediction, reasoning_effort, metadata...)
+    model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1, max_length=256)
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
@@ -171,6 +184,12 @@ class ChatRequest(BaseModel):
     tools: list[T.ToolDef] | None = Field(default=None, max_length=T.MAX_TOOLS)
     tool_choice: T.ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's end-user tags: written to the gateway's request log (DEBUG), nowhere else.
+    user: str | None = Field(default=None, max_length=256)
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    service_tier: Literal["auto", "default"] | None = None  # the one tier there is
+    modalities: list[Literal["text"]] | None = None
+    store: Literal[False] | None = None  # chat completions are not stored for /v1/chat/...
     # Fields we refuse rather than silently ignore:
     functions: list[Any] | None = None
     function_call: Any = None

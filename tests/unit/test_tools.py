@@ -159,3 +159,34 @@ def test_text_before_calls_whole_and_streamed() -> None:
     cut = "Hm.\n<tool_call>\n{\"name\""
     assert s.feed(cut) + s.end("length")[0] == tools.message(cut, "length", "auto", ID)[0][
         "content"] == cut
+
+
+def test_fields_aotx_does_not_implement_are_refused_by_name() -> None:
+    for field, value in [("prediction", {"type": "content", "content": "x"}),
+                         ("reasoning_effort", "low"), ("metadata", {"a": "b"}),
+                         ("audio", {"voice": "alloy"}), ("store", True),
+                         ("modalities", ["text", "audio"]), ("service_tier", "flex")]:
+        with pytest.raises(ValidationError) as info:
+            request(**{field: value})
+        assert info.value.errors()[0]["loc"][0] == field, field
+    with pytest.raises(ValidationError, match="stream_options"):
+        request(stream_options={"include_usage": True, "include_obfuscation": False})
+    ok = request(user="u1", safety_identifier="s", service_tier="auto", modalities=["text"],
+                 store=False)
+    assert ok.user == "u1"
+
+
+def test_an_answer_message_from_the_sdk_can_be_sent_back() -> None:
+    echoed = {"role": "assistant", "content": "Hi!", "refusal": None, "annotations": [],
+              "audio": None, "function_call": None, "tool_calls": None}
+    body = ChatRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": "hi"}, echoed, {"role": "user", "content": "again"}]})
+    assert body.messages[1].text() == "Hi!"
+    refused = ChatRequest.model_validate({"model": "m", "messages": [
+        {"role": "assistant", "content": None, "refusal": "I can't."}]})
+    assert refused.messages[0].text() == "I can't."
+    for bad in ({"audio": {"id": "a"}}, {"annotations": [{"type": "url_citation"}]},
+                {"colour": "red"}):
+        with pytest.raises(ValidationError):
+            ChatRequest.model_validate({"model": "m", "messages": [
+                {"role": "assistant", "content": "x", **bad}]})
