@@ -48,6 +48,8 @@ async def capabilities(principal: Principal = Caller, g: Gateway = Service) -> R
                      "media": True, "telemetry": True, "metrics": True, "policy": True,
                      "automatic_memory": memory, "shared_operations": False,
                      "response_format": ["text", "json_object", "json_schema"],
+                     "tool_choice": ["none", "auto", "required", "function"],
+                     "top_logprobs": wire.MAX_TOP_LOGPROBS,
                      "embeddings": any(m.embedding_dims for m in info.models)},
         "lineage": {"kind": "automatic_memory", "path": "memory/"} if memory else None,
     })

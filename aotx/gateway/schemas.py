@@ -226,6 +226,9 @@ class Features(_Doc):
     automatic_memory: bool
     shared_operations: bool
     response_format: list[Literal["text", "json_object", "json_schema"]]
+    tool_choice: list[Literal["none", "auto", "required", "function"]] = Field(
+        description="the tool_choice values taken (function: a named function)")
+    top_logprobs: int = Field(description="the most alternatives logprobs list per token")
     embeddings: bool
 
 

@@ -81,6 +81,8 @@ def test_the_native_route_takes_one_choice(service: Service) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"
         caps = c.get("/aotx/v1/capabilities").json()
         assert caps["limits"]["choices"] == "8"
+        assert caps["features"]["tool_choice"] == ["none", "auto", "required", "function"]
+        assert caps["features"]["top_logprobs"] == 20
 
 
 def test_each_choice_carries_its_own_logprobs(oai: openai.OpenAI) -> None:
