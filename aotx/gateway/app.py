@@ -2,7 +2,7 @@
 handlers, the console and the connection guard together, and the process's ``run``.
 
 Routers by surface: ``routes_openai`` (standard ``/v1``), ``routes_completions`` (the
-legacy ``/v1/completions``), ``routes_native`` (requests, capabilities, telemetry),
+legacy ``/v1/completions``), ``routes_responses`` (``/v1/responses``), ``routes_native`` (requests, capabilities, telemetry),
 ``routes_media``, ``routes_policy`` (policy and memory), ``routes_ops`` (health,
 readiness, metrics).  The :class:`~aotx.gateway.service.Gateway`
 lives on ``app.state.gateway``; routes reach it and the caller through dependencies.
@@ -39,6 +39,7 @@ from . import (
     routes_openai,
     routes_ops,
     routes_policy,
+    routes_responses,
 )
 from . import schemas as S
 from .broker_client import BrokerClient
@@ -46,6 +47,7 @@ from .credentials import ensure_admin_token
 from .errors import INTERNAL, ApiError, error_body
 from .guard import Guard, guarded_protocol
 from .render import error_response, json_response
+from .response_store import ResponseStore
 from .service import Gateway
 
 log = logging.getLogger("aotx.gateway")
@@ -65,11 +67,13 @@ def create_app(paths: RuntimePaths, settings: Settings | None = None, loopback_o
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         g = Gateway(paths, settings, broker)
         app.state.gateway = g
+        app.state.responses = ResponseStore(paths.state_dir)
         task = asyncio.get_running_loop().create_task(g.poll_loop())
         yield
         task.cancel()
         await g.broker.close()
         g.store.close()
+        app.state.responses.close()
 
     # No slash redirects (here and on every router): Starlette answers a path with an
     # extra or missing "/" with a 307 before any route runs, so before authentication,
@@ -79,7 +83,7 @@ def create_app(paths: RuntimePaths, settings: Settings | None = None, loopback_o
                               "aotx API.")
     _handle_errors(app)
     for module in (routes_ops, routes_native, routes_media, routes_policy, routes_openai,
-                   routes_completions, routes_embeddings):
+                   routes_completions, routes_embeddings, routes_responses):
         _document_errors(module.router.routes)
         app.include_router(module.router)
     # The web console: static files shipped in the package (no CDN). They hold no secret;

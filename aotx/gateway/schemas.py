@@ -12,7 +12,7 @@ past 2^53); token counts are plain integers.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -415,3 +415,64 @@ class Completion(_Doc):
     system_fingerprint: str
     choices: list[CompletionChoice]
     usage: Usage
+
+
+class ResponseUsage(_Doc):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseError(_Doc):
+    code: str
+    message: str
+
+
+class IncompleteDetails(_Doc):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(_Doc):
+    """OpenAI's response object (``/v1/responses``): a device request's state and output;
+    the request's fields as it was created when it was stored, else their defaults."""
+
+    id: Annotated[str, Field(pattern=r"^resp_[0-9a-f]{48}$")]
+    object: Literal["response"]
+    created_at: int
+    status: Literal["queued", "in_progress", "completed", "incomplete", "cancelled", "failed"]
+    error: ResponseError | None
+    incomplete_details: IncompleteDetails | None
+    model: str
+    instructions: str | None
+    metadata: dict[str, str]
+    max_output_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    tools: list[dict[str, Any]]
+    tool_choice: str | dict[str, Any]
+    parallel_tool_calls: bool
+    text: dict[str, Any]
+    previous_response_id: str | None
+    background: bool
+    store: bool
+    truncation: Literal["disabled"]
+    output: list[dict[str, Any]] = Field(
+        description="a message item (type message, output_text content) and, with tools, "
+                    "function_call items")
+    usage: ResponseUsage | None
+
+
+class ResponseDeleted(_Doc):
+    id: str
+    object: Literal["response"]
+    deleted: Literal[True]
+
+
+class InputItemList(_Doc):
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
