@@ -20,7 +20,7 @@ from typing import Any
 
 from .. import wire
 from . import tools as T
-from .responses import call_item, item_status, message_item, output_items
+from .responses import call_item, item_status, message_item
 
 MAX_PIECE = 64  # bytes: the longest delta, so a text without spaces still streams
 _SPACE = frozenset(b" \t\n\r")
@@ -155,11 +155,3 @@ class Events:
                                output_index=index, name=item["name"], arguments=args),
                       self._ev("response.output_item.done", output_index=index, item=item)]
 
-
-def consistent(last: wire.Header, data: bytes, events: list[Event]) -> bool:
-    """Do ``events`` add up to the output :func:`output_items` reads from ``data``?  (For
-    tests: the stream and the retrieved response agree.)"""
-    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
-    items = output_items(last, data)
-    want = "".join(c["text"] for i in items if i["type"] == "message" for c in i["content"])
-    return text == want

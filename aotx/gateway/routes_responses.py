@@ -131,7 +131,8 @@ async def create_response(body: ResponseRequest, principal: Principal = Caller,
         raise reworded(exc) from None
     rh = admitted.header
     created = time.time()
-    stored = Stored(created, body.echo(), body.items(), context)
+    # Shown as a later retrieve shows it: a response not stored has the defaults.
+    stored = Stored(created, body.echo() if body.stored else None, [], [])
     if body.stored:
         st.put(principal.id, rh.epoch, rh.identity, created, body.echo(), body.items(),
                context)
