@@ -87,15 +87,18 @@ def _events(stream: Any, stop_after: int | None = None) -> list[Any]:
     return got
 
 
-def test_stream_resumed_after_a_dropped_connection(oai: openai.OpenAI) -> None:
+def test_stream_resumed_after_a_dropped_connection(oai: openai.OpenAI, service: Service) -> None:
     first = _events(oai.responses.create(model="smollm2", input=STORY, background=True,
-                                         stream=True, max_output_tokens=120, temperature=0),
+                                         stream=True, max_output_tokens=400, temperature=0),
                     stop_after=9)
     assert [e.sequence_number for e in first] == list(range(10))
     assert [e.type for e in first[:4]] == ["response.created", "response.in_progress",
                                            "response.output_item.added",
                                            "response.content_part.added"]
     rid = first[0].response.id
+    native = "req-" + rid[5:21] + "-" + rid[21:]
+    with service.client() as c:  # the resume below meets a request still generating
+        assert c.get(f"/aotx/v1/requests/{native}").json()["state"] == "running"
     # The request ran on without its client; resume after event 9, drop again, resume.
     second = _events(oai.responses.retrieve(rid, stream=True, starting_after=9), stop_after=20)
     third = _events(oai.responses.retrieve(rid, stream=True, starting_after=20))
