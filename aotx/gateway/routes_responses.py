@@ -183,7 +183,7 @@ async def _stream(g: Gateway, principal: Principal, rh: wire.Header, snapshot: S
     try:
         for ev in events.start(rh):
             if ev["sequence_number"] > after:
-                yield _sse(ev)
+                yield sse(ev["type"], dumps(ev))
         async for last, data, _ in calls.follow(g, principal, rh.epoch, rh.identity, 0, first):
             out = events.feed(data)
             offset += len(data)
@@ -191,7 +191,7 @@ async def _stream(g: Gateway, principal: Principal, rh: wire.Header, snapshot: S
                 out += events.end(last)
             sent = [ev for ev in out if ev["sequence_number"] > after]
             for ev in sent:
-                yield _sse(ev)
+                yield sse(ev["type"], dumps(ev))
             if not out:
                 yield b": keep-alive\n\n"
         done = True
@@ -202,20 +202,15 @@ async def _stream(g: Gateway, principal: Principal, rh: wire.Header, snapshot: S
             await calls.cancel_quietly(g, principal, rh)
 
 
-def _sse(ev: dict[str, Any]) -> bytes:
-    """One event; its SSE ``id`` is its sequence number, so an EventSource that
-    reconnects with ``Last-Event-ID`` resumes as ``starting_after`` does."""
-    return sse(ev["type"], dumps(ev), str(ev["sequence_number"]))
-
-
 # -- GET, cancel, delete, input items ---------------------------------------------------------
 @router.get("/v1/responses/{rid}", response_model=S.ResponseObject, responses=_SSE)
-async def retrieve_response(rid: str, request: Request, stream: bool = False,
-                            starting_after: int | None = None,
+async def retrieve_response(rid: str, stream: bool = False, starting_after: int | None = None,
                             principal: Principal = Caller, g: Gateway = Service,
                             st: ResponseStore = Store) -> Response:
     epoch, identity = _own(st, principal, rid)
-    after = _starting_after(stream, starting_after, request.headers.get("last-event-id"))
+    if starting_after is not None and (not stream or starting_after < 0):
+        raise ApiError(400, "starting_after is an event's sequence_number (0 or more), with "
+                            "stream=true", param="starting_after")
     if not stream:
         last, data = await _read(g, principal, rid, epoch, identity)
         return json_response(_object(g, last, data, st.get(principal.id, epoch, identity)))
@@ -225,27 +220,11 @@ async def retrieve_response(rid: str, request: Request, stream: bool = False,
         raise _named(exc, rid) from None
     snapshot = _snapshot(g, first[0], st.get(principal.id, epoch, identity))
     return StreamingResponse(
-        _stream(g, principal, first[0], snapshot, after, first, cancel=False),
+        _stream(g, principal, first[0], snapshot,
+                -1 if starting_after is None else starting_after, first, cancel=False),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-store",
                  "X-Request-Id": ids.format_request_id(epoch, identity)})
-
-
-def _starting_after(stream: bool, starting_after: int | None, last: str | None) -> int:
-    """The last event the client has: ``starting_after``, or the SSE ``Last-Event-ID``
-    (a sequence number) an EventSource sends; -1 for none."""
-    if last is not None:
-        if starting_after is not None:
-            raise ApiError(400, "give starting_after or Last-Event-ID, not both",
-                           param="starting_after")
-        if not last.strip().isascii() or not last.strip().isdigit():
-            raise ApiError(400, "Last-Event-ID is an event's sequence_number",
-                           param="Last-Event-ID")
-        starting_after = int(last.strip())
-    if starting_after is not None and (not stream or starting_after < 0):
-        raise ApiError(400, "starting_after is an event's sequence_number (0 or more), with "
-                            "stream=true", param="starting_after")
-    return -1 if starting_after is None else starting_after
 
 
 @router.post("/v1/responses/{rid}/cancel", response_model=S.ResponseObject)
