@@ -6,6 +6,7 @@ no longer holds."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from typing import Any
 
@@ -77,6 +78,40 @@ def test_background_delete_and_the_retention_sweep() -> None:
             for path in (f"/v1/responses/{rid}", f"/v1/responses/{rid}/input_items"):
                 assert (await c.get(path)).status_code == 404
             assert len(broker.sent) == sent
+
+    try:
+        asyncio.run(go())
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_the_sdks_decoder_reads_every_event_keep_alives_included() -> None:
+    """A stream that waits sends keep-alive comments; the openai SDK's SSE decoder must
+    read the stream as events only (with SSE ids it would dispatch an empty event after
+    each comment and fail on its JSON: why events carry no id)."""
+    from openai._streaming import SSEDecoder
+
+    folder = short_tmpdir()
+    broker = ScriptedBroker()
+    app: Any = create_app(RuntimePaths(folder), Settings(), broker=broker)  # type: ignore[arg-type]
+    states = iter([(wire.Phase.RUNNING, 0, wire.Finish.NONE, b""),
+                   (wire.Phase.COMPLETED, 8, wire.Finish.STOP, b"Hi there")])
+
+    def wait(h: wire.Header, _: bytes) -> tuple[wire.Header, bytes]:
+        phase, total, finish, data = next(states)
+        return state(h, phase=phase, total=total, finish=int(finish)), data[h.cursor:]
+
+    broker.script[wire.Op.READ] = lambda h, p: (state(h, phase=wire.Phase.QUEUED), b"")
+    broker.script[wire.Op.WAIT] = wait
+
+    async def go() -> None:
+        async with asgi_client(app, RuntimePaths(folder)) as c:
+            r = await c.get(f"/v1/responses/resp_{EPOCH:016x}{IDENT.hex()}?stream=true")
+            assert b": keep-alive" in r.content
+            events = [json.loads(sse.data) for sse in SSEDecoder().iter_bytes(iter([r.content]))]
+            assert [e["sequence_number"] for e in events] == list(range(len(events)))
+            assert events[-1]["type"] == "response.completed"
+            assert events[-1]["response"]["output"][0]["content"][0]["text"] == "Hi there"
 
     try:
         asyncio.run(go())
