@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, fi
 
 from .. import wire
 from .errors import ApiError, Call
-from .requests import MAX_CHOICES, MAX_STOP, StreamOptions
+from .requests import MAX_CHOICES, StreamOptions, check_bias, check_stops
 from .service import Principal
 
 MAX_LOGPROBS = 5  # OpenAI's limit for the legacy route
@@ -104,26 +104,15 @@ class CompletionRequest(BaseModel):
     def _stops(cls, v: Any) -> Any:
         if v is None:
             return v
-        items = [v] if isinstance(v, str) else v
-        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-            raise ValueError("stop must be a string or an array of strings")
-        if len(items) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences")
-        for s in items:
-            _utf8(s, "a stop sequence")
-            if not s or len(s.encode("utf-8")) > wire.MAX_STOP_BYTES:
-                raise ValueError(f"a stop sequence has 1 to {wire.MAX_STOP_BYTES} bytes (UTF-8)")
+        check_stops(v)
+        for s in [v] if isinstance(v, str) else v:
+            _utf8(s, "a stop sequence")  # a lone surrogate: 400 here, not at submission
         return v
 
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for token, bias in (v or {}).items():
-            if not token.isascii() or not token.isdigit() or int(token) >= 1 << 31:
-                raise ValueError("logit_bias keys are token ids (decimal strings)")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError("a logit_bias value is between -100 and 100")
-        return v
+        return check_bias(v)
 
     @field_validator("suffix", mode="before")
     @classmethod

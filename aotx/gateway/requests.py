@@ -202,27 +202,12 @@ class ChatRequest(BaseModel):
         # the union member it tried ("stop.str"): every bad stop here is located "stop".
         if v is None:
             return v
-        items = [v] if isinstance(v, str) else v
-        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-            raise ValueError("stop must be a string or an array of strings")
-        if len(items) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences")
-        if any(not s for s in items):
-            raise ValueError("stop sequences must not be empty")
-        if any(len(s.encode("utf-8", "surrogatepass")) > MAX_STOP_BYTES for s in items):
-            raise ValueError(f"a stop sequence may have at most {MAX_STOP_BYTES} "
-                             f"bytes (UTF-8)")
-        return v
+        return check_stops(v)
 
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for token, bias in (v or {}).items():
-            if not token.isascii() or not token.isdigit() or int(token) >= 1 << 31:
-                raise ValueError("logit_bias keys are token ids (decimal strings)")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError("a logit_bias value is between -100 and 100")
-        return v
+        return check_bias(v)
 
     @property
     def sampling(self) -> Sampling:
@@ -304,6 +289,31 @@ class ChatRequest(BaseModel):
     @property
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+def check_stops(v: Any) -> Any:
+    """``stop`` as OpenAI takes it (a string or a list), within aotx's limits; raises
+    ValueError (400, ``param: "stop"``).  Shared by chat and text completions."""
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise ValueError("stop must be a string or an array of strings")
+    if len(items) > MAX_STOP:
+        raise ValueError(f"at most {MAX_STOP} stop sequences")
+    if any(not s for s in items):
+        raise ValueError("stop sequences must not be empty")
+    if any(len(s.encode("utf-8", "surrogatepass")) > MAX_STOP_BYTES for s in items):
+        raise ValueError(f"a stop sequence may have at most {MAX_STOP_BYTES} bytes (UTF-8)")
+    return v
+
+
+def check_bias(v: dict[str, float] | None) -> dict[str, float] | None:
+    """``logit_bias``: token ids (decimal strings) to -100..100; raises ValueError."""
+    for token, bias in (v or {}).items():
+        if not token.isascii() or not token.isdigit() or int(token) >= 1 << 31:
+            raise ValueError("logit_bias keys are token ids (decimal strings)")
+        if not -100.0 <= bias <= 100.0:
+            raise ValueError("a logit_bias value is between -100 and 100")
+    return v
 
 
 def _response_format(rf: dict[str, Any] | None) -> Constraint | None:
