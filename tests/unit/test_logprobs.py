@@ -260,12 +260,11 @@ def test_read_flag_bits_other_than_annotations_are_refused(device: Pair) -> None
 
 # -- the gateway's stream: text cut where a token ends on a character boundary -----------------
 
-def test_stream_chunks_hold_exactly_their_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    import asyncio
-
+def _choice(monkeypatch: pytest.MonkeyPatch, toks: list[bytes], tools: Any = None) -> Any:
+    """A ChoiceText whose annotation stream holds ``toks``, one line each (its cursor
+    counts lines here)."""
     from aotx.gateway import choices
 
-    toks = [b"a", b"\xe2", b"\x82\xac", b"b", b""]
     stream, at = [], 0
     for i, t in enumerate(toks):
         stream.append({"offset": at, "token": i, "logprob": -0.5, "bytes": list(t), "top": []})
@@ -273,10 +272,16 @@ def test_stream_chunks_hold_exactly_their_tokens(monkeypatch: pytest.MonkeyPatch
 
     async def notes(g: Any, p: Any, epoch: int, identity: bytes, cursor: int
                     ) -> tuple[list[dict[str, Any]], int]:
-        return stream[cursor:], len(stream)  # (its cursor counts lines here)
+        return stream[cursor:], len(stream)
 
     monkeypatch.setattr(choices.calls, "notes", notes)
-    text = choices.ChoiceText(None, None, wire.Header(), True, None)  # type: ignore[arg-type]
+    return choices.ChoiceText(None, None, wire.Header(), True, tools)  # type: ignore[arg-type]
+
+
+def test_stream_chunks_hold_exactly_their_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    text = _choice(monkeypatch, [b"a", b"\xe2", b"\x82\xac", b"b", b""])
 
     def add(data: bytes, final: bool = False) -> list[tuple[str, list[bytes]]]:
         got = asyncio.run(text._pieces(data, final))
@@ -293,21 +298,9 @@ def test_tool_streams_send_every_tokens_logprobs_once(monkeypatch: pytest.Monkey
     tokens are held with the call and go with its first delta."""
     import asyncio
 
-    from aotx.gateway import choices
-
     call = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
     toks = [b"Hi", b".", b"\n", b"<", b"tool", b"_call", b">\n", call[12:].encode()]
-    stream, at = [], 0
-    for i, t in enumerate(toks):
-        stream.append({"offset": at, "token": i, "logprob": -0.5, "bytes": list(t), "top": []})
-        at += len(t)
-
-    async def notes(g: Any, p: Any, epoch: int, identity: bytes, cursor: int
-                    ) -> tuple[list[dict[str, Any]], int]:
-        return stream[cursor:], len(stream)
-
-    monkeypatch.setattr(choices.calls, "notes", notes)
-    text = choices.ChoiceText(None, None, wire.Header(), True, "auto")  # type: ignore[arg-type]
+    text = _choice(monkeypatch, toks, "auto")
     events = [e for t in toks for e in asyncio.run(text.add(t))]
     events += asyncio.run(text.add(b"", final=True)) + text.end()
     got = [(d, [bytes(x["bytes"]) for x in lps or []], f) for d, lps, f in events]
