@@ -21,7 +21,7 @@ import asyncio
 import codecs
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
@@ -29,21 +29,19 @@ from fastapi.responses import Response, StreamingResponse
 
 from .. import ids, wire
 from . import calls, tools
-from .errors import ApiError
-from .render import FINISH_NAMES, json_response, sse_data, token_logprob
+from .errors import ApiError, failed
+from .render import finish_reason, json_response, sse_data, token_logprob
 from .requests import ChatRequest
 from .service import Gateway, Principal
 
 log = logging.getLogger("aotx.gateway")
 
-Failed = Callable[[wire.Header], ApiError]  # how a request that failed answers
 # A stream chunk of one choice: its delta, the logprobs of the tokens the delta's text
 # holds (with ``logprobs``) and the finish_reason (the last chunk).
 Event = tuple[dict[str, Any], list[dict[str, Any]] | None, str | None]
 
 
-async def completion(g: Gateway, body: ChatRequest, principal: Principal,
-                     failed: Failed) -> Response:
+async def completion(g: Gateway, body: ChatRequest, principal: Principal) -> Response:
     """POST /v1/chat/completions: admit the choices, then answer whole or as a stream."""
     admitted = await _admit(g, body, principal)
     first = admitted[0].header
@@ -59,7 +57,7 @@ async def completion(g: Gateway, body: ChatRequest, principal: Principal,
                   len(admitted), body.user, body.safety_identifier)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(texts, head, include_usage, failed),
+        return StreamingResponse(_stream(texts, head, include_usage),
                                  media_type="text/event-stream",
                                  headers={**headers, "Cache-Control": "no-store"})
     done = False
@@ -93,10 +91,6 @@ async def _admit(g: Gateway, body: ChatRequest, principal: Principal
             await calls.cancel_quietly(g, principal, a.header)
         raise
     return admitted
-
-
-def _finish(h: wire.Header) -> str:
-    return FINISH_NAMES[wire.Finish(h.finish)] or "stop"
 
 
 def _usage(lasts: list[wire.Header]) -> dict[str, int]:
@@ -141,7 +135,7 @@ class ChoiceText:
                                          self.rh.identity, 0)
             logprobs = {"content": [token_logprob(n) for n in lines], "refusal": None}
         text = b"".join(chunks).decode("utf-8", errors="replace")
-        message, finish = tools.message(text, _finish(self.last), self.mode, self.rh.identity)
+        message, finish = tools.message(text, finish_reason(self.last), self.mode, self.rh.identity)
         return {"message": message, "logprobs": logprobs, "finish_reason": finish}
 
     async def events(self) -> AsyncIterator[Event]:
@@ -182,7 +176,7 @@ class ChoiceText:
     def end(self) -> list[Event]:
         """The deltas held back (content, then the calls') and the last, with the
         finish_reason.  Held logprobs go with the first of them."""
-        finish = _finish(self.last)
+        finish = finish_reason(self.last)
         deltas: list[dict[str, Any]] = []
         if self._tools is not None:
             content, calls_, finish = self._tools.end(finish)
@@ -241,8 +235,8 @@ def _boundary(data: bytearray, p: int) -> bool:
     return True
 
 
-async def _stream(texts: list[ChoiceText], head: dict[str, Any], include_usage: bool,
-                  failed: Failed) -> AsyncIterator[bytes]:
+async def _stream(texts: list[ChoiceText], head: dict[str, Any], include_usage: bool
+                  ) -> AsyncIterator[bytes]:
     """The chunks of every choice as they come, then the usage chunk (asked) and [DONE];
     a choice that fails ends the stream with its error and cancels the others."""
     def chunk(index: int, delta: dict[str, Any], lps: list[dict[str, Any]] | None,

@@ -248,6 +248,13 @@ def wording(h: wire.Header, call: Call = NO_CALL, body: bytes = b""
     return w.message.format_map(_fields(h, call, body)), w.code, w.param
 
 
+def failed(h: wire.Header) -> ApiError:
+    """A request that failed on the device after admission, as the standard routes answer
+    it: its failure status (500 or 503) and the wording of its reason."""
+    message, code, _ = wording(h)
+    return ApiError(h.failure or 500, message, code=code)
+
+
 def refusal(h: wire.Header, call: Call = NO_CALL, body: bytes = b"") -> ApiError:
     """The ApiError for a reply that refused (status >= 400)."""
     message, code, param = wording(h, call, body)

@@ -22,6 +22,11 @@ FINISH_NAMES = {wire.Finish.NONE: None, wire.Finish.STOP: "stop", wire.Finish.LE
 JSON = "application/json"
 
 
+def finish_reason(h: wire.Header) -> str:
+    """A finished request's OpenAI ``finish_reason``: ``stop`` unless it hit its limit."""
+    return FINISH_NAMES[wire.Finish(h.finish)] or "stop"
+
+
 def dumps(obj: Any) -> bytes:
     return orjson.dumps(obj)
 

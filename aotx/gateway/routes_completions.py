@@ -25,8 +25,8 @@ from .. import ids, wire
 from . import calls
 from . import schemas as S
 from .completions import CompletionRequest, Cutter, Prompt, submission
-from .errors import ApiError, wording
-from .render import FINISH_NAMES, json_response, sse_data
+from .errors import ApiError, failed
+from .render import finish_reason, json_response, sse_data
 from .service import Caller, Gateway, Principal, Service
 
 log = logging.getLogger("aotx.gateway")
@@ -71,10 +71,10 @@ async def completions(body: CompletionRequest, principal: Principal = Caller,
             await _cancel(g, principal, choices)
     for last, _ in got:
         if last.phase == wire.Phase.FAILED:
-            raise _failed(last)
+            raise failed(last)
     return json_response({**head, "choices": [
         {"index": c.index, "text": _echo(body, c) + text, "logprobs": lp,
-         "finish_reason": _finish(last)} for c, (last, (text, lp)) in zip(choices, got,
+         "finish_reason": finish_reason(last)} for c, (last, (text, lp)) in zip(choices, got,
                                                                           strict=True)],
         "usage": _usage(body, [last for last, _ in got])}, headers={"X-Request-Id": rid})
 
@@ -101,16 +101,6 @@ async def _admit(g: Gateway, body: CompletionRequest, m: wire.ModelInfo,
         await _cancel(g, principal, out)
         raise
     return out
-
-
-def _failed(h: wire.Header) -> ApiError:
-    """A request that failed on the device (its failure status, 500 or 503)."""
-    message, code, _ = wording(h)
-    return ApiError(h.failure or 500, message, code=code)
-
-
-def _finish(h: wire.Header) -> str:
-    return FINISH_NAMES[wire.Finish(h.finish)] or "stop"
 
 
 def _echo(body: CompletionRequest, c: Choice) -> str:
@@ -180,10 +170,10 @@ async def _stream(g: Gateway, principal: Principal, body: CompletionRequest,
             open_choices -= 1
             lasts[index] = end
             if end.phase == wire.Phase.FAILED:  # the others are cancelled below
-                yield sse_data(_failed(end).body())
+                yield sse_data(failed(end).body())
                 yield b"data: [DONE]\n\n"
                 return
-            yield chunk(index, "", None, _finish(end))
+            yield chunk(index, "", None, finish_reason(end))
         if include_usage:
             yield sse_data({**head, "choices": [], "usage": _usage(body, lasts)})
         yield b"data: [DONE]\n\n"

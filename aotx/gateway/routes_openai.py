@@ -11,10 +11,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from .. import wire
 from . import choices
 from . import schemas as S
-from .errors import ApiError, wording
 from .render import json_response, openai_model
 from .requests import ChatRequest
 from .service import Caller, Gateway, Principal, Service
@@ -36,17 +34,10 @@ async def get_model(model_id: str, principal: Principal = Caller,
     return json_response(openai_model(g.model_for(model_id, principal)))
 
 
-def _failed(h: wire.Header) -> ApiError:
-    """A request that failed on the device, as the standard routes answer it (its failure
-    status, 500 or 503)."""
-    message, code, _ = wording(h)
-    return ApiError(h.failure or 500, message, code=code)
-
-
 @router.post("/v1/chat/completions", response_model=S.ChatCompletion,
              responses={200: {"content": {"text/event-stream": {}},
                               "description": "the completion, or with stream: true an SSE "
                                              "stream of chat.completion.chunk objects"}})
 async def chat_completions(body: ChatRequest, principal: Principal = Caller,
                            g: Gateway = Service) -> Response:
-    return await choices.completion(g, body, principal, _failed)
+    return await choices.completion(g, body, principal)
