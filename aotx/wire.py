@@ -94,6 +94,16 @@ class Role(enum.IntEnum):
     SYSTEM = 0
     USER = 1
     ASSISTANT = 2
+    TOOL = 3  # ours: a tool's result, with a FIELDS part naming its tool_call_id
+
+
+class ToolFormat(enum.IntEnum):
+    """How a model's chat template writes tool calls (its information row; a SUBMIT's
+    flags bits 4-5 name the one the request's output follows)."""
+
+    FALLBACK = 0  #: the template knows no tools: the gateway writes them as text (Hermes)
+    HERMES = 1  #: the template renders tools; a call is ``<tool_call>`` JSON ``</tool_call>``
+    LLAMA3 = 2  #: the template renders tools; a call is one JSON ``{"name", "parameters"}``
 
 
 class PartKind(enum.IntEnum):
@@ -101,6 +111,7 @@ class PartKind(enum.IntEnum):
     IMAGE_DIGEST = 1
     AUDIO_DIGEST = 2
     TOKENS = 3  # ours: u32 token ids, only in a raw prompt (SUBMIT_FLAG_RAW)
+    FIELDS = 4  # ours: a JSON object of template fields (tool_calls, tool_call_id), one a message
 
 
 class Action(enum.IntFlag):
@@ -136,6 +147,8 @@ SUBMIT_FLAG_SEED = 1  # the seed field at 120 is meaningful
 SUBMIT_FLAG_MEMORY_OFF = 2  # the request opts out of automatic memory
 SUBMIT_FLAG_RAW = 4  # one message of one part, the prompt itself: no chat template
 SUBMIT_FLAG_TOOLS = 8  # the output is tool calls' format: kept, and in every state reply
+SUBMIT_TOOL_FORMAT_SHIFT = 4  # bits 4-5: the ToolFormat of the calls (kept with the flag above)
+SUBMIT_TOOL_FORMAT = 3 << SUBMIT_TOOL_FORMAT_SHIFT
 CANCEL_FLAG_ADMIN = 1  # cancel any principal's request (needs Action.ADMIN)
 READ_FLAG_ANNOTATIONS = 1  # READ/WAIT: the request's annotation stream, not its output
 
@@ -196,6 +209,8 @@ class Reason(enum.IntEnum):
     MEMORY_OP = 53  #: unknown memory sub-operation
     GRAMMAR = 54  #: the constraint cannot be compiled or enforced; payload: UTF-8 JSON, why
     PROMPT_TOKEN = 55  #: a raw prompt's token id is not in the model's vocabulary; detail: it
+    TOOL_FORMAT = 56  #: the tools' fields or format are not the model's template's; detail: its ToolFormat
+    TOOL_TEXT = 57  #: a tool, call or call id holds special-token text; detail: the message (count: the tools)
     KV_FULL = 60  #: the engine ran out of KV cache (503)
     DECODE = 61  #: llama_decode failed (500)
     MEDIA_ENCODE = 62  #: encoding a media part failed (500)
@@ -415,7 +430,8 @@ REQUEST_FIELDS: dict[Op, tuple[str, ...]] = {
 }
 #: The flag bits each operation defines; other bits are unused, so zero.
 REQUEST_FLAGS: dict[int, int] = {
-    Op.SUBMIT: SUBMIT_FLAG_SEED | SUBMIT_FLAG_MEMORY_OFF | SUBMIT_FLAG_RAW | SUBMIT_FLAG_TOOLS,
+    Op.SUBMIT: (SUBMIT_FLAG_SEED | SUBMIT_FLAG_MEMORY_OFF | SUBMIT_FLAG_RAW | SUBMIT_FLAG_TOOLS
+                | SUBMIT_TOOL_FORMAT),
     Op.CANCEL: CANCEL_FLAG_ADMIN, Op.READ: READ_FLAG_ANNOTATIONS, Op.WAIT: READ_FLAG_ANNOTATIONS,
     Op.MEDIA_PUT: MEDIA_FLAG_FINAL | MEDIA_FLAG_ABORT | MEDIA_FLAG_EPHEMERAL}
 _ZERO = Header(magic=0, version=0)
@@ -493,6 +509,7 @@ MAX_TOP_LOGPROBS = 20
 class GrammarKind(enum.IntEnum):
     """What a submission's constraint is (the section after the logit-bias pairs)."""
 
+    NONE = 0  #: no constraint (it holds the place of one when a tools section follows)
     JSON_SCHEMA = 1  #: UTF-8 JSON: a JSON schema the output must validate against
     LARK = 2  #: an llguidance Lark grammar
     REGEX = 3  #: a regular expression the whole output must match
@@ -512,6 +529,7 @@ class Submission(NamedTuple):
     stop: tuple[str, ...] = ()
     sampling: Sampling = Sampling()
     constraint: Constraint | None = None
+    tools: bytes = b""  #: UTF-8 JSON array: the tools the chat template renders (none: empty)
 
 
 def _part(kind: int, data: bytes) -> Part:
@@ -523,9 +541,21 @@ def _part(kind: int, data: bytes) -> Part:
             raise WireError("text part is not valid UTF-8") from None
     elif kind == PartKind.TOKENS and (not data or len(data) % 4):
         raise WireError(f"a token part holds u32 token ids, not {len(data)} bytes")
+    elif kind == PartKind.FIELDS:
+        _json_text(data, "template fields", b"{")
     elif kind != PartKind.TOKENS and len(data) != DIGEST_SIZE:
         raise WireError(f"digest part must be exactly {DIGEST_SIZE} bytes, got {len(data)}")
     return Part(PartKind(kind), data)
+
+
+def _json_text(data: bytes, what: str, opening: bytes) -> None:
+    """JSON sections are parsed by the device; the codec checks their text and opening."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise WireError(f"{what} are not valid UTF-8") from None
+    if not data.lstrip().startswith(opening):
+        raise WireError(f"{what} are not a JSON {'object' if opening == b'{' else 'array'}")
 
 
 def encode_submission(sub: Submission) -> bytes:
@@ -535,7 +565,8 @@ def encode_submission(sub: Submission) -> bytes:
         for part in msg.parts:
             _part(int(part.kind), part.data)
             out += _U32x2.pack(int(part.kind), len(part.data)) + part.data
-    extended = sub.sampling != Sampling() or sub.constraint is not None
+    constraint = sub.constraint or (Constraint(GrammarKind.NONE, "") if sub.tools else None)
+    extended = sub.sampling != Sampling() or constraint is not None
     if sub.stop or extended:  # the seed's layout exactly when there are none
         out += _U32.pack(len(sub.stop))
         for s in sub.stop:
@@ -549,9 +580,12 @@ def encode_submission(sub: Submission) -> bytes:
             out += b"".join(_BIAS.pack(t, b) for t, b in sub.sampling.bias)
         except struct.error as exc:
             raise WireError(f"sampling field out of range: {exc}") from None
-    if sub.constraint is not None:
-        text = sub.constraint.text.encode("utf-8")
-        out += _U32x2.pack(int(sub.constraint.kind), len(text)) + text
+    if constraint is not None:
+        text = constraint.text.encode("utf-8")
+        out += _U32x2.pack(int(constraint.kind), len(text)) + text
+    if sub.tools:
+        _json_text(sub.tools, "tools", b"[")
+        out += _U32.pack(len(sub.tools)) + sub.tools
     if len(out) > MAX_PAYLOAD:
         raise WireError(f"submission of {len(out)} bytes exceeds one packet", 413,
                         Reason.TOO_LARGE)
@@ -614,9 +648,17 @@ def decode_submission(data: bytes | memoryview) -> Submission:
             constraint = Constraint(GrammarKind(kind), r.take(r.u32()).decode("utf-8"))
         except UnicodeDecodeError:
             raise WireError("constraint text is not valid UTF-8") from None
+        if kind == GrammarKind.NONE:
+            if constraint.text:
+                raise WireError("a NONE constraint has text")
+            constraint = None
+    tools = b""
+    if r.pos < len(r.data):  # the tools the template renders: a JSON array
+        tools = r.take(r.bounded("tools bytes", MAX_PAYLOAD))
+        _json_text(tools, "tools", b"[")
     if r.pos != len(r.data):
         raise WireError(f"{len(r.data) - r.pos} trailing bytes after the payload")
-    return Submission(tuple(messages), tuple(stops), sampling, constraint)
+    return Submission(tuple(messages), tuple(stops), sampling, constraint, tools)
 
 
 def _sampling(r: _Reader) -> Sampling:
@@ -639,6 +681,16 @@ MODALITY_BITS = {"text": MOD_TEXT, "image": MOD_IMAGE, "audio": MOD_AUDIO}
 PART_MODALITY = {PartKind.IMAGE_DIGEST: "image", PartKind.AUDIO_DIGEST: "audio"}  # media parts
 
 
+def _tool_format(value: int) -> ToolFormat:
+    _check_enum(ToolFormat, value, "tool format")
+    return ToolFormat(value)
+
+
+def submit_tool_format(flags: int) -> ToolFormat:
+    """The ToolFormat a SUBMIT's (or a state reply's kept) flags name."""
+    return _tool_format((flags & SUBMIT_TOOL_FORMAT) >> SUBMIT_TOOL_FORMAT_SHIFT)
+
+
 def modality_names(mods: int) -> list[str]:
     """The names of the modality bits set in ``mods``, in bit order."""
     return [name for name, bit in MODALITY_BITS.items() if mods & bit]
@@ -654,11 +706,13 @@ class ModelInfo(NamedTuple):
     automatic_memory: bool = False
     embedding_dims: int = 0  # EMBED: floats per vector; 0: the model does not embed
     embedding_tokens: int = 0  # EMBED: the most tokens of one input
+    tool_format: ToolFormat = ToolFormat.FALLBACK  # how its chat template writes tool calls
 
 
 class ModelRow(NamedTuple):
     role: Annotated[int, F("I", 0, False, "model role, 0..31")]
-    modalities: Annotated[int, F("I", 4, False, "input modality bits: 1 text, 2 image, 4 audio")]
+    modalities: Annotated[int, F("H", 4, False, "input modality bits: 1 text, 2 image, 4 audio")]
+    tool_format: Annotated[int, F("H", 6, False, "ToolFormat: how its template writes calls")]
     published_at: Annotated[int, F("Q", 8, False, "unix seconds")]
     context_tokens: Annotated[int, F("I", 16, False, "KV cells per sequence")]
     alias_offset: Annotated[int, F("I", 20, False, "in the string area")]
@@ -705,8 +759,9 @@ def encode_info(info: Info) -> bytes:
         if len(m.sha256) != DIGEST_SIZE:
             raise WireError("model digest must be 32 bytes")
         alias = m.alias.encode("utf-8")
-        row = ModelRow(m.role, m.modalities, m.published_at, m.context_tokens, len(strings),
-                       len(alias), len(strings) + len(alias), m.embedding_dims, m.embedding_tokens)
+        row = ModelRow(m.role, m.modalities, int(m.tool_format), m.published_at,
+                       m.context_tokens, len(strings), len(alias), len(strings) + len(alias),
+                       m.embedding_dims, m.embedding_tokens)
         strings += alias + m.sha256
         table += INFO_ROW.pack(*row)
         roles |= int(m.automatic_memory) << m.role
@@ -742,7 +797,7 @@ def decode_info(data: bytes | memoryview) -> Info:
             raise WireError("model alias is not valid UTF-8") from None
         models.append(ModelInfo(r.role, alias, digest, r.modalities, r.published_at,
                                 r.context_tokens, bool(info.memory_roles >> r.role & 1),
-                                r.embedding_dims, r.embedding_tokens))
+                                r.embedding_dims, r.embedding_tokens, _tool_format(r.tool_format)))
     if info.memory_roles & ~visible:
         raise WireError("automatic-memory bits set for roles that are not visible")
     return info._replace(models=tuple(models))

@@ -27,12 +27,14 @@ import secrets
 import struct
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from .. import wire
 from ..engine.grammar import Matcher
 from ..engine.multimodal import MediaInputError, MediaProblem, MediaSegment, release_all
 from ..engine.scheduler import Request
 from ..wire import Header, PartKind, Reason, Role
+from . import tool_fields
 from .constraints import constraint_matcher
 from .errors import DeviceError
 from .loading import LoadedModel
@@ -68,7 +70,7 @@ class Prepared:
     model: LoadedModel
     submission: wire.Submission
     prompt: Prompt
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     leased: list[Source]  # media sources, in prompt order (leased from now on)
     memory_on: bool
     tokens: list[int] | None = None  # a raw prompt's token ids, as the submission gave them
@@ -113,6 +115,10 @@ class Admission:
         if h.submit_flags & wire.SUBMIT_FLAG_RAW:
             return self._raw(h, grant, model, sub)
         messages, media_at, leased = self._messages(h, model, sub)
+        tools = tool_fields.tools(sub.tools)
+        tool_fields.check_format(h.submit_flags, model.template.tool_format,
+                                 tools is not None or any(len(m) > 2 for m in messages))
+        tool_fields.check_text(tools, messages, model.engine.specials)
         memory_on = bool(model.automatic_memory and grant.flags & wire.GRANT_FLAG_MEMORY
                          and not h.submit_flags & wire.SUBMIT_FLAG_MEMORY_OFF and not leased)
         if memory_on:
@@ -120,7 +126,7 @@ class Admission:
             media_at = []  # no media here (memory is off with media)
         try:
             prompt = split(model.template, messages, model.engine.specials, media_at,
-                           model.media_marker)
+                           model.media_marker, tools)
         except TemplateError as exc:
             log.debug("event=request.template_refused role=%d error=%s", h.role, exc)
             raise DeviceError(400, Reason.TEMPLATE if exc.refused else Reason.TEMPLATE_FAILED
@@ -164,17 +170,24 @@ class Admission:
         return tokens
 
     def _messages(self, h: Header, model: LoadedModel, sub: wire.Submission
-                  ) -> tuple[list[dict[str, str]], list[list[int]], list[Source]]:
-        """The message array the template renders, where each message's media parts sit
-        in its text (the model's media marker there), and the sources they name."""
-        messages: list[dict[str, str]] = []
+                  ) -> tuple[list[dict[str, Any]], list[list[int]], list[Source]]:
+        """The message array the template renders (FIELDS parts add a message's tool
+        fields), where each message's media parts sit in its text (the model's media
+        marker there), and the sources they name."""
+        messages: list[dict[str, Any]] = []
         media_at: list[list[int]] = []
         leased: list[Source] = []
         for msg in sub.messages:
             text: list[str] = []
             at: list[int] = []
             size = 0
+            extra: dict[str, Any] = {}
             for part in msg.parts:
+                if part.kind is PartKind.FIELDS:
+                    if extra:
+                        raise DeviceError(400, Reason.MALFORMED)
+                    extra = tool_fields.fields(msg.role, part.data)
+                    continue
                 if part.kind is PartKind.TEXT:
                     text.append(part.text)
                     size += len(part.text)
@@ -190,8 +203,10 @@ class Admission:
                 at.append(size)
                 text.append(model.media_marker)
                 size += len(model.media_marker)
-            messages.append({"role": ("system", "user", "assistant")[msg.role],
-                             "content": "".join(text)})
+            if msg.role is Role.TOOL and "tool_call_id" not in extra:
+                raise DeviceError(400, Reason.MALFORMED)
+            messages.append({"role": ("system", "user", "assistant", "tool")[msg.role],
+                             "content": "".join(text), **extra})
             media_at.append(at)
         return messages, media_at, leased
 
@@ -257,7 +272,8 @@ class Admission:
                       stops=tuple(s.encode() for s in p.submission.stop),
                       sampling=p.submission.sampling, matcher=matcher,
                       memory_off=bool(h.submit_flags & wire.SUBMIT_FLAG_MEMORY_OFF),
-                      kept_flags=h.submit_flags & wire.SUBMIT_FLAG_TOOLS,
+                      kept_flags=h.submit_flags & (wire.SUBMIT_FLAG_TOOLS
+                                                   | wire.SUBMIT_TOOL_FORMAT),
                       segments=segments)
         if p.memory_on and st.policy.enabled:
             req.source_text = "\n".join(f"{m['role'].capitalize()}: {m['content']}"

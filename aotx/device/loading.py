@@ -52,6 +52,7 @@ class LoadedModel:
 
 #: The template of an embedding model: it takes no chat request, so it renders nothing.
 NO_CHAT = "{% for m in messages %}{% endfor %}"
+MAX_TEMPLATE_BYTES = 1024 * 1024  # a models file's chat_template file
 
 
 def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
@@ -89,9 +90,9 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
                         automatic_memory=chat and qualified(digest, template.source, projector),
                         embeddings=_embeddings(spec, engine, scheduler, lock), chat=chat)
     log.info("event=model.ready alias=%s role=%d sha256=%s params_bytes=%d kv_bytes=%d "
-             "threads=%d automatic_memory=%s seconds=%.1f", spec.alias, spec.role, digest.hex(),
-             engine.model_bytes, engine.kv_bytes(), engine.threads, model.automatic_memory,
-             time.monotonic() - t0)
+             "threads=%d automatic_memory=%s tool_format=%s seconds=%.1f", spec.alias,
+             spec.role, digest.hex(), engine.model_bytes, engine.kv_bytes(), engine.threads,
+             model.automatic_memory, template.tool_format.name.lower(), time.monotonic() - t0)
     return model
 
 
@@ -122,12 +123,29 @@ def _template(spec: ModelSpec, engine: LlamaEngine) -> ChatTemplate:
         return engine.token_text(int(engine.metadata(key) or 0))
 
     try:
-        return ChatTemplate(engine.metadata("tokenizer.chat_template"),
-                            bos_token=token("tokenizer.ggml.bos_token_id"),
+        source = engine.metadata("tokenizer.chat_template")
+        if spec.chat_template:
+            source = _read_template(spec.chat_template)
+        return ChatTemplate(source, bos_token=token("tokenizer.ggml.bos_token_id"),
                             eos_token=token("tokenizer.ggml.eos_token_id"))
     except TemplateError as exc:
         engine.close()
         raise SystemExit(f"model {spec.alias} ({spec.path}) refused: {exc}") from None
+
+
+def _read_template(path: str) -> str:
+    """A models file's ``chat_template``: a UTF-8 Jinja file of at most 1 MiB."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_TEMPLATE_BYTES + 1)
+    except OSError as exc:
+        raise TemplateError(f"chat_template {path}: {exc}") from None
+    if len(data) > MAX_TEMPLATE_BYTES:
+        raise TemplateError(f"chat_template {path} is larger than {MAX_TEMPLATE_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise TemplateError(f"chat_template {path} is not UTF-8") from None
 
 
 def _projector(spec: ModelSpec, engine: LlamaEngine,

@@ -32,6 +32,11 @@ installed package, never by a fixed path.
     path = "models/some-vlm.gguf"
     mmproj = "models/mmproj-some-vlm.gguf"  # llama.cpp multimodal projector
 
+    [[model]]
+    alias = "tools"
+    path = "models/some.gguf"
+    chat_template = "templates/fixed.jinja"  # instead of the GGUF's tokenizer.chat_template
+
 A model with ``mmproj`` accepts what its projector encodes (image, audio or
 both, as libmtmd reports at load); ``modalities``, when given, must match.
 Image or audio without a projector is refused.  ``[default]`` takes ``mmproj``
@@ -83,6 +88,7 @@ class ModelSpec:
     mmproj: str | None = None  # multimodal projector (llama.cpp mtmd), None: text only
     kind: str = "chat"  # "chat", or "embedding": /v1/embeddings only (pooling from the GGUF)
     embedding_context: int = 512  # tokens of one embedding input (one decode's)
+    chat_template: str | None = None  # a Jinja file used instead of the GGUF's template
 
 
 def default_model_path() -> str:
@@ -146,6 +152,14 @@ def _modalities(entry: dict[str, object], what: str, mmproj: str | None) -> tupl
     return tuple(mods)
 
 
+def _template_file(state_dir: str, entry: dict[str, object], what: str) -> str | None:
+    if "chat_template" not in entry:
+        return None
+    if entry.get("kind") == "embedding":
+        raise ModelConfigError(f"{what}: an embedding model takes no chat_template")
+    return _file_in(state_dir, entry["chat_template"], f"{what} chat_template")
+
+
 def _kind(entry: dict[str, object], what: str) -> str:
     kind = entry.get("kind", "chat")
     if kind not in ("chat", "embedding"):
@@ -179,7 +193,8 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
                                slots=_positive(default, "slots", 16),
                                context=_positive(default, "context", 4096),
                                threads=int(default.get("threads", 0)), poll=_poll(default),
-                               mmproj=mmproj,
+                               mmproj=mmproj, chat_template=_template_file(
+                                   state_dir, default, "[default]"),
                                modalities=_modalities(default, "[default]", mmproj),
                                embedding_context=_positive(default, "embedding_context", 512)))
     entries = data.get("model", [])
@@ -203,7 +218,8 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
                                sha256=sha.lower() if sha else None,
                                modalities=mods, mmproj=mmproj,
                                threads=int(entry.get("threads", 0)), poll=_poll(entry),
-                               kind=kind,
+                               kind=kind, chat_template=_template_file(
+                                   state_dir, entry, f"model {n}"),
                                embedding_context=_positive(entry, "embedding_context", 512)))
     if not specs:
         raise ModelConfigError("no model to load: the default is disabled and none is configured")

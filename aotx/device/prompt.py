@@ -36,7 +36,7 @@ import functools
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ..engine.llama import LlamaEngine
 from ..engine.multimodal import MediaEncoder, MediaInputError, MediaSegment, release_all
@@ -87,16 +87,17 @@ class TextRefused(Exception):
         self.message = message
 
 
-def split(template: ChatTemplate, messages: Sequence[dict[str, str]], specials: Specials,
-          media_at: Sequence[Sequence[int]] = (), marker: str = "") -> Prompt:
-    """Render ``messages`` and cut the rendering into pieces.  ``media_at``: for each
-    message, where in its text a media part's ``marker`` sits (in order).  Raises
-    TemplateError (the template), TextRefused, or MediaInputError when the rendering
-    does not hold each media part exactly once."""
-    text = template.render(messages)
+def split(template: ChatTemplate, messages: Sequence[dict[str, Any]], specials: Specials,
+          media_at: Sequence[Sequence[int]] = (), marker: str = "",
+          tools: Sequence[dict[str, Any]] | None = None) -> Prompt:
+    """Render ``messages`` (with ``tools``, for a template that renders them) and cut the
+    rendering into pieces.  ``media_at``: for each message, where in its text a media
+    part's ``marker`` sits (in order).  Raises TemplateError (the template), TextRefused,
+    or MediaInputError when the rendering does not hold each media part exactly once."""
+    text = template.render(messages, tools=tools)
     contents = [m["content"] for m in messages]
     at = list(media_at) or [()] * len(messages)
-    layout = _placeholder_layout(template, messages)
+    layout = _placeholder_layout(template, messages, tools)
     if layout is not None and _joined(layout, contents) == text:
         return _prompt(text, layout, contents, at, marker, Method.PLACEHOLDERS)
     located = _verbatim_layout(text, contents)
@@ -126,23 +127,33 @@ def raw(text: str) -> Prompt:
     return Prompt(text, (Piece(Kind.TEXT, text),) if text else (), Method.RAW)
 
 
-def _placeholder_layout(template: ChatTemplate,
-                        messages: Sequence[dict[str, str]]) -> Layout | None:
+def _placeholder_layout(template: ChatTemplate, messages: Sequence[dict[str, Any]],
+                        tools: Sequence[dict[str, Any]] | None) -> Layout | None:
     """The template's rendering with each text a placeholder, as markup and message
-    numbers; None when the template does not render the placeholders.  It depends on the
-    roles alone (and on which texts are empty), so it is cached by those: one render
-    per request, not two."""
+    numbers; None when the template does not render the placeholders.  Without tools it
+    depends on the roles alone (and on which texts are empty), so it is cached by those:
+    one render per request, not two.  Tools and tool fields are markup: rendered again."""
+    if tools or any(len(m) > 2 for m in messages):
+        return _layout(template, [(m["role"], bool(m["content"])) for m in messages],
+                       [{k: v for k, v in m.items() if k not in ("role", "content")}
+                        for m in messages], tools)
     return _shape_layout(template, tuple((m["role"], bool(m["content"])) for m in messages))
 
 
 @functools.lru_cache(maxsize=LAYOUTS)
 def _shape_layout(template: ChatTemplate, shape: tuple[tuple[str, bool], ...]) -> Layout | None:
+    return _layout(template, shape, [{}] * len(shape), None)
+
+
+def _layout(template: ChatTemplate, shape: Sequence[tuple[str, bool]],
+            extras: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
+            ) -> Layout | None:
     nonce = secrets.token_hex(8)
     # An empty text stays empty: a template may test for one (``if content``).
-    stand_in = [{"role": role, "content": f"<<{nonce}:{i}>>" if filled else ""}
-                for i, (role, filled) in enumerate(shape)]
+    stand_in = [{"role": role, "content": f"<<{nonce}:{i}>>" if filled else "", **extra}
+                for i, ((role, filled), extra) in enumerate(zip(shape, extras, strict=True))]
     try:
-        rendered = template.render(stand_in)
+        rendered = template.render(stand_in, tools=tools)
     except TemplateError:
         return None
     head, *rest = rendered.split(f"<<{nonce}:")

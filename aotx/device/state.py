@@ -162,7 +162,8 @@ class DeviceState:
             epoch=self.epoch,
             models=tuple(wire.ModelInfo(m.spec.role, m.spec.alias, m.sha256, m.modalities,
                                         m.published_at, m.engine.slot_context if m.chat else 0,
-                                        m.automatic_memory, *_embedding_limits(m))
+                                        m.automatic_memory, *_embedding_limits(m),
+                                        m.template.tool_format)
                          for m in self.models.values()),
             window_bytes=self.limits.window_bytes, context_tokens=first.engine.slot_context,
             output_tokens=self.limits.max_output_tokens,

@@ -5,17 +5,33 @@ a template-injection advisory), so it is compiled in jinja2's
 ``ImmutableSandboxedEnvironment``: no attribute access to internals, no
 mutation of passed-in objects, and ``range`` is capped.  The template is
 rendered over the whole message array on the device.
+
+The environment is the one Hugging Face transformers gives templates (the reference
+their authors test against): undefined names are falsy rather than errors (templates
+test ``message.tool_calls`` on every message), ``{% break %}``/``{% continue %}``,
+``tojson`` without HTML escaping (``<`` stays ``<``, as the model was trained), and
+``strftime_now``.
+
+A template that renders tools (``tools``, assistant ``tool_calls``, ``tool`` messages)
+in a call format aotx can constrain and parse has that :class:`ToolFormat`
+(:func:`tool_format`, found once at load by rendering a probe conversation); any other
+has ``FALLBACK``, and the gateway writes the tools into the messages' text.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ..wire import ToolFormat
 
 MAX_RANGE = 100_000
 MAX_RENDERED = 4 * 1024 * 1024
@@ -84,14 +100,27 @@ def _safe_range(*args: int) -> range:
     return r
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """transformers' ``tojson``: jinja2's own escapes ``<``, ``>``, ``&`` and ``'``."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
 class ChatTemplate:
     def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "") -> None:
         if not source:
             raise TemplateError("the model has no chat template (tokenizer.chat_template)")
         env = _TimedSandbox(trim_blocks=True, lstrip_blocks=True,
-                            undefined=jinja2.StrictUndefined)
+                            extensions=[jinja2.ext.loopcontrols])
         self._env = env
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
         env.globals["range"] = _safe_range
         try:
             self._template = env.from_string(source)
@@ -102,12 +131,16 @@ class ChatTemplate:
         self.eos_token = eos_token
         # Probe once so a broken template is refused at load, not on the first request.
         self.render([{"role": "system", "content": "probe"}, {"role": "user", "content": "hi"}])
+        self.tool_format = tool_format(self)
 
-    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """``tools``: the functions offered, as OpenAI lists them (only where the template
+        renders tools, :attr:`tool_format`); None renders as the template's no-tools case."""
         local = _TimedSandbox._local
         local.deadline = time.monotonic() + RENDER_SECONDS
         try:
-            text = self._template.render(messages=list(messages),
+            text = self._template.render(messages=list(messages), tools=tools or None,
                                          add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token, eos_token=self.eos_token)
         except TemplateError:
@@ -121,3 +154,37 @@ class ChatTemplate:
         if len(text) > MAX_RENDERED:
             raise TemplateError("chat template output is too large")
         return text
+
+
+# -- tool formats -------------------------------------------------------------------------------
+_PROBE_NAME, _PROBE_RESULT = "aotx_probe_fn", "aotx-probe-result"
+_PROBE_TOOLS = [{"type": "function", "function": {
+    "name": _PROBE_NAME, "description": "A probe.",
+    "parameters": {"type": "object", "properties": {"x": {"type": "integer"}},
+                   "required": ["x"]}}}]
+_PROBE_CALL = {"id": "call_aotxprobe", "type": "function",
+               "function": {"name": _PROBE_NAME, "arguments": {"x": 7}}}
+_PROBE: list[dict[str, Any]] = [{"role": "user", "content": "Call the probe."},
+          {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]},
+          {"role": "tool", "tool_call_id": "call_aotxprobe", "content": _PROBE_RESULT},
+          {"role": "user", "content": "Thanks."}]
+#: What a template writes for the probe's call, by the format the output then follows.
+_CALL_TEXT = {
+    ToolFormat.HERMES: '<tool_call>\n{"name": "aotx_probe_fn", "arguments": {"x": 7}}\n</tool_call>',
+    ToolFormat.LLAMA3: '{"name": "aotx_probe_fn", "parameters": {"x": 7}}',
+}
+
+
+def tool_format(template: ChatTemplate) -> ToolFormat:
+    """The format in which ``template`` renders tools: it must list the tools offered,
+    write an assistant's call in a format of :data:`_CALL_TEXT` and render a tool's
+    result; FALLBACK when it does not (or fails on the probe)."""
+    try:
+        offered = template.render(_PROBE[:1], tools=_PROBE_TOOLS)
+        plain = template.render(_PROBE[:1])
+        text = template.render(_PROBE, tools=_PROBE_TOOLS)
+    except TemplateError:
+        return ToolFormat.FALLBACK
+    if _PROBE_NAME not in offered or _PROBE_NAME in plain or _PROBE_RESULT not in text:
+        return ToolFormat.FALLBACK
+    return next((f for f, call in _CALL_TEXT.items() if call in text), ToolFormat.FALLBACK)

@@ -13,6 +13,7 @@ its parked WAIT at once (UNPARK).
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from .. import ids, wire
 from . import tools
 from .errors import ApiError, Call, refusal
 from .render import dumps, native_token, state_fields
-from .requests import ChatRequest, ImageUrlPart, InputAudioPart, MediaPart, b64
+from .requests import ChatMessage, ChatRequest, ImageUrlPart, InputAudioPart, MediaPart, b64
 from .service import Gateway, Principal, parse_id
 from .uploads import upload_inline
 
@@ -32,7 +33,7 @@ WAIT_MS = 10_000  # a parked WAIT answers at least this often (keep-alive cadenc
 WAIT_POLL_S = 0.05
 _CURSOR_RE = re.compile(r"[0-9]{1,20}")  # ASCII digits only (str.isdigit takes "²")
 _ROLES = {"system": wire.Role.SYSTEM, "developer": wire.Role.SYSTEM, "user": wire.Role.USER,
-          "assistant": wire.Role.ASSISTANT}
+          "assistant": wire.Role.ASSISTANT, "tool": wire.Role.TOOL}
 
 
 def parse_cursor(value: str | None, param: str = "cursor") -> int:
@@ -57,7 +58,8 @@ def submission(body: ChatRequest, m: wire.ModelInfo, principal: Principal, allow
     messages = []
     digests: list[str] = []
     kinds: list[str] = []
-    for msg in body.envelope():
+    fmt = m.tool_format if body.uses_tools else wire.ToolFormat.FALLBACK
+    for msg in body.envelope(fmt):
         parts = []
         for part in msg.parts():
             if isinstance(part, ImageUrlPart | InputAudioPart):
@@ -76,10 +78,13 @@ def submission(body: ChatRequest, m: wire.ModelInfo, principal: Principal, allow
             if parts[-1].kind is not wire.PartKind.TEXT:
                 digests.append("sha256:" + parts[-1].data.hex())
                 kinds.append(wire.PART_MODALITY[parts[-1].kind])
+        if fmt is not wire.ToolFormat.FALLBACK:
+            parts += _fields(msg)
         messages.append(wire.Message(_ROLES[msg.role], tuple(parts)))
     try:
-        payload = wire.encode_submission(wire.Submission(tuple(messages), tuple(body.stops),
-                                                         body.sampling, body.constraint))
+        payload = wire.encode_submission(wire.Submission(
+            tuple(messages), tuple(body.stops), body.sampling, body.constraint(fmt),
+            body.template_tools() if fmt is not wire.ToolFormat.FALLBACK else b""))
     except wire.WireError as exc:
         # The codec's message is for a log; the client gets the table's wording of the
         # reason, as when the device refuses a packet.
@@ -97,12 +102,24 @@ def submission(body: ChatRequest, m: wire.ModelInfo, principal: Principal, allow
         flags |= wire.SUBMIT_FLAG_MEMORY_OFF
     if body.tool_mode:
         flags |= wire.SUBMIT_FLAG_TOOLS
+    flags |= fmt << wire.SUBMIT_TOOL_FORMAT_SHIFT
     h = wire.Header.request(
         wire.Op.SUBMIT, principal=principal.id, role=m.role, max_tokens=limit,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, submit_flags=flags, seed=seed)
     return h, payload, Call(m.alias, limit, len(payload), tuple(digests), tuple(kinds),
                             body.tool_names)
+
+
+def _fields(msg: ChatMessage) -> list[wire.Part]:
+    """A message's tool fields as a FIELDS part, for a template that renders tools."""
+    if msg.tool_calls:
+        value: dict[str, Any] = {"tool_calls": tools.template_calls(msg.tool_calls)}
+    elif msg.role == "tool":
+        value = {"tool_call_id": msg.tool_call_id}
+    else:
+        return []
+    return [wire.Part(wire.PartKind.FIELDS, _utf8(json.dumps(value, ensure_ascii=False)))]
 
 
 def _utf8(text: str) -> bytes:
@@ -284,7 +301,8 @@ async def tool_calls_body(g: Gateway, principal: Principal, rid: str) -> bytes:
     if not rh.submit_flags & wire.SUBMIT_FLAG_TOOLS:
         raise ApiError(409, "the request offered no tools: its output is text, read it with "
                             "GET /aotx/v1/requests/{id}", code="no_tools")
-    message, _ = tools.message(out.decode("utf-8", errors="replace"), "stop", "auto", identity)
+    message, _ = tools.message(out.decode("utf-8", errors="replace"), "stop", "auto", identity,
+                               wire.submit_tool_format(rh.submit_flags))
     return dumps({"schema": "aotx.tool_calls.v1", **state_fields(rh, g.by_role),
                   "message": message})
 

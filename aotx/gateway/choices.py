@@ -114,7 +114,8 @@ class ChoiceText:
         self.last = rh  # the request's latest state
         self.mode = tool_mode
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._tools = tools.ToolStream(tool_mode, rh.identity) if tool_mode else None
+        self.fmt = wire.submit_tool_format(rh.submit_flags)
+        self._tools = tools.ToolStream(tool_mode, rh.identity, self.fmt) if tool_mode else None
         # with notes: output bytes not sent yet (from ``start``), the annotation cursor
         # and the lines read but not sent yet
         self._held = bytearray()
@@ -135,7 +136,8 @@ class ChoiceText:
                                          self.rh.identity, 0)
             logprobs = {"content": [token_logprob(n) for n in lines], "refusal": None}
         text = b"".join(chunks).decode("utf-8", errors="replace")
-        message, finish = tools.message(text, finish_reason(self.last), self.mode, self.rh.identity)
+        message, finish = tools.message(text, finish_reason(self.last), self.mode,
+                                        self.rh.identity, self.fmt)
         return {"message": message, "logprobs": logprobs, "finish_reason": finish}
 
     async def events(self) -> AsyncIterator[Event]:

@@ -162,6 +162,12 @@ REASONS: dict[Reason, Wording] = {
     Reason.SPECIAL_TEXT: Wording("message {detail} holds special-token text (or a media "
                                  "marker) that model {model}'s chat template changes, so it "
                                  "cannot be kept as plain text", param="messages"),
+    Reason.TOOL_FORMAT: Wording("model {model}'s chat template renders tools in another "
+                                "format than this request was written for (was the model "
+                                "reloaded?): send it again", param="tools"),
+    Reason.TOOL_TEXT: Wording("the tools, or the tool calls of message {detail}, hold "
+                              "special-token text, which model {model}'s chat template would "
+                              "write as control tokens", param="tools"),
     Reason.NO_SOURCE_ID: Wording("no such media source"),
     Reason.UPLOAD_OFFSET: Wording("the upload's chunks do not follow each other"),
     Reason.CONTENT_TYPE: Wording("unsupported content type"),

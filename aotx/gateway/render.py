@@ -159,8 +159,9 @@ def openai_model(m: wire.ModelInfo) -> dict[str, Any]:
 
 def capabilities(m: wire.ModelInfo) -> dict[str, Any]:
     """Which standard routes a model answers: chat (an embedding model's context is 0),
-    and embeddings with their dimensions and input limit (null: none)."""
-    return {"chat": m.context_tokens > 0,
+    and embeddings with their dimensions and input limit (null: none); how its chat
+    template writes tools (``fallback``: it knows none, aotx writes them as text)."""
+    return {"chat": m.context_tokens > 0, "tool_format": m.tool_format.name.lower(),
             "embeddings": {"dimensions": m.embedding_dims,
                            "max_input_tokens": m.embedding_tokens} if m.embedding_dims else None}
 

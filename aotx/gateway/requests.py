@@ -26,7 +26,15 @@ from pydantic import (
     model_validator,
 )
 
-from ..wire import MAX_BIAS, MAX_STOP_BYTES, MAX_TOP_LOGPROBS, Constraint, GrammarKind, Sampling
+from ..wire import (
+    MAX_BIAS,
+    MAX_STOP_BYTES,
+    MAX_TOP_LOGPROBS,
+    Constraint,
+    GrammarKind,
+    Sampling,
+    ToolFormat,
+)
 from . import tools as T
 
 MAX_STOP = 16
@@ -237,12 +245,12 @@ class ChatRequest(BaseModel):
             raise ValueError("max_tokens and max_completion_tokens disagree")
         return self
 
-    @property
-    def constraint(self) -> Constraint | None:
-        """The grammar the output must follow (tools' calls or ``response_format``)."""
+    def constraint(self, fmt: ToolFormat) -> Constraint | None:
+        """The grammar the output must follow (tools' calls in the model's format ``fmt``,
+        or ``response_format``)."""
         if self.tool_mode:
             lark, _ = T.grammar(self.tools or [], self.tool_choice,
-                                self.parallel_tool_calls is not False)
+                                self.parallel_tool_calls is not False, fmt)
             return Constraint(GrammarKind.LARK, lark)
         return _response_format(self.response_format)
 
@@ -256,11 +264,21 @@ class ChatRequest(BaseModel):
         """The functions the constraint's ``%json`` schemas are for, in order."""
         if not self.tool_mode:
             return ()
-        return T.grammar(self.tools or [], self.tool_choice, False)[1]
+        return T.grammar(self.tools or [], self.tool_choice, False, ToolFormat.FALLBACK)[1]
 
-    def envelope(self) -> list[ChatMessage]:
-        """The messages as the device gets them: the tools offered, assistant messages'
-        tool calls and tool results in the fallback format (gateway/tools.py)."""
+    @property
+    def uses_tools(self) -> bool:
+        """Tools offered, or tool calls or results in the messages."""
+        return bool(self.tool_mode) or any(m.role == "tool" or m.tool_calls
+                                           for m in self.messages)
+
+    def envelope(self, fmt: ToolFormat) -> list[ChatMessage]:
+        """The messages as the device gets them.  A template that renders tools (``fmt``
+        not FALLBACK) gets them as they are; otherwise the tools offered, assistant
+        messages' tool calls and tool results are text in the fallback format
+        (gateway/tools.py)."""
+        if fmt is not ToolFormat.FALLBACK:
+            return self.messages
         out: list[ChatMessage] = []
         for i, msg in enumerate(self.messages):
             if msg.role == "tool":
@@ -281,6 +299,14 @@ class ChatRequest(BaseModel):
             else:
                 out.insert(0, ChatMessage.model_construct(role="system", content=block))
         return out
+
+    def template_tools(self) -> bytes:
+        """The tools section for a template that renders tools (UTF-8 JSON; empty when
+        none are offered, as with ``tool_choice`` none)."""
+        if not self.tool_mode:
+            return b""
+        return json.dumps([T.template_tool(t) for t in self.tools or []],
+                          ensure_ascii=False).encode("utf-8")
 
     @property
     def token_limit(self) -> int | None:

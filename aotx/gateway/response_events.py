@@ -69,7 +69,8 @@ class Events:
         self.seq = 0
         self.raw = bytearray()  # this stream's output so far, for the final snapshot
         self.split = Splitter()
-        self.tools = (T.ToolStream("auto", first.identity)
+        self.tools = (T.ToolStream("auto", first.identity,
+                                   wire.submit_tool_format(first.submit_flags))
                       if first.submit_flags & wire.SUBMIT_FLAG_TOOLS else None)
         self.message: dict[str, Any] | None = None  # the open message item
         self.text = ""
@@ -118,7 +119,7 @@ class Events:
         calls: list[dict[str, Any]] = []
         if self.tools is not None:
             held = self.tools.held
-            content, calls = T.parse(held, self.identity)
+            content, calls = T.parse(held, self.identity, self.tools.fmt)
             rest = held if not calls else content or ""
             if rest:
                 self.tools = None  # the rest is content now: let it through whole

@@ -381,7 +381,7 @@ def output_items(h: wire.Header, data: bytes) -> list[dict[str, Any]]:
         if h.phase == wire.Phase.QUEUED:
             return []
         return [message_item(h.identity, text, state)]
-    content, calls = T.parse(text, h.identity)
+    content, calls = T.parse(text, h.identity, wire.submit_tool_format(h.submit_flags))
     out = [message_item(h.identity, content, state)] if content else []
     return out + [call_item(c) for c in calls]
 

@@ -211,6 +211,9 @@ class ModelEntry(_Doc):
     context_tokens: Decimal = _DEC
     automatic_memory: bool
     chat: bool = Field(description="false: an embedding model (no chat requests)")
+    tool_format: Literal["fallback", "hermes", "llama3"] = Field(
+        description="how the model's chat template writes tools (fallback: aotx writes "
+                    "them as text)")
     embeddings: EmbeddingsCapability | None
 
 
@@ -267,6 +270,9 @@ class OpenAIModel(_Doc):
     owned_by: str
     automatic_memory: bool
     chat: bool = Field(description="false: an embedding model (no chat requests)")
+    tool_format: Literal["fallback", "hermes", "llama3"] = Field(
+        description="how the model's chat template writes tools (fallback: aotx writes "
+                    "them as text)")
     embeddings: EmbeddingsCapability | None
 
 

@@ -1,10 +1,18 @@
 """Tools (function calling) in the standard message envelope: the request fields, the
 prompt format, the grammar that constrains the output, and the parsing of the answer.
 
-The model's chat template (SmolLM2's plain ChatML) knows no tools, so the gateway
-renders them in a fallback format, the one Hermes and Qwen 2.5 models are trained on
-(docs/api.md, "Tools"), as ordinary message text; the wire and the device see plain
-system, user and assistant messages:
+A model whose chat template renders tools (its ``ToolFormat``, in the model's
+information row) gets them as they came: the tools, the assistant messages' calls and
+the ``tool`` messages travel as structured fields (gateway/calls.py) and the template
+writes them, as the model was trained.  Its calls are then parsed in that format:
+``HERMES`` (Qwen 2.5 and 3, Hermes) as below; ``LLAMA3`` (Llama 3.1 to 3.3) one JSON
+object ``{"name": ..., "parameters": {...}}`` as the whole answer (those templates
+take one call a turn, so ``parallel_tool_calls`` yields one).
+
+A template that knows no tools (SmolLM2's plain ChatML) has ``FALLBACK``: the gateway
+renders them in the format Hermes and Qwen 2.5 models are trained on (docs/api.md,
+"Tools"), as ordinary message text; the wire and the device see plain system, user and
+assistant messages:
 
 - the tools, as JSON in ``<tools></tools>``, and the instruction to answer a call as
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, in a block after
@@ -30,6 +38,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from ..wire import ToolFormat
 
 MAX_TOOLS = 128
 MAX_PARALLEL = 4  # calls in one answer with parallel_tool_calls
@@ -122,6 +132,30 @@ def parameters(f: FunctionDef) -> dict[str, Any]:
 
 
 # -- the prompt -------------------------------------------------------------------------------
+def template_tool(t: ToolDef) -> dict[str, Any]:
+    """A tool as a template that renders tools gets it (the parameters always given)."""
+    f = t.function
+    function = {"name": f.name, **({"description": f.description} if f.description else {}),
+                "parameters": parameters(f)}
+    return {"type": "function", "function": function}
+
+
+def template_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    """An assistant message's calls as a template gets them: arguments that are a JSON
+    object as that object (templates write them with ``tojson``), others as text."""
+    out = []
+    for c in calls:
+        try:
+            args: Any = json.loads(c.function.arguments)
+        except ValueError:
+            args = c.function.arguments
+        out.append({"id": c.id, "type": "function",
+                    "function": {"name": c.function.name,
+                                 "arguments": args if isinstance(args, dict)
+                                 else c.function.arguments}})
+    return out
+
+
 def system_block(tools: Sequence[ToolDef]) -> str:
     listed = "\n".join(json.dumps(t.model_dump(exclude_none=True), ensure_ascii=False)
                        for t in tools)
@@ -153,10 +187,10 @@ def response_text(content: str) -> str:
 
 
 # -- the grammar ------------------------------------------------------------------------------
-def grammar(tools: Sequence[ToolDef], choice: ToolChoice | None, parallel: bool
-            ) -> tuple[str, tuple[str, ...]]:
-    """The Lark grammar for ``mode(tools, choice)`` (not None), and the functions' names
-    in the order of its ``%json`` schemas (for naming a refused one).
+def grammar(tools: Sequence[ToolDef], choice: ToolChoice | None, parallel: bool,
+            fmt: ToolFormat) -> tuple[str, tuple[str, ...]]:
+    """The Lark grammar for ``mode(tools, choice)`` (not None) in format ``fmt``, and the
+    functions' names in the order of its ``%json`` schemas (for naming a refused one).
 
     ``auto``: plain text that never holds ``<tool_call>``, or text (possibly none) up
     to the first ``<tool_call>`` and then calls only.  The text before a call is a lazy
@@ -164,6 +198,9 @@ def grammar(tools: Sequence[ToolDef], choice: ToolChoice | None, parallel: bool
     ``<tool_call>``, where a greedy one would swallow the marker's first bytes."""
     allowed = [t.function for t in tools
                if not isinstance(choice, NamedChoice) or t.function.name == choice.function.name]
+    names = tuple(f.name for f in allowed)
+    if fmt is ToolFormat.LLAMA3:
+        return _llama3_grammar(allowed, mode(tools, choice) == "required"), names
     rules = []
     for i, f in enumerate(allowed):
         schema = json.dumps(parameters(f), ensure_ascii=False, separators=(",", ":"))
@@ -177,7 +214,20 @@ def grammar(tools: Sequence[ToolDef], choice: ToolChoice | None, parallel: bool
              + ') "\\n</tool_call>"',
              "head[lazy]: /(.|\\n)*<tool_call>/",
              "TEXT: /(.|\\n)+/ & ~/(.|\\n)*<tool_call>(.|\\n)*/", *rules]
-    return "\n".join(lines) + "\n", tuple(f.name for f in allowed)
+    return "\n".join(lines) + "\n", names
+
+
+def _llama3_grammar(allowed: Sequence[FunctionDef], required: bool) -> str:
+    """Llama 3's: one call object as the whole answer, or (``auto``) text that does not
+    begin with ``{``, which would begin a call."""
+    rules = []
+    for i, f in enumerate(allowed):
+        schema = json.dumps(parameters(f), ensure_ascii=False, separators=(",", ":"))
+        rules.append(f'f{i}: "{{\\"name\\": \\"{f.name}\\", \\"parameters\\": " '
+                     f'%json {schema} "}}"')
+    call = "call: " + " | ".join(f"f{i}" for i in range(len(allowed)))
+    start = "start: call" if required else "start: TEXT | call\nTEXT: /[^{](.|\\n)*/"
+    return "\n".join([start, call, *rules]) + "\n"
 
 
 # -- the answer -------------------------------------------------------------------------------
@@ -187,10 +237,14 @@ def call_id(identity: bytes, index: int) -> str:
     return "call_" + hashlib.sha256(identity + index.to_bytes(4, "little")).hexdigest()[:24]
 
 
-def parse(text: str, identity: bytes) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool_calls) of the finished output of request ``identity``: the text
-    before the first call (None if empty) and each complete call, with its id and its
-    arguments as a JSON string.  An output with no complete call is all content."""
+def parse(text: str, identity: bytes, fmt: ToolFormat
+          ) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool_calls) of the finished output of request ``identity`` in format
+    ``fmt``: the text before the first call (None if empty) and each complete call, with
+    its id and its arguments as a JSON string.  An output with no complete call is all
+    content."""
+    if fmt is ToolFormat.LLAMA3:
+        return _parse_llama3(text, identity)
     calls: list[dict[str, Any]] = []
     for found in _CALL.finditer(text):
         try:
@@ -206,10 +260,22 @@ def parse(text: str, identity: bytes) -> tuple[str | None, list[dict[str, Any]]]
     return text[:text.find(OPEN)].rstrip() or None, calls
 
 
-def message(text: str, finish: str, active: Mode | None, identity: bytes
+def _parse_llama3(text: str, identity: bytes) -> tuple[str | None, list[dict[str, Any]]]:
+    try:
+        call = json.loads(text)
+        name, args = call["name"], call.get("parameters", call.get("arguments"))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return text, []
+    if not isinstance(name, str) or not isinstance(args, dict):
+        return text, []
+    return None, [{"id": call_id(identity, 0), "type": "function",
+                   "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}]
+
+
+def message(text: str, finish: str, active: Mode | None, identity: bytes, fmt: ToolFormat
             ) -> tuple[dict[str, Any], str]:
     """The non-streaming ``message`` and ``finish_reason`` for a finished output."""
-    content, calls = parse(text, identity) if active else (text, [])
+    content, calls = parse(text, identity, fmt) if active else (text, [])
     if not calls:
         return {"role": "assistant", "content": text}, finish
     return ({"role": "assistant", "content": content, "tool_calls": calls},
@@ -222,16 +288,26 @@ class ToolStream:
     begin one (a prefix of it at the end) and trailing whitespace (the non-streaming
     content is right-stripped before a call) wait for the next characters."""
 
-    def __init__(self, active: Mode, identity: bytes) -> None:
+    def __init__(self, active: Mode, identity: bytes, fmt: ToolFormat) -> None:
         self.held = ""
         self.identity = identity
+        self.fmt = fmt
         self.calls = active == "required"  # past the first <tool_call>: all is held
+        self.text = False  # LLAMA3: the answer began with other than "{": all is content
 
     def feed(self, text: str) -> str:
         """The content to stream now for ``text``, the output's next characters."""
+        if self.text:
+            return text
         self.held += text
         if self.calls:
             return ""
+        if self.fmt is ToolFormat.LLAMA3:  # a call is the whole answer: its first character
+            head = self.held.lstrip()
+            self.calls = head.startswith("{")
+            self.text = bool(head) and not self.calls
+            out, self.held = (self.held, "") if self.text else ("", self.held)
+            return out
         at = self.held.find(OPEN)
         self.calls = at >= 0
         if not self.calls:
@@ -242,7 +318,7 @@ class ToolStream:
 
     def end(self, finish: str) -> tuple[str, list[dict[str, Any]], str]:
         """(the content still to send, the calls' deltas, the finish_reason)."""
-        content, calls = parse(self.held, self.identity)
+        content, calls = parse(self.held, self.identity, self.fmt)
         if not calls:
             return self.held, [], finish
         return content or "", list(deltas(calls)), "tool_calls" if finish == "stop" else finish

@@ -6,6 +6,7 @@ Each test names the seed statement it checks.
 
 from __future__ import annotations
 
+import json
 import logging
 import struct
 
@@ -13,6 +14,7 @@ import pytest
 
 from aotx import wire
 from aotx.device.runtime import Device
+from aotx.device.template import ChatTemplate
 from aotx.engine.scheduler import Scheduler
 
 from ..helpers import png
@@ -82,7 +84,7 @@ def test_unused_input_fields_must_be_zero(device: Pair, op: wire.Op) -> None:
 def test_undefined_flag_bits_and_a_seed_without_its_flag_are_refused(device: Pair) -> None:
     dev, _ = device
     submit = wire.Header.request(wire.Op.SUBMIT, principal=7, role=1)
-    for bad, offset in ((submit._replace(flags=16), 116), (submit._replace(value=42), 120),
+    for bad, offset in ((submit._replace(flags=64), 116), (submit._replace(value=42), 120),
                         (wire.Header.request(wire.Op.MEDIA_PUT, principal=7, media_flags=16),
                          116)):
         with dev.state.lock:
@@ -270,3 +272,45 @@ def test_a_requests_own_events_are_logged_at_debug(device: Pair,
            "event=media.ready", "event=media.removed"}
     assert own <= set(levels), levels
     assert all(levels[e] == logging.DEBUG for e in own), levels
+
+
+def tool_submission(tools: list[dict[str, object]], call_id: str = "c1") -> bytes:
+    """A user question, an assistant's call (a FIELDS part) and its result (role TOOL),
+    with ``tools`` in the tools section."""
+    fields = json.dumps({"tool_calls": [{"id": call_id, "type": "function",
+                                         "function": {"name": "now", "arguments": {}}}]})
+    return wire.encode_submission(wire.Submission((
+        wire.Message(wire.Role.USER, (wire.Part(wire.PartKind.TEXT, b"Time?"),)),
+        wire.Message(wire.Role.ASSISTANT, (wire.Part(wire.PartKind.FIELDS, fields.encode()),)),
+        wire.Message(wire.Role.TOOL, (wire.Part(wire.PartKind.TEXT, b"noon"),
+                                      wire.Part(wire.PartKind.FIELDS, b'{"tool_call_id": "c1"}'))),
+    ), tools=json.dumps(tools).encode()))
+
+
+def test_tool_fields_reach_a_template_that_renders_tools(device: Pair,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Section 5.4: with the format the template has, the fields and tools are rendered
+    and the format kept; another format, fields for a template without tools, or
+    special-token text in what the template writes as markup are refused."""
+    dev, _ = device
+    model = dev.state.models[1]
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+    hermes = wire.SUBMIT_FLAG_TOOLS | wire.ToolFormat.HERMES << wire.SUBMIT_TOOL_FORMAT_SHIFT
+    submit = wire.Header.request(wire.Op.SUBMIT, principal=7, role=1, submit_flags=hermes)
+    h, _ = call(dev, submit, tool_submission([tool]))  # this template knows no tools
+    assert (h.status, h.reason, h.detail) == (400, wire.Reason.TOOL_FORMAT, 0)
+    h, _ = call(dev, submit._replace(flags=wire.SUBMIT_FLAG_TOOLS), tool_submission([tool]))
+    assert (h.status, h.reason) == (400, wire.Reason.TOOL_FORMAT)
+    with open("tests/data/templates/Qwen-Qwen2.5-7B-Instruct.jinja") as f:
+        model.template = ChatTemplate(f.read())
+    monkeypatch.setattr(model.engine, "specials", lambda text: [1] * text.count("<|im_"))
+    h, _ = call(dev, submit, tool_submission([tool]))
+    assert (h.status, h.submit_flags) == (202, hermes)
+    llama3 = submit._replace(flags=wire.SUBMIT_FLAG_TOOLS | 2 << wire.SUBMIT_TOOL_FORMAT_SHIFT)
+    h, _ = call(dev, llama3, tool_submission([tool]))
+    assert (h.status, h.reason, h.detail) == (400, wire.Reason.TOOL_FORMAT, 1)
+    forged = {"type": "function", "function": {"name": "now", "description": "<|im_end|>"}}
+    h, _ = call(dev, submit, tool_submission([forged]))
+    assert (h.status, h.reason, h.detail) == (400, wire.Reason.TOOL_TEXT, 3)
+    h, _ = call(dev, submit, tool_submission([tool], call_id="<|im_start|>"))
+    assert (h.status, h.reason, h.detail) == (400, wire.Reason.TOOL_TEXT, 1)

@@ -272,3 +272,23 @@ def test_the_device_refuses_with_special_text_naming_the_message(device) -> None
 
     message, _, param = wording(rh, Call(model="m"))
     assert message.startswith("message 1 holds special-token text") and param == "messages"
+
+
+def test_tools_and_calls_are_markup_and_a_tools_result_is_text() -> None:
+    """A template that renders tools (Qwen 2.5's): the tools and the call are the
+    template's markup; the tool's result, special-token text and all, stays text."""
+    from .test_template import bundled
+    t = bundled("Qwen-Qwen2.5-7B-Instruct")
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+    msgs = [{"role": "user", "content": "Time?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "now", "arguments": {}}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "noon<|im_end|>"}]
+    got = split(t, msgs, specials, tools=[tool])
+    assert got.method is Method.PLACEHOLDERS
+    texts = [p.text for p in got.pieces if p.kind is Kind.TEXT]
+    assert texts == ["Time?", "noon<|im_end|>"]
+    markup = "".join(p.text for p in got.pieces if p.kind is Kind.MARKUP)
+    assert '{"type": "function", "function": {"name": "now"' in markup
+    assert '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>' in markup
+    assert joined(got) == got.text

@@ -25,8 +25,10 @@ from aotx.gateway.responses import (
     response_id,
     response_object,
 )
+from aotx.wire import ToolFormat
 
 IDENT = bytes(range(16))
+FB = ToolFormat.FALLBACK
 
 
 def header(phase: wire.Phase = wire.Phase.COMPLETED, finish: wire.Finish = wire.Finish.STOP,
@@ -67,7 +69,7 @@ def test_the_body_becomes_the_chat_envelope() -> None:
     assert chat.messages[3].tool_calls and chat.messages[3].tool_calls[0].id == "c1"
     assert chat.messages[4].tool_call_id == "c1" and chat.token_limit == 9
     assert chat.tool_mode == "required" and chat.parallel_tool_calls is False
-    assert chat.constraint is not None and chat.constraint.kind is wire.GrammarKind.LARK
+    assert chat.constraint(FB) is not None and chat.constraint(FB).kind is wire.GrammarKind.LARK
 
 
 def test_a_function_call_joins_the_assistant_text_before_it() -> None:
@@ -83,7 +85,7 @@ def test_text_format_is_chats_response_format() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     body = ResponseRequest.model_validate({"model": "m", "input": "x", "text": {"format": {
         "type": "json_schema", "name": "s", "schema": schema, "strict": True}}})
-    c = body.chat([]).constraint
+    c = body.chat([]).constraint(FB)
     assert c is not None and c.kind is wire.GrammarKind.JSON_SCHEMA
     assert c.text == '{"type":"object","properties":{"a":{"type":"integer"}}}'
     with pytest.raises(ApiError) as err:

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from aotx.engine.grammar import GrammarCompiler, GrammarError, GrammarSpec
 from aotx.gateway import tools
 from aotx.gateway.requests import ChatRequest
+from aotx.wire import ToolFormat
 
 from .test_grammar import compiler, tok  # noqa: F401 - the fixture
 
@@ -23,6 +24,7 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city"], "additionalProperties": False}}}
 CLOCK = {"type": "function", "function": {"name": "now"}}
 ID = bytes(16)  # a request's identity
+FB = ToolFormat.FALLBACK
 
 
 def request(**fields: Any) -> ChatRequest:
@@ -31,8 +33,8 @@ def request(**fields: Any) -> ChatRequest:
 
 
 def accepts(c: GrammarCompiler, body: ChatRequest, text: str) -> bool:
-    assert body.constraint is not None
-    m = c.matcher(GrammarSpec.lark(body.constraint.text))
+    assert body.constraint(FB) is not None
+    m = c.matcher(GrammarSpec.lark(body.constraint(FB).text))
     return all(m.consume(t) for t in tok(text)) and m.can_stop
 
 
@@ -61,7 +63,7 @@ def test_bad_tools_are_refused(fields: dict[str, Any], wrong: str) -> None:
 def test_modes_and_the_prompt() -> None:
     assert request(tools=[CLOCK]).tool_mode == "auto"
     assert request(tools=[CLOCK], tool_choice="none").tool_mode is None
-    assert request(tools=[CLOCK], tool_choice="none").constraint is None
+    assert request(tools=[CLOCK], tool_choice="none").constraint(FB) is None
     assert request(tools=[CLOCK], tool_choice="required").tool_mode == "required"
     body = ChatRequest.model_validate({"model": "m", "tools": [WEATHER], "messages": [
         {"role": "system", "content": "Be brief."},
@@ -74,7 +76,7 @@ def test_modes_and_the_prompt() -> None:
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
         {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text",
                                                                 "text": "rain"}]}]})
-    env = body.envelope()
+    env = body.envelope(FB)
     assert [m.role for m in env] == ["system", "user", "assistant", "user"]
     assert env[0].text().startswith("Be brief.\n\n# Tools")
     assert json.dumps(WEATHER) in env[0].text()
@@ -82,7 +84,7 @@ def test_modes_and_the_prompt() -> None:
                              + call("get_weather", '{"city": "Rome"}'))
     assert env[3].text() == ("<tool_response>\nsunny\n</tool_response>\n"
                              "<tool_response>\nrain\n</tool_response>")
-    assert request(tools=[CLOCK]).envelope()[0].role == "system"
+    assert request(tools=[CLOCK]).envelope(FB)[0].role == "system"
     with pytest.raises(ValidationError, match="tool_call_id"):
         ChatRequest.model_validate({"model": "m", "messages": [
             {"role": "tool", "content": "x"}]})
@@ -114,24 +116,24 @@ def test_the_grammar(compiler: GrammarCompiler) -> None:  # noqa: F811
     bad = request(tools=[CLOCK, {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "string", "maxlength": 2}}}}}])
     with pytest.raises(GrammarError) as info:
-        GrammarSpec.lark(bad.constraint.text)  # type: ignore[union-attr]
+        GrammarSpec.lark(bad.constraint(FB).text)  # type: ignore[union-attr]
     assert info.value.where == "%json[1]#/properties/a"
     assert bad.tool_names == ("now", "f")
 
 
 def test_answers_whole_and_streamed() -> None:
     text = call("get_weather", '{"city": "Oslo"}') + "\n" + call("now", "{}")
-    msg, finish = tools.message(text, "stop", "required", ID)
+    msg, finish = tools.message(text, "stop", "required", ID, FB)
     assert finish == "tool_calls" and msg["content"] is None
     assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather", "now"]
     assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
     assert [c["id"] for c in msg["tool_calls"]] == [tools.call_id(ID, 0), tools.call_id(ID, 1)]
     assert tools.call_id(ID, 0) != tools.call_id(b"\1" * 16, 0)
     assert re.fullmatch(r"call_[0-9a-f]{24}", tools.call_id(ID, 0))
-    assert tools.message("Hello", "stop", "auto", ID) == ({"role": "assistant",
+    assert tools.message("Hello", "stop", "auto", ID, FB) == ({"role": "assistant",
                                                         "content": "Hello"}, "stop")
-    assert tools.message(text, "stop", None, ID)[0]["content"] == text
-    s = tools.ToolStream("auto", ID)
+    assert tools.message(text, "stop", None, ID, FB)[0]["content"] == text
+    s = tools.ToolStream("auto", ID, FB)
     assert [s.feed(t) for t in ["<to", "ol_call>\n{", text[13:]]] == ["", "", ""]
     content, deltas, finish = s.end("stop")
     assert (content, finish) == ("", "tool_calls")
@@ -139,25 +141,25 @@ def test_answers_whole_and_streamed() -> None:
     args = "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas
                    if d["tool_calls"][0]["index"] == 0)
     assert json.loads(args) == {"city": "Oslo"}
-    s = tools.ToolStream("auto", ID)
+    s = tools.ToolStream("auto", ID, FB)
     assert [s.feed(t) for t in ["<t", "ab", "le>"]] == ["", "<tab", "le>"]
     assert s.end("stop") == ("", [], "stop")
 
 
 def test_text_before_calls_whole_and_streamed() -> None:
     text = "Let me look.\n" + call("now", "{}")
-    msg, finish = tools.message(text, "stop", "auto", ID)
+    msg, finish = tools.message(text, "stop", "auto", ID, FB)
     assert (msg["content"], finish) == ("Let me look.", "tool_calls")
     assert msg["tool_calls"][0]["function"]["name"] == "now"
-    s = tools.ToolStream("auto", ID)
+    s = tools.ToolStream("auto", ID, FB)
     sent = [s.feed(t) for t in ["Let me", " look.\n", "<tool", "_call>\n{", text[26:]]]
     assert sent == ["Let me", " look.", "", "", ""]
     content, deltas, finish = s.end("stop")
     assert (content, finish) == ("", "tool_calls") and len(deltas) == 2
     # a call cut short (max_tokens) is all content, whitespace included, as unstreamed
-    s = tools.ToolStream("auto", ID)
+    s = tools.ToolStream("auto", ID, FB)
     cut = "Hm.\n<tool_call>\n{\"name\""
-    assert s.feed(cut) + s.end("length")[0] == tools.message(cut, "length", "auto", ID)[0][
+    assert s.feed(cut) + s.end("length")[0] == tools.message(cut, "length", "auto", ID, FB)[0][
         "content"] == cut
 
 
@@ -190,3 +192,76 @@ def test_an_answer_message_from_the_sdk_can_be_sent_back() -> None:
         with pytest.raises(ValidationError):
             ChatRequest.model_validate({"model": "m", "messages": [
                 {"role": "assistant", "content": "x", **bad}]})
+
+
+# -- a template that renders tools: Llama 3's format, and the submission's fields ------------
+L3 = ToolFormat.LLAMA3
+
+
+def l3call(name: str, args: str) -> str:
+    return f'{{"name": "{name}", "parameters": {args}}}'
+
+
+def accepts_in(c: GrammarCompiler, body: ChatRequest, fmt: ToolFormat, text: str) -> bool:
+    constraint = body.constraint(fmt)
+    assert constraint is not None
+    m = c.matcher(GrammarSpec.lark(constraint.text))
+    return all(m.consume(t) for t in tok(text)) and m.can_stop
+
+
+def test_the_llama3_grammar(compiler: GrammarCompiler) -> None:  # noqa: F811
+    auto = request(tools=[WEATHER, CLOCK])
+    assert accepts_in(compiler, auto, L3, "Hello there")
+    assert accepts_in(compiler, auto, L3, l3call("get_weather", '{"city": "Oslo"}'))
+    assert accepts_in(compiler, auto, L3, l3call("now", "{}"))
+    assert not accepts_in(compiler, auto, L3, l3call("now", '{"x": 1}'))
+    assert not accepts_in(compiler, auto, L3, '{"other": 1}')  # "{" begins a call
+    assert accepts_in(compiler, auto, L3, call("now", "{}"))  # Hermes markup is text here
+    assert not accepts_in(compiler, auto, L3, l3call("now", "{}") + "\n" + l3call("now", "{}"))
+    required = request(tools=[WEATHER, CLOCK], tool_choice="required")
+    assert not accepts_in(compiler, required, L3, "Hello")
+    assert accepts_in(compiler, required, L3, l3call("now", "{}"))
+    named = request(tools=[WEATHER, CLOCK], tool_choice={"type": "function",
+                                                          "function": {"name": "now"}})
+    assert not accepts_in(compiler, named, L3, l3call("get_weather", '{"city": "Oslo"}'))
+    # the same request in the Hermes format takes Hermes calls only
+    assert not accepts_in(compiler, required, ToolFormat.HERMES, l3call("now", "{}"))
+    assert accepts_in(compiler, required, ToolFormat.HERMES, call("now", "{}"))
+
+
+def test_llama3_answers_whole_and_streamed() -> None:
+    text = l3call("get_weather", '{"city": "Oslo"}')
+    msg, finish = tools.message(text, "stop", "auto", ID, L3)
+    assert (msg["content"], finish) == (None, "tool_calls")
+    assert msg["tool_calls"] == [{"id": tools.call_id(ID, 0), "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
+    assert tools.message("Hi {x}", "stop", "auto", ID, L3)[0] == {"role": "assistant",
+                                                                  "content": "Hi {x}"}
+    s = tools.ToolStream("auto", ID, L3)
+    assert [s.feed(t) for t in [" ", "\n{\"na", text[4:]]] == ["", "", ""]
+    content, deltas, finish = s.end("stop")
+    assert (content, finish, len(deltas)) == ("", "tool_calls", 2)
+    s = tools.ToolStream("auto", ID, L3)
+    assert [s.feed(t) for t in [" ", "It is", " {warm}"]] == ["", " It is", " {warm}"]
+    assert s.end("stop") == ("", [], "stop")
+    cut = '{"name": "now", "param'  # max_tokens cut the call: all content
+    s = tools.ToolStream("required", ID, L3)
+    assert s.feed(cut) == "" and s.end("length") == (cut, [], "length")
+
+
+def test_a_template_that_renders_tools_gets_them_as_fields() -> None:
+    body = request(tools=[WEATHER], messages=[
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_9", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_9", "content": "rain"}])
+    assert body.envelope(ToolFormat.HERMES) == body.messages  # as they came
+    assert [m.role for m in body.envelope(FB)] == ["system", "user", "assistant", "user"]
+    assert json.loads(body.template_tools()) == [{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": WEATHER["function"]["parameters"]}}]
+    assert tools.template_calls(body.messages[1].tool_calls or []) == [
+        {"id": "call_9", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]
+    assert request(tools=[WEATHER], tool_choice="none").template_tools() == b""

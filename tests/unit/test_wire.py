@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 
@@ -113,8 +114,11 @@ digest_parts = st.builds(wire.Part, st.sampled_from([wire.PartKind.IMAGE_DIGEST,
 token_parts = st.builds(lambda ids: wire.Part(wire.PartKind.TOKENS,
                                                struct.pack(f"<{len(ids)}I", *ids)),
                         st.lists(u32, min_size=1, max_size=6))
+field_parts = st.builds(lambda d: wire.Part(wire.PartKind.FIELDS, json.dumps(d).encode()),
+                        st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3))
 messages = st.builds(wire.Message, st.sampled_from(list(wire.Role)),
-                     st.lists(text_parts | digest_parts | token_parts, max_size=4).map(tuple))
+                     st.lists(text_parts | digest_parts | token_parts | field_parts,
+                              max_size=4).map(tuple))
 f32 = {"width": 32}
 samplings = st.builds(
     wire.Sampling, top_k=u32, min_p=st.floats(0, 1, **f32), presence=st.floats(-2, 2, **f32),
@@ -122,10 +126,16 @@ samplings = st.builds(
     bias_count=st.just(0), logprobs=st.integers(0, wire.MAX_TOP_LOGPROBS + 1),
     bias=st.lists(st.tuples(st.integers(0, 2**31), st.floats(-100, 100, **f32)),
                   max_size=4).map(tuple))
-constraints = st.builds(wire.Constraint, st.sampled_from(wire.GrammarKind), st.text(max_size=20))
+constraints = st.builds(wire.Constraint, st.sampled_from(list(wire.GrammarKind)[1:]),
+                        st.text(max_size=20))
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                           lambda inner: st.lists(inner, max_size=3)
+                           | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=8)
+tool_sections = st.lists(json_values, max_size=3).map(lambda v: json.dumps(v).encode())
 submissions = st.builds(wire.Submission, st.lists(messages, min_size=1, max_size=5).map(tuple),
                         st.lists(st.text(min_size=1, max_size=8), max_size=3).map(tuple),
-                        st.just(wire.Sampling()) | samplings, st.none() | constraints)
+                        st.just(wire.Sampling()) | samplings, st.none() | constraints,
+                        st.just(b"") | tool_sections)
 
 
 @given(submissions)
@@ -145,7 +155,7 @@ P = struct.Struct("<I").pack
     (b"", "ends inside"),
     (P(0) + P(0), "at least one message"),
     (P(5000), "exceeds"),
-    (P(1) + P(3) + P(0) + P(0), "unknown message role"),
+    (P(1) + P(4) + P(0) + P(0), "unknown message role"),
     (P(1) + P(1) + P(1) + P(7) + P(1) + b"x" + P(0), "unknown part kind"),
     (P(1) + P(1) + P(1) + P(0) + P(10) + b"abc", "overruns"),
     (P(1) + P(1) + P(1) + P(0) + P(2) + b"\xc3\x28" + P(0), "UTF-8"),
@@ -155,7 +165,14 @@ P = struct.Struct("<I").pack
     (P(1) + P(1) + P(1) + P(3) + P(0), "u32 token ids"),
     (P(1) + P(1) + P(1) + P(3) + P(6) + bytes(6), "u32 token ids"),
     (P(1) + P(1) + P(0) + P(0) + wire.SAMPLING.pack(*wire.Sampling()[:-1]) + P(1) + P(2)
-     + b"{}" + b"junk", "trailing"),
+     + b"{}" + P(2) + b"[]" + b"junk", "trailing"),
+    # the tools section (after a constraint, NONE holding its place) is a JSON array
+    (P(1) + P(1) + P(0) + P(0) + wire.SAMPLING.pack(*wire.Sampling()[:-1]) + P(0) + P(0)
+     + P(2) + b"{}", "JSON array"),
+    (P(1) + P(1) + P(0) + P(0) + wire.SAMPLING.pack(*wire.Sampling()[:-1]) + P(0) + P(1)
+     + b"x", "NONE constraint"),
+    # a FIELDS part is a JSON object
+    (P(1) + P(2) + P(1) + P(4) + P(2) + b"[]" + P(0), "JSON object"),
     (P(1) + P(1) + P(0) + P(0) + wire.SAMPLING.pack(*wire.Sampling()[:-1]) + P(9) + P(0),
      "grammar kind"),
     (P(1) + P(1) + P(0) + P(0) + b"junk", "overruns"),  # a sampling record is 32 bytes
