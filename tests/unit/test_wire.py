@@ -211,14 +211,18 @@ def test_decoders_never_raise_anything_but_wire_error(data: bytes) -> None:
 def test_truncated_or_flipped_submissions_are_rejected_cleanly(sub: wire.Submission, data) -> None:
     raw = bytearray(wire.encode_submission(sub))
     cut = data.draw(st.integers(0, len(raw) - 1))
-    plain = sub._replace(sampling=wire.Sampling(), constraint=None)
+    plain = sub._replace(sampling=wire.Sampling(), constraint=None, tools=b"")
     # Cuts that leave a whole payload: just after the messages (the seed's own layout,
-    # without the extensions), just after the stop strings (without the sampling), or
-    # just before the constraint.
+    # without the extensions), just after the stop strings (without the sampling), just
+    # before the constraint (or the NONE one before tools), or just before the tools.
     whole = {len(wire.encode_submission(plain._replace(stop=()))): plain._replace(stop=()),
              len(wire.encode_submission(plain)) + 4 * (not sub.stop): plain}
-    if sub.constraint is not None:
-        whole[len(raw) - 8 - len(sub.constraint.text.encode())] = sub._replace(constraint=None)
+    tail = 4 + len(sub.tools) if sub.tools else 0
+    if sub.tools:
+        whole[len(raw) - tail] = sub._replace(tools=b"")
+    if sub.constraint is not None or sub.tools:
+        text = sub.constraint.text.encode() if sub.constraint is not None else b""
+        whole[len(raw) - tail - 8 - len(text)] = sub._replace(constraint=None, tools=b"")
     if cut in whole:
         assert wire.decode_submission(bytes(raw[:cut])) == whole[cut]
     else:
