@@ -72,12 +72,15 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
     context = spec.context if chat else spec.embedding_context
     batch = max(spec.batch, spec.slots)  # every running sequence fits one step
     engine = LlamaEngine(EngineConfig(path=spec.path, slots=spec.slots, slot_context=context,
+                                      kv_budget=max(0, spec.kv_budget) if chat else 0,
+                                      unified=chat and spec.kv_budget != 0,
+                                      kv_type=spec.kv_type,
                                       batch=batch, threads=spec.threads, poll=spec.poll))
     template = _template(spec, engine) if chat else ChatTemplate(NO_CHAT)
     encoder, mods = _projector(spec, engine, batch)
     projector = file_sha256(spec.mmproj, hashes) if spec.mmproj else None
     scheduler = Scheduler(
-        engine, spec.slots, batch, lock,
+        engine, spec.slots, engine.n_batch, lock,
         make_sampler=lambda r: Sampler(r.temperature, r.top_p, r.seed, r.sampling,
                                        r.max_tokens, engine.n_vocab),
         free_sampler=lambda s: s.free(),  # type: ignore[attr-defined]
@@ -90,8 +93,10 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
                         automatic_memory=chat and qualified(digest, template.source, projector),
                         embeddings=_embeddings(spec, engine, scheduler, lock), chat=chat)
     log.info("event=model.ready alias=%s role=%d sha256=%s params_bytes=%d kv_bytes=%d "
+             "kv_cells=%d kv_type=%s "
              "threads=%d automatic_memory=%s tool_format=%s seconds=%.1f", spec.alias,
-             spec.role, digest.hex(), engine.model_bytes, engine.kv_bytes(), engine.threads,
+             spec.role, digest.hex(), engine.model_bytes, engine.kv_bytes(), engine.kv_cells,
+             spec.kv_type, engine.threads,
              model.automatic_memory, template.tool_format.name.lower(), time.monotonic() - t0)
     return model
 

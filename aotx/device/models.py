@@ -10,7 +10,9 @@ installed package, never by a fixed path.
     alias = "smollm2"        # alias of the embedded model
     enabled = true           # false: do not load it
     slots = 16               # sequences decoded together
-    context = 4096           # KV cells per sequence (tokens of context per request)
+    context = 4096           # the most tokens of context one request may hold
+    kv_budget = "256MiB"     # one KV pool its sequences share ("auto": a default size)
+    kv_type = "f16"          # or "q8_0": half the bytes a cell
     embedding_context = 512  # tokens of one /v1/embeddings input (mean pooling)
 
     [[model]]
@@ -37,6 +39,13 @@ installed package, never by a fixed path.
     path = "models/some.gguf"
     chat_template = "templates/fixed.jinja"  # instead of the GGUF's tokenizer.chat_template
 
+Without ``kv_budget`` each sequence has a KV stream of ``context`` cells (slots x
+context in all, allocated at load).  With one, the model's sequences share one KV pool
+and take cells as they grow (engine/kvpool.py): bytes, or a string with KB/MB/GB/KiB/
+MiB/GiB; ``"auto"`` sizes it to the model's training context or one whole ``context``
+if more, at most ``slots`` x ``context`` and a quarter of the memory available at load
+(engine/llama.py ``pool_cells``).
+
 A model with ``mmproj`` accepts what its projector encodes (image, audio or
 both, as libmtmd reports at load); ``modalities``, when given, must match.
 Image or audio without a projector is refused.  ``[default]`` takes ``mmproj``
@@ -59,8 +68,14 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import tomllib
 from dataclasses import dataclass
+from typing import Any
+
+#: The KV cache types (engine.llama.KV_TYPES; named here so that parsing the models
+#: file does not load llama.cpp).
+KV_TYPES = ("f16", "q8_0")
 
 log = logging.getLogger("aotx.models")
 
@@ -89,6 +104,8 @@ class ModelSpec:
     kind: str = "chat"  # "chat", or "embedding": /v1/embeddings only (pooling from the GGUF)
     embedding_context: int = 512  # tokens of one embedding input (one decode's)
     chat_template: str | None = None  # a Jinja file used instead of the GGUF's template
+    kv_budget: int = 0  # bytes of the KV pool the sequences share; -1: "auto"; 0: no pool
+    kv_type: str = "f16"  # "f16" or "q8_0" (engine.llama.KV_TYPES)
 
 
 def default_model_path() -> str:
@@ -152,6 +169,33 @@ def _modalities(entry: dict[str, object], what: str, mmproj: str | None) -> tupl
     return tuple(mods)
 
 
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10,
+          "MIB": 1 << 20, "GIB": 1 << 30}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*")
+
+
+def _kv(entry: dict[str, object], what: str) -> dict[str, Any]:
+    """``kv_budget`` (bytes: an integer, or "512MiB") and ``kv_type`` of a model entry."""
+    out: dict[str, Any] = {}
+    budget = entry.get("kv_budget")
+    if budget is not None:
+        found = _SIZE.fullmatch(budget) if isinstance(budget, str) else None
+        if budget == "auto":
+            out["kv_budget"] = -1  # the shared pool at its default size
+        elif isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
+            out["kv_budget"] = budget
+        elif found and found[2].upper() in _UNITS and float(found[1]) > 0:
+            out["kv_budget"] = int(float(found[1]) * _UNITS[found[2].upper()])
+        else:
+            raise ModelConfigError(f"{what}: kv_budget is bytes (a positive integer, or a "
+                                   f"size like \"512MiB\") or \"auto\", got {budget!r}")
+    kv_type = entry.get("kv_type", "f16")
+    if kv_type not in KV_TYPES:
+        raise ModelConfigError(f"{what}: kv_type is one of {list(KV_TYPES)}, got {kv_type!r}")
+    out["kv_type"] = kv_type
+    return out
+
+
 def _template_file(state_dir: str, entry: dict[str, object], what: str) -> str | None:
     if "chat_template" not in entry:
         return None
@@ -195,6 +239,7 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
                                threads=int(default.get("threads", 0)), poll=_poll(default),
                                mmproj=mmproj, chat_template=_template_file(
                                    state_dir, default, "[default]"),
+                               **_kv(default, "[default]"),
                                modalities=_modalities(default, "[default]", mmproj),
                                embedding_context=_positive(default, "embedding_context", 512)))
     entries = data.get("model", [])
@@ -220,6 +265,7 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
                                threads=int(entry.get("threads", 0)), poll=_poll(entry),
                                kind=kind, chat_template=_template_file(
                                    state_dir, entry, f"model {n}"),
+                               **_kv(entry, f"model {n}"),
                                embedding_context=_positive(entry, "embedding_context", 512)))
     if not specs:
         raise ModelConfigError("no model to load: the default is disabled and none is configured")

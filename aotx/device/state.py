@@ -172,7 +172,7 @@ class DeviceState:
             media_bytes=self.limits.media_bytes,
             retention_seconds=self.limits.retention_seconds,
             retention_requests=self.limits.retention_requests, mailboxes=mailboxes,
-            kv_cells=sum(m.spec.slots * m.engine.slot_context for m in self.models.values()),
+            kv_cells=sum(m.engine.kv_cells for m in self.models.values()),
             started_unix_ns=self.started_unix_ns)
 
     def telemetry(self) -> wire.Telemetry:
@@ -196,7 +196,10 @@ class DeviceState:
                 "ttft_seconds": sc.ttft.snapshot(), "inter_token_seconds": sc.itl.snapshot(),
                 "grammar_steps": sc.masks.steps, "grammar_masks": sc.masks.masks,
                 "grammar_fill_seconds": sc.masks.fill_ns / 1e9,
-                "grammar_wait_seconds": sc.masks.wait_ns / 1e9}
+                "grammar_wait_seconds": sc.masks.wait_ns / 1e9,
+                "kv_budget_bytes": m.engine.kv_bytes(), "kv_cells": m.engine.kv_cells,
+                "kv_cells_used": sc.pool.in_use(sc.active, sc.cached, sc.free_seqs),
+                "kv_preemptions": sc.pool.preemptions, "kv_evictions": sc.pool.evictions}
         return {"epoch": self.epoch, "requests_by_state": dict(by_phase),
                 "admitted": self.counters.admitted,
                 "refused": {str(k): v for k, v in self.counters.refused.items()},

@@ -6,9 +6,13 @@ tokens of which sequences go into each ``llama_decode`` call.  Every ctypes
 call into llama.cpp releases the GIL, so the device's control thread keeps
 answering the mailboxes while a decode step runs.
 
-The context is created with one KV stream per sequence (``kv_unified`` off):
-each sequence attends only to its own cells, so a batch of N streams costs N
-times one stream's attention, not N times everybody's.
+By default the context has one KV stream per sequence (``kv_unified`` off): each
+sequence attends only to its own cells, which sit in position order, so its
+arithmetic does not depend on the other sequences (a seed reproduces its output).
+With a budget (``unified``) it has one KV pool that every sequence shares, sized
+in bytes (:func:`pool_cells`): a sequence takes cells as it grows, and the
+scheduler keeps the pool from overflowing (``engine/kvpool.py``).  Flash attention
+is on, so that in the pool each sequence's attention skips the others' cells.
 """
 
 from __future__ import annotations
@@ -105,11 +109,19 @@ def _ggml_libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     return _ggml
 
 
+#: KV cache types (the models file's ``kv_type``): ggml type and bytes per element.
+KV_TYPES = {"f16": (1, 2.0), "q8_0": (8, 34 / 32)}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     path: str
-    slots: int = 16  # sequences decoded together (KV streams)
-    slot_context: int = 4096  # KV cells per sequence
+    slots: int = 16  # sequences decoded together
+    slot_context: int = 4096  # the most KV cells (tokens) one sequence may hold
+    kv_budget: int = 0  # bytes of the shared pool; 0: pool_cells' default
+    kv_cells: int = 0  # the pool's cells, when given (tests, benchmarks): over kv_budget
+    kv_type: str = "f16"  # KV_TYPES
+    unified: bool = False  # one KV pool (False: a stream of slot_context per sequence)
     batch: int = 512  # tokens per llama_decode call
     threads: int = 0  # 0: all cores
     # A persistent ggml thread pool, as llama.cpp's own tools attach.  Without one,
@@ -119,6 +131,39 @@ class EngineConfig:
     # pool (ggml's per-graph threads).
     poll: int = 50
     gpu_layers: int = 0
+
+
+#: The fewest cells a pool has (llama.cpp pads the KV cache to 256 cells).
+MIN_POOL_CELLS = 256
+
+
+def pool_cells(config: EngineConfig, cell_bytes: float, n_ctx_train: int) -> int:
+    """The KV pool's cells: ``kv_cells``, else ``kv_budget``'s worth, else the default:
+    as many as the model was trained for (llama-server's default context) or one whole
+    context if more, never more than every sequence's whole context nor a quarter of
+    the memory available now.  Without a pool, a stream of ``slot_context`` each."""
+    whole = config.slots * config.slot_context
+    if not config.unified:
+        return whole
+    if config.kv_cells:
+        return config.kv_cells
+    if config.kv_budget:
+        return max(MIN_POOL_CELLS, min(whole, int(config.kv_budget // cell_bytes)))
+    default = min(whole, max(config.slot_context, n_ctx_train or 0),
+                  int(_available_bytes() / 4 // cell_bytes))
+    return max(MIN_POOL_CELLS, default)
+
+
+def _available_bytes() -> int:
+    """MemAvailable (/proc/meminfo), or 8 GiB where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 8 << 30
 
 
 @dataclass(slots=True)
@@ -145,24 +190,38 @@ class LlamaEngine:
         self.n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(self.model))
         threads = config.threads or (os.cpu_count() or 1)
         cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = config.slots * config.slot_context
+        kv_type, self.kv_element_bytes = KV_TYPES[config.kv_type]
+        self.kv_cell_bytes = self._cell_elements() * self.kv_element_bytes
+        cells = pool_cells(config, self.kv_cell_bytes, self.n_ctx_train)
+        cparams.n_ctx = cells
         cparams.n_batch = config.batch
         cparams.n_ubatch = config.batch
         cparams.n_seq_max = config.slots
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
-        cparams.kv_unified = False
+        cparams.kv_unified = config.unified
+        cparams.type_k = cparams.type_v = kv_type
+        if config.unified or kv_type != KV_TYPES["f16"][0]:
+            # Flash attention skips the cells of other sequences (masked) instead of
+            # multiplying them: in one pool, a batch of N sequences then costs about what
+            # N streams do.  llama.cpp also quantizes V only with it.
+            cparams.flash_attn_type = 1
         cparams.no_perf = False
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
-            raise EngineError("llama.cpp could not create a context "
-                              f"({config.slots} x {config.slot_context} cells)")
+            raise EngineError(f"llama.cpp could not create a context ({cells} KV cells of "
+                              f"{config.kv_type}, {config.slots} sequences)")
         self.threadpool: int | None = None
         if config.poll >= 0 and threads > 1:
             self._attach_threadpool(threads, config.poll)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
-        self.slot_context = int(llama_cpp.llama_n_ctx_seq(self.ctx))
+        self.kv_cells = int(llama_cpp.llama_n_ctx(self.ctx))
+        self.unified = config.unified
+        # llama.cpp caps a batch at the context's cells: a pool smaller than ``batch``
+        # takes smaller batches (a larger one would abort in llama_decode)
+        self.n_batch = int(llama_cpp.llama_n_batch(self.ctx))
+        self.slot_context = min(config.slot_context, int(llama_cpp.llama_n_ctx_seq(self.ctx)))
         self.n_swa = int(llama_cpp.llama_model_n_swa(self.model))  # 0: no sliding window
         if 0 < self.n_ctx_train < self.slot_context:
             # Served as configured (llama.cpp does the same), but positions past the
@@ -388,7 +447,7 @@ class LlamaEngine:
     def decode(self, entries: list[BatchEntry]) -> int:
         """Decode one batch.  Returns llama_decode's status (0 = success)."""
         b = self.batch
-        if len(entries) > self.config.batch:
+        if len(entries) > self.n_batch:
             raise EngineError("batch overflow")
         for i, e in enumerate(entries):
             b.token[i] = e.token
@@ -415,7 +474,7 @@ class LlamaEngine:
         try:
             done = 0
             while done < n_tokens:
-                n = min(self.config.batch, n_tokens - done)
+                n = min(self.n_batch, n_tokens - done)
                 ctypes.memmove(b.embd, base + done * row, n * row)
                 for i in range(n):
                     b.pos[i] = pos + done + i
@@ -493,13 +552,16 @@ class LlamaEngine:
         data = llama_cpp.llama_perf_context(self.ctx)
         return int(data.n_p_eval), int(data.n_eval)
 
-    def kv_bytes(self) -> int:
+    def _cell_elements(self) -> int:
+        """K and V elements of one cell (one token of one sequence), all layers."""
         n_layer = int(llama_cpp.llama_model_n_layer(self.model))
         n_embd = int(llama_cpp.llama_model_n_embd(self.model))
         n_head = int(llama_cpp.llama_model_n_head(self.model)) or 1
         n_head_kv = int(llama_cpp.llama_model_n_head_kv(self.model)) or n_head
-        per_cell = 2 * n_layer * (n_embd // n_head) * n_head_kv * 2  # K and V in f16
-        return per_cell * self.config.slots * self.slot_context
+        return 2 * n_layer * (n_embd // n_head) * n_head_kv
+
+    def kv_bytes(self) -> int:
+        return int(self.kv_cell_bytes * self.kv_cells)
 
     def close(self) -> None:
         if self.ctx:

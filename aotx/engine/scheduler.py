@@ -15,30 +15,23 @@ never during ``llama_decode`` itself.
 from __future__ import annotations
 
 import collections
-import enum
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..wire import Finish, Phase, Sampling
+from ..wire import Finish, Phase
 from .fair import NOBODY, FairQueue, owner_of, usable_prefix
-from .grammar import MaskFiller, Matcher
+from .grammar import MaskFiller
+from .kvpool import KvPool
 from .llama import BatchEntry
 from .logprobs import Annotations, annotate
 from .multimodal import MediaInputError, MediaSegment, release_all
 from .output import OutputBuffer
+from .request import Failure, Request
 
-
-class Failure(enum.Enum):
-    """Why the engine failed a request (the device decides what status that is)."""
-
-    NONE = enum.auto()
-    NO_MEMORY = enum.auto()  # llama_decode found no KV cells for the batch (it returned 1)
-    DECODE = enum.auto()  # llama_decode failed otherwise
-    MEDIA = enum.auto()  # the projector could not encode a media segment
-    GRAMMAR = enum.auto()  # the request's grammar matcher failed (a step limit of llguidance)
+__all__ = ["Failure", "OutputBuffer", "Request", "Scheduler", "StepOutcome"]
 
 
 @dataclass
@@ -66,6 +59,7 @@ class Side(Protocol):
 
 class Engine(Protocol):
     slot_context: int
+    kv_cells: int
 
     def decode(self, entries: list[BatchEntry]) -> int: ...
     def sample(self, sampler: Any, index: int, mask: Any = None) -> int: ...
@@ -114,55 +108,6 @@ class Histogram:
                 "count": self.count}
 
 
-@dataclass(eq=False)
-class Request:
-    identity: bytes
-    principal: int
-    revision: int
-    role: int
-    prompt: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    stops: tuple[bytes, ...] = ()
-    sampling: Sampling = Sampling()  # top-k, min-p, penalties, logit bias
-    phase: Phase = Phase.QUEUED
-    cancel_requested: bool = False
-    finish: Finish = Finish.NONE
-    failure: Failure = Failure.NONE
-    out: bytearray = field(default_factory=bytearray)
-    sampled: int = 0
-    created_ns: int = field(default_factory=time.monotonic_ns)
-    first_token_ns: int = 0
-    last_token_ns: int = 0
-    generated: list[int] = field(default_factory=list)  # sampled tokens fed back to the model
-    reused_tokens: int = 0  # prompt tokens found in the sequence's KV cache
-    media: list[bytes] = field(default_factory=list)  # leased media sources, in prompt order
-    finished_ns: int = 0
-    memory_off: bool = False
-    kept_flags: int = 0  # SUBMIT flags the state replies carry back (SUBMIT_FLAG_TOOLS)
-    background: bool = False  # resident-policy work: yields to any foreground request
-    preempted: bool = False  # a background request cancelled because foreground work came
-    source_text: str = ""  # the conversation, kept only when it may become a memory source
-    segments: list[MediaSegment] = field(default_factory=list)  # image/audio spans of prompt
-    next_segment: int = 0  # index of the first segment not yet decoded
-    # engine state, owned by the engine thread
-    seq: int = -1
-    n_past: int = 0
-    next_token: int = -1
-    sampler: object = None
-    buffer: OutputBuffer | None = None
-    # Constrained decoding: the request's own matcher (grammar.GrammarCompiler.compile(
-    # spec).matcher()), set before submit; the engine thread owns it from then on.
-    matcher: Matcher | None = None
-    notes: Annotations | None = None  # logprobs asked (sampling.logprobs): logprobs.py
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt)
-
-
 SamplerFactory = Callable[[Request], object]
 
 
@@ -200,6 +145,7 @@ class Scheduler:
         self.ttft = Histogram()
         self.itl = Histogram()
         self.masks = MaskFiller()  # constrained requests' bitmasks, filled during the decode
+        self.pool = KvPool(engine.kv_cells, getattr(engine, "unified", True))
         self._stopping = False
         self.side: Side | None = None
 
@@ -241,6 +187,8 @@ class Scheduler:
             else:
                 self.cached[req.seq] = (req.prompt + req.generated)[:req.n_past]
             self.owner[req.seq] = owner_of(req)
+            self.pool.freed_at[req.seq] = self.tick
+            self.pool.ended += 1
             self.free_seqs.append(req.seq)
             req.seq = -1
         if req.sampler is not None:
@@ -262,6 +210,9 @@ class Scheduler:
                 if self._twin_preparing(req):
                     later.append(req)
                     continue
+                if not self._room(req):
+                    later.append(req)  # it waits for cells (kvpool.py)
+                    break
                 running[owner_of(req)] += 1
                 self._start(req)
             for req in reversed(later):
@@ -301,7 +252,34 @@ class Scheduler:
 
     def _start(self, req: Request) -> None:
         """Give a queued request a sequence, with as much of its prompt cached as it may
-        reuse (its principal's own cells, or the public prefix: fair.usable_prefix)."""
+        reuse (its principal's own cells, or the public prefix: fair.usable_prefix).  A
+        preempted request evaluates its generated tokens too, and keeps its sampler."""
+        req.prefill = req.prompt + req.generated
+        who = owner_of(req)
+        seq, have = self._best_sequence(req, who)
+        self.free_seqs.remove(seq)
+        keep = min(have, len(req.prefill) - 1)
+        if not self.engine.trim_sequence(seq, keep):
+            # The memory cannot be cut back to ``keep`` (a recurrent model):
+            # start the sequence empty and evaluate the whole prompt.
+            self.engine.clear_sequence(seq)
+            keep = 0
+        self.cached[seq] = req.prefill[:keep]
+        self.owner[seq] = who
+        req.seq = seq
+        req.n_past = keep
+        req.reused_tokens = keep
+        self.reused_tokens += keep
+        req.phase = Phase.PREPARING
+        if req.sampler is None:  # (a preempted request keeps its own)
+            req.sampler = self.make_sampler(req)
+            req.buffer = OutputBuffer(req.stops)
+            req.notes = (Annotations(req.sampling.logprobs - 1) if req.sampling.logprobs
+                         else None)
+        self.active.append(req)
+
+    def _best_sequence(self, req: Request, who: int) -> tuple[int, int]:
+        """The free sequence for ``req`` and the tokens of its prefill it holds."""
         # The free sequence whose cached tokens share the longest usable prefix with
         # this prompt; at least the prompt's last token is evaluated again,
         # since its logits are needed for the first sample.
@@ -309,9 +287,8 @@ class Scheduler:
         # throw away (another principal's 600 private tokens are worth keeping for it
         # more than 20 public ones are worth reusing), then the lowest sequence id:
         # streams in use stay a compact range, which llama.cpp batches fastest.
-        who = owner_of(req)
-        held = {q: usable_prefix(self.cached.get(q, []), self.owner.get(q, NOBODY), req.prompt,
-                                 who, self.public) for q in self.free_seqs}
+        held = {q: usable_prefix(self.cached.get(q, []), self.owner.get(q, NOBODY),
+                                 req.prefill, who, self.public) for q in self.free_seqs}
         seq = max(self.free_seqs, key=lambda q: (
             held[q] * DISCARD_WEIGHT - (len(self.cached.get(q, ())) - held[q]), -q))
         have = held[seq]
@@ -320,34 +297,63 @@ class Scheduler:
         # sequence instead of evaluating it again.
         source, shared = None, 0
         for other in self.active:
-            n = min(usable_prefix(other.prompt, owner_of(other), req.prompt, who, self.public),
-                    other.n_past)
+            n = min(usable_prefix(other.prefill, owner_of(other), req.prefill, who,
+                                  self.public), other.n_past)
             if n > shared:
                 source, shared = other, n
         if source is not None and shared - have >= COPY_MIN_TOKENS:
             seq = min(self.free_seqs)
             self.engine.copy_sequence(source.seq, seq)
-            self.cached[seq] = source.prompt[:shared]
+            self.cached[seq] = source.prefill[:shared]
             have = shared
             self.copies += 1
-        self.free_seqs.remove(seq)
-        keep = min(have, len(req.prompt) - 1)
-        if not self.engine.trim_sequence(seq, keep):
-            # The memory cannot be cut back to ``keep`` (a recurrent model):
-            # start the sequence empty and evaluate the whole prompt.
-            self.engine.clear_sequence(seq)
-            keep = 0
-        self.cached[seq] = req.prompt[:keep]
-        self.owner[seq] = who
-        req.seq = seq
-        req.n_past = keep
-        req.reused_tokens = keep
-        self.reused_tokens += keep
-        req.phase = Phase.PREPARING
-        req.sampler = self.make_sampler(req)
-        req.buffer = OutputBuffer(req.stops)
-        req.notes = Annotations(req.sampling.logprobs - 1) if req.sampling.logprobs else None
-        self.active.append(req)
+        return seq, have
+
+    def _room(self, req: Request) -> bool:
+        """Whether ``req`` may start now: its prompt fits the KV pool beside the running
+        sequences, once the least recently used cached prefixes are given back if need
+        be.  Alone, a request always starts (its context fits the pool)."""
+        if not self.active or not self.pool.shared:
+            return True
+        if self.pool.ended < req.resume_after:
+            return False  # preempted: it waits until a request ends, else it would thrash
+        need = len(req.prompt) + len(req.generated)
+        used = self.pool.in_use(self.active, self.cached, self.free_seqs)
+        for q in self.pool.evictable(self.cached, self.free_seqs):
+            if self.pool.room(need, len(self.active), used):
+                return True
+            used -= len(self.cached[q])
+            self._evict(q)
+        return self.pool.room(need, len(self.active), used)
+
+    def _evict(self, seq: int) -> None:
+        self.engine.clear_sequence(seq)
+        self.cached[seq] = []
+        self.pool.evictions += 1
+
+    def _relieve(self) -> bool:
+        """After a decode that found no KV cells: give back the cached prefixes, or else
+        preempt a request (kvpool.py).  False when there is nothing to give back."""
+        cached = self.pool.evictable(self.cached, self.free_seqs)
+        for q in cached:
+            self._evict(q)
+        if cached:
+            return True
+        req = self.pool.victim(self.active)
+        if req is None:
+            return False
+        self.active.remove(req)
+        self.engine.clear_sequence(req.seq)
+        self.cached[req.seq] = []
+        self.free_seqs.append(req.seq)
+        req.seq = -1
+        req.n_past = 0
+        req.phase = Phase.PREPARING  # it evaluates its context again when it starts
+        req.preemptions += 1
+        req.resume_after = self.pool.ended + 1
+        self.pool.preemptions += 1
+        self.queue.push_front(req)
+        return True
 
     def _choose(self) -> tuple[list[BatchEntry], list[tuple[Request, int]],
                                list[tuple[Request, int]], tuple[Request, MediaSegment] | None]:
@@ -368,12 +374,12 @@ class Scheduler:
                 if media is None:
                     media = (req, seg)
             elif budget > 0:
-                end = seg.start if seg is not None else len(req.prompt)
+                end = seg.start if seg is not None else len(req.prefill)
                 take = min(budget, end - req.n_past)
                 if req.background:  # small steps: foreground work waits at most one of them
                     take = min(take, BACKGROUND_CHUNK)
-                last = req.n_past + take == len(req.prompt)
-                chosen.append((req, [BatchEntry(req.prompt[p], p, req.seq,
+                last = req.n_past + take == len(req.prefill)
+                chosen.append((req, [BatchEntry(req.prefill[p], p, req.seq,
                                                 last and p == req.n_past + take - 1)
                                      for p in range(req.n_past, req.n_past + take)], last))
                 budget -= take
@@ -433,6 +439,9 @@ class Scheduler:
             bits = self.masks.wait() if constrained else None
             if status != 0:
                 with self.lock:
+                    if status == 1 and self._relieve():  # the next step plans again
+                        self.tick += 1
+                        return out
                     for req, _ in advances:
                         if req in self.active:
                             self.active.remove(req)

@@ -180,6 +180,13 @@ _MODEL_FAMILIES = (  # (key in the device's per-model counters, name, help, coun
      "Time the mask worker spent filling masks (beside the decode)", True),
     ("grammar_wait_seconds", "aotx_grammar_wait_seconds",
      "Time the engine thread still waited for masks after the decode", True),
+    ("kv_budget_bytes", "aotx_kv_budget_bytes", "Bytes of the model's KV pool", False),
+    ("kv_cells", "aotx_kv_cells", "Cells (tokens) of the model's KV pool", False),
+    ("kv_cells_used", "aotx_kv_cells_used",
+     "KV cells held by running sequences and cached prefixes (an upper bound)", False),
+    ("kv_preemptions", "aotx_kv_preemptions",
+     "Requests that gave their KV cells back under pressure (recomputed later)", True),
+    ("kv_evictions", "aotx_kv_evictions", "Cached prefixes given back for KV cells", True),
 )
 _HISTOGRAMS = (("ttft_seconds", "aotx_time_to_first_token_seconds", "Admission to first token"),
                ("inter_token_seconds", "aotx_inter_token_seconds",

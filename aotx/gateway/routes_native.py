@@ -34,6 +34,7 @@ async def capabilities(principal: Principal = Caller, g: Gateway = Service) -> R
             "window_bytes": str(info.window_bytes), "context_tokens": str(info.context_tokens),
             "output_tokens": str(info.output_tokens),
             "active_requests": str(info.active_requests), "slots": str(info.slots),
+            "kv_cells": str(info.kv_cells),
             "media_bytes": str(info.media_bytes), "body_bytes": str(g.settings.max_body),
             "retention_seconds": str(info.retention_seconds),
             "retention_requests": str(info.retention_requests),

@@ -184,6 +184,8 @@ class Limits(_Doc):
     output_tokens: Decimal = _DEC
     active_requests: Decimal = _DEC
     slots: Decimal = _DEC
+    kv_cells: Decimal = Field(pattern=r"^[0-9]+$", description="KV cells of all models' "
+                              "pools (tokens of context the sequences share)")
     media_bytes: Decimal = _DEC
     body_bytes: Decimal = _DEC
     retention_seconds: Decimal = _DEC

@@ -197,3 +197,41 @@ def _qualified_template() -> str:
     reader = gguf.GGUFReader(default_model_path())
     field = reader.fields["tokenizer.chat_template"]
     return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def test_models_file_kv_budget_type_and_chat_template(tmp_path) -> None:
+    import pytest
+
+    from aotx.device.models import KV_TYPES, ModelConfigError, load_specs
+    from aotx.engine.llama import KV_TYPES as ENGINE_KV_TYPES
+
+    assert set(KV_TYPES) == set(ENGINE_KV_TYPES)
+    for value, budget in (("268435456", 268435456), ('"256MiB"', 256 << 20),
+                          ('"1.5GB"', 1_500_000_000), ('"auto"', -1)):
+        (tmp_path / "models.toml").write_text(f"[default]\nkv_budget = {value}\n")
+        assert load_specs(str(tmp_path))[0].kv_budget == budget
+    (tmp_path / "models.toml").write_text('[default]\nkv_type = "q8_0"\n')
+    (spec,) = load_specs(str(tmp_path))
+    assert (spec.kv_type, spec.kv_budget) == ("q8_0", 0)  # no budget: a stream per sequence
+    for bad, words in (('kv_budget = "lots"', "kv_budget is bytes"), ("kv_budget = 0", "kv_budget"),
+                       ('kv_budget = "5 parsecs"', "kv_budget"), ('kv_type = "q4_0"', "kv_type"),
+                       ('chat_template = "none.jinja"', "not a file")):
+        (tmp_path / "models.toml").write_text(f"[default]\n{bad}\n")
+        with pytest.raises(ModelConfigError, match=words):
+            load_specs(str(tmp_path))
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    (tmp_path / "models.toml").write_text('[default]\nchat_template = "t.jinja"\n')
+    assert load_specs(str(tmp_path))[0].chat_template == str((tmp_path / "t.jinja").resolve())
+
+
+def test_the_pool_size_rule() -> None:
+    from aotx.engine.llama import MIN_POOL_CELLS, EngineConfig, pool_cells
+
+    def cells(**kw: object) -> int:
+        return pool_cells(EngineConfig(path="x", slots=16, slot_context=4096, **kw), 23040.0, 8192)  # type: ignore[arg-type]
+
+    assert cells() == 16 * 4096  # streams: every sequence its whole context
+    assert cells(unified=True) == 8192  # "auto": the training context
+    assert cells(unified=True, kv_budget=100 * 23040) == MIN_POOL_CELLS
+    assert cells(unified=True, kv_budget=1000 * 23040) == 1000
+    assert cells(unified=True, kv_budget=1 << 40) == 16 * 4096  # never more than all contexts

@@ -26,6 +26,7 @@ class ScriptedEngine:
     """Each sequence emits the tokens scripted for its request, then EOG."""
 
     slot_context = 4096
+    kv_cells = 1 << 20
 
     def __init__(self) -> None:
         self.steps: list[list[BatchEntry]] = []
@@ -572,3 +573,84 @@ def test_the_same_prompt_sent_together_is_evaluated_once() -> None:
     run_until_idle(sched)
     assert all(r.phase is Phase.COMPLETED for r in [*twins, stranger])
     assert sched.prompt_tokens_in == 40 + 40 + 1 + 1
+
+
+class PoolEngine(ScriptedEngine):
+    """A KV pool of ``kv_cells`` cells, counted as llama.cpp's unified cache would hold
+    them: a decode that does not fit returns 1 and changes nothing."""
+
+    def __init__(self, cells: int) -> None:
+        super().__init__()
+        self.kv_cells = cells
+        self.held: dict[int, int] = {}  # seq -> cells (positions 0..n-1)
+
+    def decode(self, entries: list[BatchEntry]) -> int:
+        if sum(self.held.values()) + len(entries) > self.kv_cells:
+            self.steps.append([])
+            return 1
+        for e in entries:
+            assert e.pos == self.held.get(e.seq, 0), "positions follow the sequence's cells"
+            self.held[e.seq] = e.pos + 1
+        return super().decode(entries)
+
+    def clear_sequence(self, seq: int) -> None:
+        self.held[seq] = 0
+        super().clear_sequence(seq)
+
+    def trim_sequence(self, seq: int, keep: int) -> bool:
+        self.held[seq] = min(self.held.get(seq, 0), keep)
+        return super().trim_sequence(seq, keep)
+
+
+def test_a_pool_too_small_for_all_preempts_and_every_request_completes_the_same(
+        monkeypatch: Any) -> None:
+    """Three requests that need 60 cells in a pool of 40: the last admitted gives its
+    cells back when a decode finds none, evaluates its prompt and its tokens again later,
+    and every request writes the bytes it writes without pressure."""
+    from aotx.engine import kvpool
+    monkeypatch.setattr(kvpool, "GROWTH", 1)  # admit up to the brim: the decodes overflow
+    scripts = [[1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2], [2] * 14, [1, 1, 2] * 4 + [1, 1]]
+    outputs = []
+    for cells in (1 << 20, 40):
+        engine = PoolEngine(cells)
+        sched = Scheduler(engine, 4, 64, threading.Lock(), make_sampler=lambda r: r,
+                          free_sampler=lambda s: None)
+        reqs = [req(i + 1, script) for i, script in enumerate(scripts)]
+        for r in reqs:
+            submit(sched, r)
+        run_until_idle(sched)
+        assert all(r.phase is Phase.COMPLETED and r.finish is Finish.STOP for r in reqs)
+        outputs.append([bytes(r.out) for r in reqs])
+        if cells == 40:
+            assert sched.pool.preemptions >= 1 and any(r.preemptions for r in reqs)
+            assert [] in engine.steps  # a decode found no cells: one request gave them back
+    assert outputs[0] == outputs[1]
+    assert [r.prompt_tokens for r in reqs] == [5, 5, 5]  # usage counts the prompt once
+
+
+def test_a_new_request_waits_for_cells_and_cached_prefixes_are_given_back() -> None:
+    """With room for one running request and its growth, the second waits in the queue
+    (no preemption); a finished request's cached prefix is evicted for a newcomer."""
+    engine = PoolEngine(2 * kvpool_growth() + 8)
+    sched = Scheduler(engine, 4, 64, threading.Lock(), make_sampler=lambda r: r,
+                      free_sampler=lambda s: None)
+    a, b = req(1, [1] * 8), req(2, [2] * 8)
+    b.prompt = list(range(300, 305))  # its own prompt: its cells stay cached apart from a's
+    submit(sched, a)
+    sched.step()  # a's prompt
+    submit(sched, b)
+    sched.step()
+    assert b.phase is Phase.QUEUED and a.phase is Phase.RUNNING  # b waits: no room beside a
+    run_until_idle(sched)
+    assert (bytes(a.out), bytes(b.out)) == (b"a" * 8, b"b" * 8)
+    assert sched.pool.preemptions == 0
+    c = req(3, [1] * 3, prompt_len=60)  # beside a's and b's cached cells it does not fit
+    submit(sched, c)
+    run_until_idle(sched)
+    assert c.phase is Phase.COMPLETED and sched.pool.evictions >= 1
+    assert sched.pool.preemptions == 0
+
+
+def kvpool_growth() -> int:
+    from aotx.engine import kvpool
+    return kvpool.GROWTH
