@@ -565,6 +565,8 @@ def encode_submission(sub: Submission) -> bytes:
         for part in msg.parts:
             _part(int(part.kind), part.data)
             out += _U32x2.pack(int(part.kind), len(part.data)) + part.data
+    if sub.constraint is not None and sub.constraint.kind == GrammarKind.NONE:
+        raise WireError("a NONE constraint is written for tools only: give None")
     constraint = sub.constraint or (Constraint(GrammarKind.NONE, "") if sub.tools else None)
     extended = sub.sampling != Sampling() or constraint is not None
     if sub.stop or extended:  # the seed's layout exactly when there are none

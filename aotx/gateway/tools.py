@@ -226,7 +226,9 @@ def _llama3_grammar(allowed: Sequence[FunctionDef], required: bool) -> str:
         rules.append(f'f{i}: "{{\\"name\\": \\"{f.name}\\", \\"parameters\\": " '
                      f'%json {schema} "}}"')
     call = "call: " + " | ".join(f"f{i}" for i in range(len(allowed)))
-    start = "start: call" if required else "start: TEXT | call\nTEXT: /[^{](.|\\n)*/"
+    # TEXT begins with neither "{" nor white space: the parser and the stream read an
+    # answer that begins with "{" as a call, so no text may reach one unconstrained
+    start = "start: call" if required else "start: TEXT | call\nTEXT: /[^{\\s](.|\\n)*/"
     return "\n".join([start, call, *rules]) + "\n"
 
 
@@ -261,9 +263,11 @@ def parse(text: str, identity: bytes, fmt: ToolFormat
 
 
 def _parse_llama3(text: str, identity: bytes) -> tuple[str | None, list[dict[str, Any]]]:
+    if not text.startswith("{"):
+        return text, []
     try:
         call = json.loads(text)
-        name, args = call["name"], call.get("parameters", call.get("arguments"))
+        name, args = call["name"], call["parameters"]
     except (ValueError, KeyError, TypeError, AttributeError):
         return text, []
     if not isinstance(name, str) or not isinstance(args, dict):
@@ -303,9 +307,8 @@ class ToolStream:
         if self.calls:
             return ""
         if self.fmt is ToolFormat.LLAMA3:  # a call is the whole answer: its first character
-            head = self.held.lstrip()
-            self.calls = head.startswith("{")
-            self.text = bool(head) and not self.calls
+            self.calls = self.held.startswith("{")
+            self.text = bool(self.held) and not self.calls
             out, self.held = (self.held, "") if self.text else ("", self.held)
             return out
         at = self.held.find(OPEN)

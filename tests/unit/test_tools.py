@@ -216,6 +216,7 @@ def test_the_llama3_grammar(compiler: GrammarCompiler) -> None:  # noqa: F811
     assert accepts_in(compiler, auto, L3, l3call("now", "{}"))
     assert not accepts_in(compiler, auto, L3, l3call("now", '{"x": 1}'))
     assert not accepts_in(compiler, auto, L3, '{"other": 1}')  # "{" begins a call
+    assert not accepts_in(compiler, auto, L3, " " + l3call("now", '{"x": 1}'))
     assert accepts_in(compiler, auto, L3, call("now", "{}"))  # Hermes markup is text here
     assert not accepts_in(compiler, auto, L3, l3call("now", "{}") + "\n" + l3call("now", "{}"))
     required = request(tools=[WEATHER, CLOCK], tool_choice="required")
@@ -238,12 +239,15 @@ def test_llama3_answers_whole_and_streamed() -> None:
     assert tools.message("Hi {x}", "stop", "auto", ID, L3)[0] == {"role": "assistant",
                                                                   "content": "Hi {x}"}
     s = tools.ToolStream("auto", ID, L3)
-    assert [s.feed(t) for t in [" ", "\n{\"na", text[4:]]] == ["", "", ""]
+    assert [s.feed(t) for t in ["", "{\"na", text[4:]]] == ["", "", ""]
     content, deltas, finish = s.end("stop")
     assert (content, finish, len(deltas)) == ("", "tool_calls", 2)
     s = tools.ToolStream("auto", ID, L3)
-    assert [s.feed(t) for t in [" ", "It is", " {warm}"]] == ["", " It is", " {warm}"]
+    assert [s.feed(t) for t in ["It is", " {warm}"]] == ["It is", " {warm}"]
     assert s.end("stop") == ("", [], "stop")
+    # the grammar lets no text begin with white space and then "{": neither does the parser
+    assert tools.message(" " + text, "stop", "auto", ID, L3)[0]["content"] == " " + text
+    assert tools.message('{"name": "f", "arguments": {}}', "stop", "auto", ID, L3)[1] == "stop"
     cut = '{"name": "now", "param'  # max_tokens cut the call: all content
     s = tools.ToolStream("required", ID, L3)
     assert s.feed(cut) == "" and s.end("length") == (cut, [], "length")
