@@ -77,7 +77,7 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
                                       kv_type=spec.kv_type,
                                       batch=batch, threads=spec.threads, poll=spec.poll))
     template = _template(spec, engine) if chat else ChatTemplate(NO_CHAT)
-    encoder, mods = _projector(spec, engine, batch)
+    encoder, mods = _projector(spec, engine, engine.n_batch)
     projector = file_sha256(spec.mmproj, hashes) if spec.mmproj else None
     scheduler = Scheduler(
         engine, spec.slots, engine.n_batch, lock,

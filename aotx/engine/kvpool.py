@@ -41,6 +41,8 @@ class Held(Protocol):
     def background(self) -> bool: ...
     @property
     def segments(self) -> Sequence[object]: ...
+    @property
+    def prefill(self) -> Sequence[int]: ...
 
 
 class KvPool:
@@ -54,9 +56,9 @@ class KvPool:
 
     def in_use(self, active: Iterable[Held], cached: dict[int, list[int]],
                free_seqs: Iterable[int]) -> int:
-        """Cells held: the active requests' evaluated tokens and the free sequences'
-        cached prefixes."""
-        return (sum(r.n_past for r in active if r.seq >= 0)
+        """Cells held: the active requests' tokens (their whole prefill: a prompt still
+        being evaluated will hold its cells) and the free sequences' cached prefixes."""
+        return (sum(max(r.n_past, len(r.prefill)) for r in active if r.seq >= 0)
                 + sum(len(cached.get(q, ())) for q in free_seqs))
 
     def room(self, need: int, running: int, used: int) -> bool:

@@ -268,7 +268,8 @@ class Scheduler:
         self.owner[seq] = who
         req.seq = seq
         req.n_past = keep
-        req.reused_tokens = keep
+        if not req.preemptions:  # (what the client is told was cached: the first start)
+            req.reused_tokens = keep
         self.reused_tokens += keep
         req.phase = Phase.PREPARING
         if req.sampler is None:  # (a preempted request keeps its own)
@@ -280,18 +281,7 @@ class Scheduler:
 
     def _best_sequence(self, req: Request, who: int) -> tuple[int, int]:
         """The free sequence for ``req`` and the tokens of its prefill it holds."""
-        # The free sequence whose cached tokens share the longest usable prefix with
-        # this prompt; at least the prompt's last token is evaluated again,
-        # since its logits are needed for the first sample.
-        # Prefer the longest cached prefix, less a quarter of the cached tokens it would
-        # throw away (another principal's 600 private tokens are worth keeping for it
-        # more than 20 public ones are worth reusing), then the lowest sequence id:
-        # streams in use stay a compact range, which llama.cpp batches fastest.
-        held = {q: usable_prefix(self.cached.get(q, []), self.owner.get(q, NOBODY),
-                                 req.prefill, who, self.public) for q in self.free_seqs}
-        seq = max(self.free_seqs, key=lambda q: (
-            held[q] * DISCARD_WEIGHT - (len(self.cached.get(q, ())) - held[q]), -q))
-        have = held[seq]
+        seq, have = self._cached_sequence(req, who)
         # A sequence in use may hold a longer prefix (requests arriving together
         # share the chat template's system prompt): copy it into the lowest free
         # sequence instead of evaluating it again.
@@ -309,6 +299,22 @@ class Scheduler:
             self.copies += 1
         return seq, have
 
+    def _cached_sequence(self, req: Request, who: int) -> tuple[int, int]:
+        """The free sequence whose cached tokens ``req`` reuses best, and how many."""
+        # The free sequence whose cached tokens share the longest usable prefix with
+        # this prompt; at least the prompt's last token is evaluated again,
+        # since its logits are needed for the first sample.
+        # Prefer the longest cached prefix, less a quarter of the cached tokens it would
+        # throw away (another principal's 600 private tokens are worth keeping for it
+        # more than 20 public ones are worth reusing), then the lowest sequence id:
+        # streams in use stay a compact range, which llama.cpp batches fastest.
+        held = {q: usable_prefix(self.cached.get(q, []), self.owner.get(q, NOBODY),
+                                 req.prompt + req.generated, who, self.public)
+                for q in self.free_seqs}
+        seq = max(self.free_seqs, key=lambda q: (
+            held[q] * DISCARD_WEIGHT - (len(self.cached.get(q, ())) - held[q]), -q))
+        return seq, held[seq]
+
     def _room(self, req: Request) -> bool:
         """Whether ``req`` may start now: its prompt fits the KV pool beside the running
         sequences, once the least recently used cached prefixes are given back if need
@@ -317,14 +323,22 @@ class Scheduler:
             return True
         if self.pool.ended < req.resume_after:
             return False  # preempted: it waits until a request ends, else it would thrash
-        need = len(req.prompt) + len(req.generated)
+        seq, have = self._cached_sequence(req, owner_of(req))
+        need = len(req.prompt) + len(req.generated) - have
         used = self.pool.in_use(self.active, self.cached, self.free_seqs)
-        for q in self.pool.evictable(self.cached, self.free_seqs):
-            if self.pool.room(need, len(self.active), used):
+        if self.pool.room(need, len(self.active), used):
+            return True
+        # Give back least recently used cached prefixes (not the one it reuses), only if
+        # that makes room.
+        evictable = [q for q in self.pool.evictable(self.cached, self.free_seqs) if q != seq]
+        gone = 0
+        for n, q in enumerate(evictable):
+            gone += len(self.cached[q])
+            if self.pool.room(need, len(self.active), used - gone):
+                for r in evictable[:n + 1]:
+                    self._evict(r)
                 return True
-            used -= len(self.cached[q])
-            self._evict(q)
-        return self.pool.room(need, len(self.active), used)
+        return False
 
     def _evict(self, seq: int) -> None:
         self.engine.clear_sequence(seq)
@@ -416,6 +430,9 @@ class Scheduler:
                 req.next_segment += 1
                 self.prompt_tokens_in += seg.n_tokens
                 self.media_decoded += 1
+            elif (failure is Failure.NO_MEMORY and self.pool.shared and req in self.active
+                  and self.engine.trim_sequence(req.seq, req.n_past) and self._relieve()):
+                pass  # cells were given back: the segment is decoded again next step
             elif req in self.active:
                 self.active.remove(req)
                 self._finish(req, Phase.FAILED, failure=failure)
@@ -439,7 +456,7 @@ class Scheduler:
             bits = self.masks.wait() if constrained else None
             if status != 0:
                 with self.lock:
-                    if status == 1 and self._relieve():  # the next step plans again
+                    if status == 1 and self.pool.shared and self._relieve():  # plan again
                         self.tick += 1
                         return out
                     for req, _ in advances:

@@ -654,3 +654,22 @@ def test_a_new_request_waits_for_cells_and_cached_prefixes_are_given_back() -> N
 def kvpool_growth() -> int:
     from aotx.engine import kvpool
     return kvpool.GROWTH
+
+
+def test_prompts_being_evaluated_count_against_the_pool() -> None:
+    """Three 100-token prompts beside a running request in a 300-cell pool: each
+    prompt counts as soon as it starts (not once evaluated), so only those that fit
+    start, and nobody is preempted."""
+    engine = PoolEngine(300)
+    sched = Scheduler(engine, 4, 64, threading.Lock(), make_sampler=lambda r: r,
+                      free_sampler=lambda s: None)
+    a = req(1, [1] * 40)
+    submit(sched, a)
+    sched.step()
+    late = [req(i, [2] * 4, prompt_len=100) for i in (2, 3, 4)]
+    for i, r in enumerate(late):
+        r.prompt = list(range(1000 * (i + 1), 1000 * (i + 1) + 100))  # nothing shared
+        submit(sched, r)
+    run_until_idle(sched)
+    assert all(r.phase is Phase.COMPLETED for r in [a, *late])
+    assert sched.pool.preemptions == 0
