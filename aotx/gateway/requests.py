@@ -300,13 +300,12 @@ class ChatRequest(BaseModel):
                 out.insert(0, ChatMessage.model_construct(role="system", content=block))
         return out
 
-    def template_tools(self) -> bytes:
-        """The tools section for a template that renders tools (UTF-8 JSON; empty when
-        none are offered, as with ``tool_choice`` none)."""
+    def template_tools(self) -> str:
+        """The tools section for a template that renders tools (JSON; empty when none
+        are offered, as with ``tool_choice`` none)."""
         if not self.tool_mode:
-            return b""
-        return json.dumps([T.template_tool(t) for t in self.tools or []],
-                          ensure_ascii=False).encode("utf-8")
+            return ""
+        return json.dumps([T.template_tool(t) for t in self.tools or []], ensure_ascii=False)
 
     @property
     def token_limit(self) -> int | None:

@@ -201,11 +201,7 @@ def grammar(tools: Sequence[ToolDef], choice: ToolChoice | None, parallel: bool,
     names = tuple(f.name for f in allowed)
     if fmt is ToolFormat.LLAMA3:
         return _llama3_grammar(allowed, mode(tools, choice) == "required"), names
-    rules = []
-    for i, f in enumerate(allowed):
-        schema = json.dumps(parameters(f), ensure_ascii=False, separators=(",", ":"))
-        rules.append(f'f{i}: "{{\\"name\\": \\"{f.name}\\", \\"arguments\\": " %json {schema}'
-                     f' "}}"')
+    rules = _function_rules(allowed, "arguments")
     repeat = f' ("\\n<tool_call>" body){{0,{MAX_PARALLEL - 1}}}' if parallel else ""
     start = ('start: "<tool_call>" calls' if mode(tools, choice) == "required"
              else "start: TEXT | head calls")
@@ -217,14 +213,20 @@ def grammar(tools: Sequence[ToolDef], choice: ToolChoice | None, parallel: bool,
     return "\n".join(lines) + "\n", names
 
 
-def _llama3_grammar(allowed: Sequence[FunctionDef], required: bool) -> str:
-    """Llama 3's: one call object as the whole answer, or (``auto``) text that does not
-    begin with ``{``, which would begin a call."""
+def _function_rules(allowed: Sequence[FunctionDef], key: str) -> list[str]:
+    """Rule ``fi`` per function: ``{"name": "<name>", "<key>": <its parameters>}``."""
     rules = []
     for i, f in enumerate(allowed):
         schema = json.dumps(parameters(f), ensure_ascii=False, separators=(",", ":"))
-        rules.append(f'f{i}: "{{\\"name\\": \\"{f.name}\\", \\"parameters\\": " '
-                     f'%json {schema} "}}"')
+        rules.append(f'f{i}: "{{\\"name\\": \\"{f.name}\\", \\"{key}\\": " %json {schema}'
+                     f' "}}"')
+    return rules
+
+
+def _llama3_grammar(allowed: Sequence[FunctionDef], required: bool) -> str:
+    """Llama 3's: one call object as the whole answer, or (``auto``) text that does not
+    begin with ``{``, which would begin a call."""
+    rules = _function_rules(allowed, "parameters")
     call = "call: " + " | ".join(f"f{i}" for i in range(len(allowed)))
     # TEXT begins with neither "{" nor white space: the parser and the stream read an
     # answer that begins with "{" as a call, so no text may reach one unconstrained

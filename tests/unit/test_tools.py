@@ -268,4 +268,4 @@ def test_a_template_that_renders_tools_gets_them_as_fields() -> None:
     assert tools.template_calls(body.messages[1].tool_calls or []) == [
         {"id": "call_9", "type": "function",
          "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]
-    assert request(tools=[WEATHER], tool_choice="none").template_tools() == b""
+    assert request(tools=[WEATHER], tool_choice="none").template_tools() == ""
