@@ -41,7 +41,7 @@ from .loading import LoadedModel
 from .media import Source
 from .memory import Source as MemorySource
 from .memory import inject
-from .prompt import Prompt, TextRefused, media_tokens, raw, split, text_tokens
+from .prompt import Prompt, TextRefused, has_fields, media_tokens, raw, split, text_tokens
 from .state import DeviceState
 from .template import TemplateError
 
@@ -117,7 +117,7 @@ class Admission:
         messages, media_at, leased = self._messages(h, model, sub)
         tools = tool_fields.tools(sub.tools)
         tool_fields.check_format(h.submit_flags, model.template.tool_format,
-                                 tools is not None or any(len(m) > 2 for m in messages))
+                                 tools is not None or has_fields(messages))
         tool_fields.check_text(tools, messages, model.engine.specials)
         memory_on = bool(model.automatic_memory and grant.flags & wire.GRANT_FLAG_MEMORY
                          and not h.submit_flags & wire.SUBMIT_FLAG_MEMORY_OFF and not leased)

@@ -127,13 +127,18 @@ def raw(text: str) -> Prompt:
     return Prompt(text, (Piece(Kind.TEXT, text),) if text else (), Method.RAW)
 
 
+def has_fields(messages: Sequence[dict[str, Any]]) -> bool:
+    """Whether a message holds tool fields beside its role and content."""
+    return any(len(m) > 2 for m in messages)
+
+
 def _placeholder_layout(template: ChatTemplate, messages: Sequence[dict[str, Any]],
                         tools: Sequence[dict[str, Any]] | None) -> Layout | None:
     """The template's rendering with each text a placeholder, as markup and message
     numbers; None when the template does not render the placeholders.  Without tools it
     depends on the roles alone (and on which texts are empty), so it is cached by those:
     one render per request, not two.  Tools and tool fields are markup: rendered again."""
-    if tools or any(len(m) > 2 for m in messages):
+    if tools or has_fields(messages):
         return _layout(template, [(m["role"], bool(m["content"])) for m in messages],
                        [{k: v for k, v in m.items() if k not in ("role", "content")}
                         for m in messages], tools)

@@ -64,14 +64,12 @@ class KvPool:
     def room(self, need: int, running: int, used: int) -> bool:
         """Whether ``need`` cells (a prompt) fit beside ``used``, with room to grow for the
         ``running`` sequences and the new one."""
-        return not self.shared or used + need + GROWTH * (running + 1) <= self.cells
+        return used + need + GROWTH * (running + 1) <= self.cells
 
-    def evictable(self, cached: dict[int, list[int]], free_seqs: Iterable[int],
-                  keep: int = -1) -> list[int]:
-        """Free sequences holding cells, least recently used first (``keep`` last: the one
-        whose prefix the request about to start would reuse)."""
+    def evictable(self, cached: dict[int, list[int]], free_seqs: Iterable[int]) -> list[int]:
+        """Free sequences holding cells, least recently used first."""
         held = [q for q in free_seqs if cached.get(q)]
-        return sorted(held, key=lambda q: (q == keep, self.freed_at.get(q, -1)))
+        return sorted(held, key=lambda q: self.freed_at.get(q, -1))
 
     def victim(self, active: Sequence[H]) -> H | None:
         """The request to preempt, or None when there is none to spare: background work
