@@ -1,5 +1,5 @@
 """The connection guard: every limit on HTTP connections and requests that uvicorn and
-FastAPI alone do not give, and the two hottest routes' fast paths.
+FastAPI alone do not give, and the hottest routes' fast paths.
 
 Connection level (:class:`GuardedHttpToolsProtocol`, uvicorn's protocol class):
 
@@ -15,7 +15,8 @@ Connection level (:class:`GuardedHttpToolsProtocol`, uvicorn's protocol class):
 
 Request level (:class:`Guard`, ASGI middleware in front of every route): one Host
 header, a loopback one on a loopback bind, body size and pacing (each chunk within ``body_timeout``),
-and the fast paths of ``GET /aotx/v1/requests/{id}`` and ``POST /aotx/v1/requests``.
+and the fast paths of ``GET /aotx/v1/requests/{id}``, ``GET /v1/models`` and
+``POST /aotx/v1/requests``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ..config import MAX_BODY
-from . import calls
+from . import calls, routes_openai
 from .errors import INTERNAL, ApiError, error_body
 from .render import dumps, send_json
 from .requests import ChatRequest
@@ -239,8 +240,9 @@ class Guard:
       ``body_timeout`` seconds (408), so slow clients cannot hold a request open for
       ever.  Bodies are read in full before the route runs, except media uploads,
       which stream to the device chunk by chunk under the same pacing.
-    * The fast paths answer the window read and a valid admission without the
-      framework's routing and dependency layers (the same code as their routes).
+    * The fast paths answer the window read, the model list and a valid admission
+      without the framework's routing and dependency layers (the same code as their
+      routes).
     """
 
     def __init__(self, app: ASGIApp, loopback_only: bool, gateway: Callable[[], Gateway],
@@ -280,6 +282,16 @@ class Guard:
 
         await self._answer(send, 200, window)
 
+    async def _models_fast_path(self, scope: Scope, send: Send) -> None:
+        """GET /v1/models, which clients and load balancers poll, without the framework's
+        layers (they cost more than the answer does)."""
+        g = self.gateway()
+
+        async def models() -> bytes:
+            return await routes_openai.models_body(g, await g.authenticate(Request(scope)))
+
+        await self._answer(send, 200, models)
+
     async def _submit_fast_path(self, scope: Scope, body: bytes, send: Send) -> bool:
         """POST /aotx/v1/requests without the framework's layers (they cost ~40 % of the
         gateway's CPU for an admission).  Only a JSON body that validates is answered
@@ -311,8 +323,10 @@ class Guard:
                     or scope["path"] == "/aotx/v1/media")
         has_body = any(k == b"transfer-encoding" or (k == b"content-length" and v.strip(b" 0"))
                        for k, v in scope["headers"])
-        if (scope["method"] == "GET" and not has_body and _WINDOW_PATH.match(scope["path"])):
+        if scope["method"] == "GET" and not has_body and _WINDOW_PATH.match(scope["path"]):
             await self._window_fast_path(scope, send)
+        elif scope["method"] == "GET" and not has_body and scope["path"] == "/v1/models":
+            await self._models_fast_path(scope, send)
         elif streamed:
             await self._streamed(scope, receive, send, has_body)
         else:

@@ -524,9 +524,17 @@ def test_an_unexpected_failure_is_a_plain_500(gw: Any) -> None:
 
 
 def test_the_fast_paths_answer_as_the_routes(gw: Any) -> None:
-    """The guard answers a valid admission and a window read itself; the same requests
-    through the routes (a body the fast path passes on) answer alike."""
+    """The guard answers a valid admission, a window read and the model list itself; the
+    same requests through the routes (a body the fast path passes on) answer alike."""
     async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
+        fast, routed = await c.get("/v1/models"), await c.request("GET", "/v1/models", content=b"{}")
+        assert fast.status_code == routed.status_code == 200
+        assert fast.json() == routed.json() and fast.json()["data"][0]["id"] == "smollm2"
+        assert fast.headers["content-type"] == routed.headers["content-type"]
+        for path in ("/v1/models", "/v1/models/smollm2"):
+            refused = await c.get(path, headers={"Authorization": "Bearer nope"})
+            assert refused.status_code == 401 and error(refused)["code"] == "invalid_api_key"
+
         broker.script[wire.Op.SUBMIT] = lambda h, p: (state(h, 202, wire.Phase.QUEUED), b"")
         fast = await c.post("/aotx/v1/requests", json=BODY)
         routed = await c.post("/aotx/v1/requests", content=httpx.Request(
