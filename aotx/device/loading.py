@@ -85,7 +85,8 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
                                        r.max_tokens, engine.n_vocab),
         free_sampler=lambda s: s.free(),  # type: ignore[attr-defined]
         on_step=on_step, on_terminal=on_terminal,
-        encode=encoder.encode if encoder is not None else None)
+        encode=encoder.encode if encoder is not None else None,
+        prompts_per_step=spec.prompts_per_step)
     if chat:
         scheduler.warm(template_prefix(engine, template))
     model = LoadedModel(spec, engine, template, scheduler, digest,

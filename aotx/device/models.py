@@ -13,6 +13,7 @@ installed package, never by a fixed path.
     context = 4096           # the most tokens of context one request may hold
     kv_budget = "256MiB"     # one KV pool its sequences share ("auto": a default size)
     kv_type = "f16"          # or "q8_0": half the bytes a cell
+    prompts_per_step = 1     # requests evaluating their prompts at once (0: all)
     embedding_context = 512  # tokens of one /v1/embeddings input (mean pooling)
 
     [[model]]
@@ -106,6 +107,7 @@ class ModelSpec:
     chat_template: str | None = None  # a Jinja file used instead of the GGUF's template
     kv_budget: int = 0  # bytes of the KV pool the sequences share; -1: "auto"; 0: no pool
     kv_type: str = "f16"  # "f16" or "q8_0" (engine.llama.KV_TYPES)
+    prompts_per_step: int = 1  # Scheduler.prompts_per_step: 0 evaluates all prompts at once
 
 
 def default_model_path() -> str:
@@ -175,7 +177,8 @@ _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*")
 
 
 def _kv(entry: dict[str, object], what: str) -> dict[str, Any]:
-    """``kv_budget`` (bytes: an integer, or "512MiB") and ``kv_type`` of a model entry."""
+    """``kv_budget`` (bytes: an integer, or "512MiB"), ``kv_type`` and ``prompts_per_step``
+    of a model entry: how its KV cells are held and filled."""
     out: dict[str, Any] = {}
     budget = entry.get("kv_budget")
     if budget is not None:
@@ -193,6 +196,11 @@ def _kv(entry: dict[str, object], what: str) -> dict[str, Any]:
     if kv_type not in KV_TYPES:
         raise ModelConfigError(f"{what}: kv_type is one of {list(KV_TYPES)}, got {kv_type!r}")
     out["kv_type"] = kv_type
+    prompts = entry.get("prompts_per_step", 1)
+    if not isinstance(prompts, int) or isinstance(prompts, bool) or prompts < 0:
+        raise ModelConfigError(f"{what}: prompts_per_step is a count (0: no limit), "
+                               f"got {prompts!r}")
+    out["prompts_per_step"] = prompts
     return out
 
 

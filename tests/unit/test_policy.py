@@ -213,9 +213,14 @@ def test_models_file_kv_budget_type_and_chat_template(tmp_path) -> None:
     (tmp_path / "models.toml").write_text('[default]\nkv_type = "q8_0"\n')
     (spec,) = load_specs(str(tmp_path))
     assert (spec.kv_type, spec.kv_budget) == ("q8_0", 0)  # no budget: a stream per sequence
+    assert spec.prompts_per_step == 1
+    (tmp_path / "models.toml").write_text("[default]\nprompts_per_step = 0\n")
+    assert load_specs(str(tmp_path))[0].prompts_per_step == 0
     for bad, words in (('kv_budget = "lots"', "kv_budget is bytes"), ("kv_budget = 0", "kv_budget"),
                        ('kv_budget = "5 parsecs"', "kv_budget"), ('kv_type = "q4_0"', "kv_type"),
-                       ('chat_template = "none.jinja"', "not a file")):
+                       ('chat_template = "none.jinja"', "not a file"),
+                       ("prompts_per_step = -1", "prompts_per_step"),
+                       ('prompts_per_step = "all"', "prompts_per_step")):
         (tmp_path / "models.toml").write_text(f"[default]\n{bad}\n")
         with pytest.raises(ModelConfigError, match=words):
             load_specs(str(tmp_path))

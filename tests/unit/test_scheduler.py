@@ -79,10 +79,14 @@ class ScriptedEngine:
         return self.media_status
 
 
-def make(slots: int = 4, batch: int = 64) -> tuple[Scheduler, ScriptedEngine]:
+def make(slots: int = 4, batch: int = 64,
+         prompts_per_step: int = 1) -> tuple[Scheduler, ScriptedEngine]:
+    """A scheduler on the scripted engine; ``prompts_per_step=0`` starts every request
+    that has a sequence at once (prompts evaluated together)."""
     engine = ScriptedEngine()
     sched = Scheduler(engine, slots, batch, threading.Lock(), make_sampler=lambda r: r,
-                      free_sampler=lambda s: None, encode=lambda seg: f"embd{seg.start}")
+                      free_sampler=lambda s: None, encode=lambda seg: f"embd{seg.start}",
+                      prompts_per_step=prompts_per_step)
     return sched, engine
 
 
@@ -108,7 +112,7 @@ def run_until_idle(sched: Scheduler, limit: int = 1000) -> int:
 
 
 def test_requests_share_decode_steps() -> None:
-    sched, engine = make()
+    sched, engine = make(prompts_per_step=0)
     reqs = [req(i, [1] * 10) for i in range(1, 5)]
     for r in reqs:
         submit(sched, r)
@@ -141,7 +145,7 @@ def test_new_requests_join_between_steps() -> None:
 
 
 def test_queue_waits_for_a_free_sequence() -> None:
-    sched, _ = make(slots=2)
+    sched, _ = make(slots=2, prompts_per_step=0)
     rs = [req(i, [1] * 3) for i in range(1, 6)]
     for r in rs:
         submit(sched, r)
@@ -458,7 +462,7 @@ def of(principal: int, r: Request) -> Request:
 
 
 def test_a_principal_with_nothing_running_takes_the_next_free_slot() -> None:
-    sched, _ = make(slots=2)
+    sched, _ = make(slots=2, prompts_per_step=0)
     flood = [of(1, req(i, [1] * (3 + i))) for i in range(1, 31)]  # 30 queued by principal 1
     for r in flood:
         submit(sched, r)
@@ -535,7 +539,7 @@ def test_another_principal_takes_an_empty_sequence_over_ones_private_cells() -> 
 
 
 def test_a_running_sequence_is_copied_only_within_a_principal() -> None:
-    sched, engine = make(slots=3)
+    sched, engine = make(slots=3, prompts_per_step=0)
     shared = list(range(500, 540))
     first = of(1, req(1, [1] * 10))
     first.prompt = [*shared, 7]
@@ -553,11 +557,52 @@ def test_a_running_sequence_is_copied_only_within_a_principal() -> None:
     run_until_idle(sched)
 
 
+def test_prompts_are_evaluated_one_request_at_a_time_in_admission_order() -> None:
+    """The default: a request starts when no other is evaluating its prompt, so the
+    first to arrive samples its first token after its own prompt only, and each later
+    one after the prompts before it; every request still finishes, the running ones
+    decoding meanwhile."""
+    sched, engine = make(slots=4)
+    reqs = [req(i, [1] * 3, prompt_len=8) for i in range(1, 5)]
+    for r in reqs:
+        submit(sched, r)
+    first: dict[int, int] = {}  # request -> the step of its first sample
+    seqs: dict[int, int] = {}
+    step = 0
+    while sched.step():
+        step += 1
+        for r in reqs:
+            if r.sampled and r.identity[0] not in first:
+                first[r.identity[0]], seqs[r.identity[0]] = step, r.seq
+    # each of the first 4 steps evaluates one request's prompt, beside the running tokens
+    assert [sorted({e.seq for e in s if not e.logits}) for s in engine.steps[:4]] \
+        == [[seqs[1]], [seqs[2]], [seqs[3]], [seqs[4]]]
+    assert [len(s) for s in engine.steps[:4]] == [8, 9, 10, 11]
+    assert first == {1: 1, 2: 2, 3: 3, 4: 4}
+    assert all(r.phase is Phase.COMPLETED and bytes(r.out) == b"aaa" for r in reqs)
+
+
+def test_a_request_that_waits_to_start_copies_the_prefix_evaluated_before_it() -> None:
+    """Users arriving together with one system prompt: the first evaluates it; the next
+    of the same principal starts after and copies it, evaluating only its own tokens;
+    another principal's request evaluates the whole prompt (no cross-principal reuse)."""
+    sched, engine = make(slots=3, batch=128)
+    shared = list(range(500, 540))
+    first, same, other = of(1, req(1, [1] * 10)), of(1, req(2, [2])), of(2, req(3, [2]))
+    for r, last in ((first, 7), (same, 8), (other, 9)):
+        r.prompt = [*shared, last]
+        submit(sched, r)
+    run_until_idle(sched)
+    assert first.reused_tokens == 0 and same.reused_tokens == 40 and other.reused_tokens == 0
+    assert sched.prompt_tokens_in == 41 + 1 + 41
+    assert len(engine.copies) == 1
+
+
 def test_the_same_prompt_sent_together_is_evaluated_once() -> None:
     """n choices (or one prompt sent several times at once) by one principal: the first
     evaluates the prompt, the others wait for it and copy its cells, then evaluate only
     the last prompt token each.  Another principal's same prompt is evaluated anew."""
-    sched, engine = make(slots=4, batch=128)
+    sched, engine = make(slots=4, batch=128, prompts_per_step=0)
     prompt = list(range(500, 540))
     twins = [of(1, req(i, [1, 1])) for i in range(1, 4)]
     stranger = of(2, req(9, [1, 1]))
