@@ -240,6 +240,7 @@ class RawHttp:
         self.host, port = base.split("//")[1].split(":")
         self.port = int(port)
         self.auth = headers["Authorization"]
+        self.reconnects = 0
 
     async def __aenter__(self) -> RawHttp:
         self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
@@ -256,7 +257,12 @@ class RawHttp:
         self.writer.write(head.encode() + b"\r\n" + (body or b""))
         got = await self.reader.readuntil(b"\r\n\r\n")
         length = int(got.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-        return int(got[9:12]), await self.reader.readexactly(length)
+        body = await self.reader.readexactly(length)
+        if b"\r\nconnection: close" in got.lower():  # (llama-server: every 100 requests)
+            self.writer.close()
+            self.reconnects += 1
+            await self.__aenter__()
+        return int(got[9:12]), body
 
 
 async def admission_latency(base: str, headers: dict[str, str], samples: int = 60,
@@ -290,15 +296,20 @@ async def window_reads(base: str, headers: dict[str, str], seconds: float) -> fl
             "model": "smollm2", "messages": prompt(5), "max_tokens": 64})).json()["id"]
         while (await c.get(f"/aotx/v1/requests/{rid}")).json()["state"] != "completed":
             await asyncio.sleep(0.05)
+    return await rate(base, headers, f"/aotx/v1/requests/{rid}", seconds)
+
+
+async def rate(base: str, headers: dict[str, str], path: str, seconds: float) -> float:
+    """Requests per second of ``GET path`` on 2 keep-alive connections, each 200."""
     count = 0
-    stop = time.perf_counter() + seconds
+    end = time.perf_counter() + seconds
 
     async def conn() -> None:
         nonlocal count
         async with RawHttp(base, headers) as rc:
-            while time.perf_counter() < stop:
-                status, body = await rc.request("GET", f"/aotx/v1/requests/{rid}")
-                assert status == 200, body[:100]
+            while time.perf_counter() < end:
+                status, body = await rc.request("GET", path)
+                assert status == 200, body[:200]
                 count += 1
 
     t0 = time.perf_counter()

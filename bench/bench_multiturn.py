@@ -1,0 +1,304 @@
+"""Multi-turn chat benchmark: aotx against llama-server, both at their defaults.
+
+    .venv/bin/python bench/bench_multiturn.py [--users 4,16] [--turns 5] [--max-tokens 64]
+        [--rounds 2] [--think 0] [--per-turn] [--peer PATH/llama-server]
+    LLAMA_SERVER=/path/to/llama-server .venv/bin/python bench/bench_multiturn.py
+
+U users (concurrent asyncio tasks) each hold a T-turn conversation and, as chat
+clients do, resend the whole history every turn: the same ~150-token system prompt
+for everyone, then the user's earlier questions with the assistant's replies exactly
+as the server streamed them, then a new question, distinct per user, turn and
+session (so a round cannot reuse the previous round's cache, while the system prompt
+is a prefix shared by everything).  Each user sends its next turn as soon as the
+previous one ends (after ``--think`` seconds).  Every request is a streaming
+``/v1/chat/completions`` (temperature 0, ``max_tokens``, usage in the last chunk) on a
+fresh connection.
+
+For each U it runs rounds (``--rounds``, 2 by default); each round starts aotx
+(``aotx serve`` on a fresh state folder with no models file: its defaults), runs the
+workload, stops it, then does the same with the peer (llama-server with only
+``-t 2``), one server at a time: A B A B.  Each server gets one short unrelated
+request before the workload, so that its one-time start-up costs are not in the
+first turn's figures.  It prints per U the TTFT p50 of the first turns, the TTFT p50
+of the later turns (2..T: their prompts are longer, and a server that keeps the
+conversation's cache only has the new question to read), and the aggregate
+completion throughput (completion tokens / wall time of the whole workload), then
+the ratios aotx/peer of each: the median of the rounds' ratios (each round's in
+brackets), as in bench_serve.py.  Without a peer it runs aotx alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_serve import TOPICS, cpu_times, free_port, pct, steal_share, stop, wait_ready  # noqa: E402
+
+from aotx.device.models import default_model_path  # noqa: E402
+
+SYSTEM = (
+    "You are a friendly and knowledgeable assistant who helps people with everyday "
+    "questions about science, history, nature, travel, food and the arts. Answer in "
+    "clear, plain English that a curious teenager could follow, and prefer short "
+    "paragraphs to long lists. When a question is ambiguous, pick the most likely "
+    "meaning and say briefly which one you chose. Give concrete examples, numbers and "
+    "names where they help, but do not invent facts: if you are not sure of something, "
+    "say so. Stay polite and encouraging, never condescending. Keep each answer "
+    "focused on what was asked, and build on what was said earlier in the "
+    "conversation instead of repeating it. Do not use markdown headings or tables, "
+    "and do not mention these instructions. If the user asks for something unsafe or "
+    "harmful, decline politely and suggest a safer alternative."
+)
+
+Message = dict[str, str]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes] | None
+    base: str
+    headers: dict[str, str]
+    model: str
+    state: str | None = None
+
+
+@dataclass
+class Load:
+    """One server's run of the whole workload."""
+
+    first: list[float] = field(default_factory=list)  # TTFT of the first turns, s
+    later: list[float] = field(default_factory=list)  # TTFT of turns 2..T, s
+    per_turn: dict[int, list[float]] = field(default_factory=dict)  # turn -> TTFTs, s
+    tokens: int = 0
+    wall: float = 0.0
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.wall if self.wall else float("nan")
+
+
+def question(u: int, t: int, session: str) -> str:
+    topic = TOPICS[(7 * u + 3 * t) % len(TOPICS)]
+    return f"Question {t + 1} from user {u} (session {session}): tell me something about {topic}."
+
+
+def start_aotx() -> Server:
+    state = tempfile.mkdtemp(prefix="aotx-bench-", dir="/tmp")  # no models.toml: defaults
+    port = free_port()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "aotx", "--log-level", "WARNING", "serve",
+             "--state-dir", state, "--port", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=open(os.environ.get("AOTX_BENCH_LOG", os.devnull), "ab"),
+            start_new_session=True)
+    except BaseException:
+        shutil.rmtree(state, ignore_errors=True)
+        raise
+    srv = Server(proc, f"http://127.0.0.1:{port}", {}, "smollm2", state)
+    try:
+        wait_ready(srv.base + "/readyz", proc)
+        with open(os.path.join(state, "admin.token")) as f:
+            srv.headers = {"Authorization": f"Bearer {f.read().strip()}"}
+    except BaseException:
+        stop_server(srv)
+        raise
+    return srv
+
+
+def start_peer(spec: str) -> Server:
+    if spec.startswith("http"):
+        return Server(None, spec.rstrip("/"), {}, "default")
+    port = free_port()
+    proc = subprocess.Popen([spec, "-m", default_model_path(), "-t", "2", "--port", str(port),
+                             "--host", "127.0.0.1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    srv = Server(proc, f"http://127.0.0.1:{port}", {}, "default")
+    try:
+        wait_ready(srv.base + "/health", proc)
+    except BaseException:
+        stop_server(srv)
+        raise
+    return srv
+
+
+def stop_server(srv: Server | None) -> None:
+    if srv is None:
+        return
+    stop(srv.proc)
+    if srv.state is not None:
+        shutil.rmtree(srv.state, ignore_errors=True)
+
+
+async def chat(c: httpx.AsyncClient, srv: Server, messages: list[Message],
+               max_tokens: int) -> tuple[float | None, int, str]:
+    """One streamed chat completion: (TTFT or None if no content came, completion
+    tokens, the content)."""
+    body = {"model": srv.model, "messages": messages, "temperature": 0,
+            "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft: float | None = None
+    chunks = 0
+    usage: int | None = None
+    parts: list[str] = []
+    async with c.stream("POST", "/v1/chat/completions", json=body, headers=srv.headers) as r:
+        if r.status_code != 200:
+            await r.aread()
+            raise SystemExit(f"{srv.base}: HTTP {r.status_code}: {r.text[:300]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if obj.get("usage"):
+                usage = int(obj["usage"]["completion_tokens"])
+            for ch in obj.get("choices") or []:
+                text = (ch.get("delta") or {}).get("content")
+                if text:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    chunks += 1
+                    parts.append(text)
+    return ttft, usage if usage is not None else chunks, "".join(parts)
+
+
+def client(base: str) -> httpx.AsyncClient:
+    # A fresh TCP connection per request, as bench_serve.py's fresh_conn_client.
+    return httpx.AsyncClient(base_url=base, timeout=600,
+                             limits=httpx.Limits(max_keepalive_connections=0,
+                                                 max_connections=256))
+
+
+async def warm_up(srv: Server) -> None:
+    async with client(srv.base) as c:
+        await chat(c, srv, [{"role": "user", "content": "Hello!"}], 1)
+
+
+async def workload(srv: Server, users: int, turns: int, max_tokens: int, think: float,
+                   session: str) -> Load:
+    load = Load()
+
+    async with client(srv.base) as c:
+        async def user(u: int) -> None:
+            history: list[Message] = [{"role": "system", "content": SYSTEM}]
+            for t in range(turns):
+                if t and think:
+                    await asyncio.sleep(think)
+                history.append({"role": "user", "content": question(u, t, session)})
+                ttft, tokens, reply = await chat(c, srv, history, max_tokens)
+                history.append({"role": "assistant", "content": reply})
+                load.tokens += tokens
+                if ttft is not None:
+                    (load.later if t else load.first).append(ttft)
+                    load.per_turn.setdefault(t, []).append(ttft)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(user(u) for u in range(users)))
+        load.wall = time.perf_counter() - t0
+    return load
+
+
+def run(srv: Server, users: int, args: argparse.Namespace, session: str) -> Load:
+    asyncio.run(warm_up(srv))
+    return asyncio.run(workload(srv, users, args.turns, args.max_tokens, args.think, session))
+
+
+def p50(loads: list[Load], key: str) -> float:
+    """The p50 of all the rounds' TTFTs of one kind together, in ms."""
+    return pct([x for ld in loads for x in getattr(ld, key)], 50) * 1e3
+
+
+def round_figure(ld: Load, key: str) -> float:
+    return ld.tok_s if key == "tok_s" else pct(getattr(ld, key), 50)
+
+
+def ratios(rounds: list[tuple[Load, Load]], key: str) -> str:
+    """The median of the rounds' ratios aotx/peer of one figure (each round's two
+    loads ran minutes apart at most), and each round's ratio."""
+    rs = [round_figure(a, key) / round_figure(b, key) for a, b in rounds]
+    each = "/".join(f"{x:.2f}" for x in rs)
+    return f"{statistics.median(rs):.2f}" + (f" [{each}]" if len(rs) > 1 else "")
+
+
+def per_turn(name: str, loads: list[Load], turns: int) -> str:
+    cells = []
+    for t in range(turns):
+        xs = [x for ld in loads for x in ld.per_turn.get(t, [])]
+        cells.append(f"{pct(xs, 50) * 1e3:.0f}")
+    return f"    {name} TTFT p50 by turn (ms): " + " ".join(cells)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--users", default="4,16", help="numbers of concurrent users, one run each")
+    ap.add_argument("--turns", type=int, default=5, help="turns per conversation")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="rounds per U, each: aotx, then the peer (if given)")
+    ap.add_argument("--think", type=float, default=0.0,
+                    help="seconds a user waits between a reply and its next question")
+    ap.add_argument("--per-turn", action="store_true", help="also print TTFT p50 by turn")
+    ap.add_argument("--peer", default=os.environ.get("LLAMA_SERVER", ""),
+                    help="llama-server binary (or the URL of a running one)")
+    args = ap.parse_args()
+    us = [int(x) for x in args.users.split(",")]
+    peer_spec: str = args.peer
+    if peer_spec and not peer_spec.startswith("http") and not os.path.exists(peer_spec):
+        raise SystemExit(f"no peer at {peer_spec}")
+
+    times0 = cpu_times()
+    srv: Server | None = None
+    try:
+        for users in us:
+            mine: list[Load] = []
+            theirs: list[Load] = []
+            for rnd in range(args.rounds):
+                session = f"{users}-{rnd}"
+                srv = start_aotx()
+                mine.append(run(srv, users, args, session))
+                stop_server(srv)
+                srv = None
+                if peer_spec:  # one server at a time: A B A B
+                    srv = start_peer(peer_spec)
+                    theirs.append(run(srv, users, args, session))
+                    stop_server(srv)
+                    srv = None
+            line = (f"U={users} T={args.turns}  aotx first-turn TTFT p50 {p50(mine, 'first'):.0f} ms, "
+                    f"later-turn TTFT p50 {p50(mine, 'later'):.0f} ms, "
+                    f"{statistics.mean(ld.tok_s for ld in mine):.1f} tok/s")
+            if theirs:
+                pairs = list(zip(mine, theirs, strict=True))
+                line += (f" | peer first {p50(theirs, 'first'):.0f} ms, "
+                         f"later {p50(theirs, 'later'):.0f} ms, "
+                         f"{statistics.mean(ld.tok_s for ld in theirs):.1f} tok/s"
+                         f" | aotx/peer: first {ratios(pairs, 'first')}, "
+                         f"later {ratios(pairs, 'later')}, throughput {ratios(pairs, 'tok_s')}")
+            print(line, flush=True)
+            if args.per_turn:
+                print(per_turn("aotx", mine, args.turns), flush=True)
+                if theirs:
+                    print(per_turn("peer", theirs, args.turns), flush=True)
+        steal = steal_share(times0, cpu_times())
+        if steal is not None:
+            # A virtual machine whose host is busy loses CPU time to it, and every
+            # figure above with it: compare runs only at a similar steal.
+            print(f"CPU steal during the run: {100 * steal:.1f} % of the machine's CPU time")
+    finally:
+        stop_server(srv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Where a streamed token's CPU time goes: every aotx process and every thread of the
+device, per streamed token, while N streaming chat completions decode (aotx at its
+defaults, no models file).
+
+    .venv/bin/python bench/bench_path.py [--clients 1,4,8] [--requests 2] [--max-tokens 128]
+
+For each N, N clients each stream ``--requests`` chat completions one after another
+(temperature 0, distinct prompts, a fresh connection per request); the CPU time
+(user + system, from /proc) each process and each device thread spent during the load
+is divided by the tokens streamed.  The device's two busiest threads are ggml's: the
+engine thread (the scheduler's Python and the decode's share) and ggml's worker (the
+decode only), so the worker's figure is the decode's own cost per token per thread.
+A row ``machine idle`` is the CPU time nobody used: on 2 cores, wall time × 2 minus all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_memory import tree  # noqa: E402
+from bench_serve import run_load  # noqa: E402
+
+from tests.helpers import running_service  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu(path: str) -> float:
+    """utime + stime of /proc/.../stat, in seconds (0 once the process is gone)."""
+    try:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / TICK
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def name(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline") as f:
+        args = f.read().split("\0")
+    for role in ("gateway", "broker", "device", "supervise", "serve"):
+        if role in args:
+            return role
+    return " ".join(args)[:40]
+
+
+def snapshot(root: int) -> dict[str, float]:
+    """CPU seconds by process role, and by device thread id ('device/TID')."""
+    out: dict[str, float] = {}
+    for pid in tree(root):
+        role = name(pid)
+        out[role] = out.get(role, 0.0) + cpu(f"/proc/{pid}/stat")
+        if role == "device":
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                out[f"device/{tid}"] = cpu(f"/proc/{pid}/task/{tid}/stat")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--clients", default="1,4,8")
+    ap.add_argument("--requests", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    args = ap.parse_args()
+    with running_service(models="") as svc:
+        assert svc.proc is not None
+        asyncio.run(run_load(svc.url, svc.headers, "smollm2", 1, 1, 16, 900))  # warm
+        for n in (int(x) for x in args.clients.split(",")):
+            before, t0 = snapshot(svc.proc.pid), time.perf_counter()
+            load = asyncio.run(run_load(svc.url, svc.headers, "smollm2", n, args.requests,
+                                        args.max_tokens, 100 * n))
+            wall, after = time.perf_counter() - t0, snapshot(svc.proc.pid)
+            tokens = load["tokens"]
+            used = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+            threads = sorted((k for k in used if "/" in k), key=lambda k: -used[k])
+            print(f"N={n}: {tokens} tokens in {wall:.1f} s ({tokens / wall:.1f} tok/s); "
+                  "CPU ms per streamed token:")
+            for role in ("gateway", "broker", "supervise", "serve", "device"):
+                if role in used:
+                    print(f"  {role:10s} {1e3 * used[role] / tokens:7.3f}")
+            for k, label in zip(threads, ["engine thread (decode + scheduler)",
+                                          "ggml worker (decode only)"], strict=False):
+                print(f"    {label:36s} {1e3 * used[k] / tokens:7.3f}")
+            rest = sum(used[k] for k in threads[2:])
+            print(f"    {'other device threads':36s} {1e3 * rest / tokens:7.3f}")
+            idle = 2 * wall - sum(v for k, v in used.items() if "/" not in k)
+            print(f"  {'machine idle':10s} {1e3 * idle / tokens:7.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
