@@ -18,13 +18,13 @@ import collections
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from ..wire import Finish, Phase
 from .fair import NOBODY, FairQueue, owner_of, usable_prefix
 from .grammar import MaskFiller
 from .histogram import Histogram
+from .interface import Engine, Side, StepOutcome
 from .kvpool import KvPool
 from .llama import BatchEntry
 from .logprobs import Annotations, annotate
@@ -33,45 +33,6 @@ from .output import OutputBuffer
 from .request import Failure, Request
 
 __all__ = ["Failure", "OutputBuffer", "Request", "Scheduler", "StepOutcome"]
-
-
-@dataclass
-class StepOutcome:
-    """What one :meth:`Scheduler.step` did: the engine thread's report."""
-
-    ran: bool = False  # False: there was nothing to do
-    tokens: int = 0  # batch entries decoded (prompt and sampled positions)
-    sampled: int = 0  # tokens sampled
-    media: bool = False  # a media segment was encoded and decoded
-    ended: list[Request] = field(default_factory=list)  # requests that became terminal
-
-    def __bool__(self) -> bool:
-        return self.ran
-
-
-class Side(Protocol):
-    """Other work of the engine thread, one bounded piece after each step (embeddings:
-    engine/embedding.py): ``pending`` with the lock held, ``step`` takes it itself;
-    ``busy``: requests are being decoded, so the piece should be a small one."""
-
-    def pending(self) -> bool: ...
-    def step(self, busy: bool) -> None: ...
-
-
-class Engine(Protocol):
-    slot_context: int
-    kv_cells: int
-
-    def decode(self, entries: list[BatchEntry]) -> int: ...
-    def sample(self, sampler: Any, index: int, mask: Any = None) -> int: ...
-    def piece(self, token: int) -> bytes: ...
-    def is_eog(self, token: int) -> bool: ...
-    def clear_sequence(self, seq: int) -> None: ...
-    def decode_embeddings(self, embd: Any, n_tokens: int, pos: int, seq: int,
-                          non_causal: bool = False) -> int: ...
-    def trim_sequence(self, seq: int, keep: int) -> bool: ...
-    def copy_sequence(self, src: int, dst: int) -> None: ...
-    def logits_rows(self, indices: list[int]) -> Any: ...
 
 
 #: Prompt tokens per step for background (policy) work, so that a foreground
