@@ -1,7 +1,7 @@
 """Multi-turn chat benchmark: aotx against llama-server, both at their defaults.
 
     .venv/bin/python bench/bench_multiturn.py [--users 4,16] [--turns 5] [--max-tokens 64]
-        [--rounds 2] [--think 0] [--per-turn] [--peer PATH/llama-server]
+        [--rounds 2] [--think 0] [--per-turn] [--models TOML] [--peer PATH/llama-server]
     LLAMA_SERVER=/path/to/llama-server .venv/bin/python bench/bench_multiturn.py
 
 U users (concurrent asyncio tasks) each hold a T-turn conversation and, as chat
@@ -95,8 +95,11 @@ def question(u: int, t: int, session: str) -> str:
     return f"Question {t + 1} from user {u} (session {session}): tell me something about {topic}."
 
 
-def start_aotx() -> Server:
+def start_aotx(models: str = "") -> Server:
     state = tempfile.mkdtemp(prefix="aotx-bench-", dir="/tmp")  # no models.toml: defaults
+    if models:
+        with open(os.path.join(state, "models.toml"), "w") as f:
+            f.write(models.replace("\\n", "\n"))
     port = free_port()
     try:
         proc = subprocess.Popen(
@@ -250,6 +253,8 @@ def main() -> None:
                     help="rounds per U, each: aotx, then the peer (if given)")
     ap.add_argument("--think", type=float, default=0.0,
                     help="seconds a user waits between a reply and its next question")
+    ap.add_argument("--models", default="",
+                    help="aotx's models.toml (default: none, aotx at its defaults)")
     ap.add_argument("--per-turn", action="store_true", help="also print TTFT p50 by turn")
     ap.add_argument("--peer", default=os.environ.get("LLAMA_SERVER", ""),
                     help="llama-server binary (or the URL of a running one)")
@@ -267,7 +272,7 @@ def main() -> None:
             theirs: list[Load] = []
             for rnd in range(args.rounds):
                 session = f"{users}-{rnd}"
-                srv = start_aotx()
+                srv = start_aotx(args.models)
                 mine.append(run(srv, users, args, session))
                 stop_server(srv)
                 srv = None

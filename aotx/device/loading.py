@@ -24,6 +24,7 @@ from ..engine.llama import EngineConfig, EngineError, LlamaEngine
 from ..engine.multimodal import MARKER, MediaEncoder, MediaInputError
 from ..engine.sampling import Sampler
 from ..engine.scheduler import Request, Scheduler
+from ..engine.spill import default_budget
 from .memory import qualified
 from .models import ModelSpec, file_sha256
 from .prompt import TextRefused, split, text_tokens
@@ -86,7 +87,8 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
         free_sampler=lambda s: s.free(),  # type: ignore[attr-defined]
         on_step=on_step, on_terminal=on_terminal,
         encode=encoder.encode if encoder is not None else None,
-        prompts_per_step=spec.prompts_per_step)
+        prompts_per_step=spec.prompts_per_step,
+        spill_bytes=default_budget(spec.kv_spill) if chat else 0)
     if chat:
         scheduler.warm(template_prefix(engine, template))
     model = LoadedModel(spec, engine, template, scheduler, digest,

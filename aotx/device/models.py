@@ -13,6 +13,7 @@ installed package, never by a fixed path.
     context = 4096           # the most tokens of context one request may hold
     kv_budget = "256MiB"     # one KV pool its sequences share ("auto": a default size)
     kv_type = "f16"          # or "q8_0": half the bytes a cell
+    kv_spill = "auto"        # host memory for conversations whose sequence was reused (0: none)
     prompts_per_step = 1     # requests evaluating their prompts at once (0: all)
     embedding_context = 512  # tokens of one /v1/embeddings input (mean pooling)
 
@@ -107,6 +108,7 @@ class ModelSpec:
     chat_template: str | None = None  # a Jinja file used instead of the GGUF's template
     kv_budget: int = 0  # bytes of the KV pool the sequences share; -1: "auto"; 0: no pool
     kv_type: str = "f16"  # "f16" or "q8_0" (engine.llama.KV_TYPES)
+    kv_spill: int = -1  # bytes of host memory for cached prefixes (engine/spill.py); -1: "auto"
     prompts_per_step: int = 1  # Scheduler.prompts_per_step: 0 evaluates all prompts at once
 
 
@@ -176,22 +178,30 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10,
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*")
 
 
+def _bytes(entry: dict[str, object], key: str, what: str, zero: bool) -> int | None:
+    """A size key: bytes (an integer, or "512MiB"), or "auto" (-1); None when absent."""
+    value = entry.get(key)
+    found = _SIZE.fullmatch(value) if isinstance(value, str) else None
+    if value is None:
+        return None
+    if value == "auto":
+        return -1
+    if isinstance(value, int) and not isinstance(value, bool) and (value > 0 or zero and value == 0):
+        return value
+    if found and found[2].upper() in _UNITS and float(found[1]) > 0:
+        return int(float(found[1]) * _UNITS[found[2].upper()])
+    raise ModelConfigError(f"{what}: {key} is bytes (a {'non-negative' if zero else 'positive'} "
+                           f"integer, or a size like \"512MiB\") or \"auto\", got {value!r}")
+
+
 def _kv(entry: dict[str, object], what: str) -> dict[str, Any]:
-    """``kv_budget`` (bytes: an integer, or "512MiB"), ``kv_type`` and ``prompts_per_step``
-    of a model entry: how its KV cells are held and filled."""
+    """``kv_budget``, ``kv_spill``, ``kv_type`` and ``prompts_per_step`` of a model
+    entry: how its KV cells are held, filled and kept."""
     out: dict[str, Any] = {}
-    budget = entry.get("kv_budget")
-    if budget is not None:
-        found = _SIZE.fullmatch(budget) if isinstance(budget, str) else None
-        if budget == "auto":
-            out["kv_budget"] = -1  # the shared pool at its default size
-        elif isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
-            out["kv_budget"] = budget
-        elif found and found[2].upper() in _UNITS and float(found[1]) > 0:
-            out["kv_budget"] = int(float(found[1]) * _UNITS[found[2].upper()])
-        else:
-            raise ModelConfigError(f"{what}: kv_budget is bytes (a positive integer, or a "
-                                   f"size like \"512MiB\") or \"auto\", got {budget!r}")
+    if (budget := _bytes(entry, "kv_budget", what, zero=False)) is not None:
+        out["kv_budget"] = budget
+    if (spill := _bytes(entry, "kv_spill", what, zero=True)) is not None:
+        out["kv_spill"] = spill
     kv_type = entry.get("kv_type", "f16")
     if kv_type not in KV_TYPES:
         raise ModelConfigError(f"{what}: kv_type is one of {list(KV_TYPES)}, got {kv_type!r}")

@@ -199,7 +199,9 @@ class DeviceState:
                 "grammar_wait_seconds": sc.masks.wait_ns / 1e9,
                 "kv_budget_bytes": m.engine.kv_bytes(), "kv_cells": m.engine.kv_cells,
                 "kv_cells_used": sc.pool.in_use(sc.active, sc.cached, sc.free_seqs),
-                "kv_preemptions": sc.pool.preemptions, "kv_evictions": sc.pool.evictions}
+                "kv_preemptions": sc.pool.preemptions, "kv_evictions": sc.pool.evictions,
+                "kv_spilled_bytes": sc.spill.bytes, "kv_spills": sc.spill.spills,
+                "kv_restores": sc.spill.restores}
         return {"epoch": self.epoch, "requests_by_state": dict(by_phase),
                 "admitted": self.counters.admitted,
                 "refused": {str(k): v for k, v in self.counters.refused.items()},

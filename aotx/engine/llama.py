@@ -150,11 +150,11 @@ def pool_cells(config: EngineConfig, cell_bytes: float, n_ctx_train: int) -> int
     if config.kv_budget:
         return max(MIN_POOL_CELLS, min(whole, int(config.kv_budget // cell_bytes)))
     default = min(whole, max(config.slot_context, n_ctx_train or 0),
-                  int(_available_bytes() / 4 // cell_bytes))
+                  int(available_bytes() / 4 // cell_bytes))
     return max(MIN_POOL_CELLS, default)
 
 
-def _available_bytes() -> int:
+def available_bytes() -> int:
     """MemAvailable (/proc/meminfo), or 8 GiB where it cannot be read."""
     try:
         with open("/proc/meminfo") as f:
@@ -532,6 +532,24 @@ class LlamaEngine:
         this copies the whole stream buffer (at the next decode; a few MB per layer set,
         milliseconds), far cheaper than evaluating a shared prompt prefix again."""
         llama_cpp.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+
+    def save_sequence(self, seq: int) -> bytes:
+        """The sequence's cells as llama.cpp serializes them (``llama_state_seq_get_data``:
+        positions, tokens, K and V), for ``restore_sequence`` into any sequence."""
+        size = int(llama_cpp.llama_state_seq_get_size(self.ctx, seq))
+        buf = (ctypes.c_uint8 * size)()
+        n = int(llama_cpp.llama_state_seq_get_data(self.ctx, buf, size, seq))
+        return bytes(memoryview(buf)[:n])
+
+    def restore_sequence(self, seq: int, data: bytes) -> bool:
+        """Put ``save_sequence``'s bytes into ``seq``, emptied first.  False when llama.cpp
+        refuses them (no cells free in a pool): ``seq`` is then left empty."""
+        self.clear_sequence(seq)
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if int(llama_cpp.llama_state_seq_set_data(self.ctx, buf, len(data), seq)) == 0:
+            self.clear_sequence(seq)
+            return False
+        return True
 
     def trim_sequence(self, seq: int, keep: int) -> bool:
         """Drop the sequence's cells at positions >= keep.  False when what is left

@@ -31,6 +31,7 @@ from .logprobs import Annotations, annotate
 from .multimodal import MediaInputError, MediaSegment, release_all
 from .output import OutputBuffer
 from .request import Failure, Request
+from .spill import SpillStore
 
 __all__ = ["Failure", "OutputBuffer", "Request", "Scheduler", "StepOutcome"]
 
@@ -56,7 +57,7 @@ class Scheduler:
                  on_step: Callable[[], None] = lambda: None,
                  on_terminal: Callable[[Request], None] = lambda r: None,
                  encode: Callable[[MediaSegment], Any] | None = None,
-                 prompts_per_step: int = 1) -> None:
+                 prompts_per_step: int = 1, spill_bytes: int = 0) -> None:
         self.engine = engine
         self.batch = batch
         # How many requests evaluate their prompts at once (0: all that arrive).  On a
@@ -93,6 +94,7 @@ class Scheduler:
         self.itl = Histogram()
         self.masks = MaskFiller()  # constrained requests' bitmasks, filled during the decode
         self.pool = KvPool(engine.kv_cells, getattr(engine, "unified", True))
+        self.spill = SpillStore(spill_bytes)  # cached prefixes in host memory (spill.py)
         self._stopping = False
         self.side: Side | None = None
 
@@ -210,6 +212,7 @@ class Scheduler:
         seq, have = self._best_sequence(req, who)
         self.free_seqs.remove(seq)
         keep = min(have, len(req.prefill) - 1)
+        self._spill(seq, keep)
         if not self.engine.trim_sequence(seq, keep):
             # The memory cannot be cut back to ``keep`` (a recurrent model):
             # start the sequence empty and evaluate the whole prompt.
@@ -242,13 +245,31 @@ class Scheduler:
                                   self.public), other.n_past)
             if n > shared:
                 source, shared = other, n
+        key, saved = self.spill.best(req.prefill, who, self.public) if self.spill.entries \
+            else (0, 0)
+        if saved > shared and saved - have >= COPY_MIN_TOKENS:
+            # Its conversation went to host memory when another took its sequence.
+            self._spill(seq, 0)
+            entry = self.spill.take(key)
+            restored = self.engine.restore_sequence(seq, entry.data)
+            self.cached[seq] = entry.tokens if restored else []
+            self.owner[seq] = entry.owner
+            return seq, saved if restored else 0
         if source is not None and shared - have >= COPY_MIN_TOKENS:
             seq = min(self.free_seqs)
+            self._spill(seq, 0)
             self.engine.copy_sequence(source.seq, seq)
             self.cached[seq] = source.prefill[:shared]
             have = shared
             self.copies += 1
         return seq, have
+
+    def _spill(self, seq: int, keep: int) -> None:
+        """Save the free sequence's cells to host memory first, when taking it would
+        discard enough of them (tokens past ``keep``) to be worth a later restore."""
+        held = self.cached.get(seq, [])
+        if self.spill.worth(len(held) - keep):
+            self.spill.put(held, self.owner.get(seq, NOBODY), self.engine.save_sequence(seq))
 
     def _cached_sequence(self, req: Request, who: int) -> tuple[int, int]:
         """The free sequence whose cached tokens ``req`` reuses best, and how many."""
@@ -292,6 +313,7 @@ class Scheduler:
         return False
 
     def _evict(self, seq: int) -> None:
+        self._spill(seq, 0)
         self.engine.clear_sequence(seq)
         self.cached[seq] = []
         self.pool.evictions += 1

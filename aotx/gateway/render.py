@@ -187,6 +187,10 @@ _MODEL_FAMILIES = (  # (key in the device's per-model counters, name, help, coun
     ("kv_preemptions", "aotx_kv_preemptions",
      "Requests that gave their KV cells back under pressure (recomputed later)", True),
     ("kv_evictions", "aotx_kv_evictions", "Cached prefixes given back for KV cells", True),
+    ("kv_spilled_bytes", "aotx_kv_spilled_bytes",
+     "Host memory held by cached prefixes saved from reused sequences", False),
+    ("kv_spills", "aotx_kv_spills", "Cached prefixes saved to host memory", True),
+    ("kv_restores", "aotx_kv_restores", "Cached prefixes restored from host memory", True),
 )
 _HISTOGRAMS = (("ttft_seconds", "aotx_time_to_first_token_seconds", "Admission to first token"),
                ("inter_token_seconds", "aotx_inter_token_seconds",

@@ -213,13 +213,17 @@ def test_models_file_kv_budget_type_and_chat_template(tmp_path) -> None:
     (tmp_path / "models.toml").write_text('[default]\nkv_type = "q8_0"\n')
     (spec,) = load_specs(str(tmp_path))
     assert (spec.kv_type, spec.kv_budget) == ("q8_0", 0)  # no budget: a stream per sequence
-    assert spec.prompts_per_step == 1
+    assert (spec.prompts_per_step, spec.kv_spill) == (1, -1)  # kv_spill "auto"
+    for value, spill in (("0", 0), ('"64MiB"', 64 << 20), ('"auto"', -1)):
+        (tmp_path / "models.toml").write_text(f"[default]\nkv_spill = {value}\n")
+        assert load_specs(str(tmp_path))[0].kv_spill == spill
     (tmp_path / "models.toml").write_text("[default]\nprompts_per_step = 0\n")
     assert load_specs(str(tmp_path))[0].prompts_per_step == 0
     for bad, words in (('kv_budget = "lots"', "kv_budget is bytes"), ("kv_budget = 0", "kv_budget"),
                        ('kv_budget = "5 parsecs"', "kv_budget"), ('kv_type = "q4_0"', "kv_type"),
                        ('chat_template = "none.jinja"', "not a file"),
                        ("prompts_per_step = -1", "prompts_per_step"),
+                       ("kv_spill = -5", "kv_spill is bytes"), ("kv_spill = true", "kv_spill"),
                        ('prompts_per_step = "all"', "prompts_per_step")):
         (tmp_path / "models.toml").write_text(f"[default]\n{bad}\n")
         with pytest.raises(ModelConfigError, match=words):

@@ -35,6 +35,8 @@ class ScriptedEngine:
         self.trims: list[tuple[int, int]] = []
         self.media: list[tuple[int, int, int, object]] = []  # (seq, pos, n, embeddings)
         self.copies: list[tuple[int, int]] = []
+        self.saved: list[int] = []  # save_sequence's calls
+        self.restored: list[tuple[int, bytes]] = []  # restore_sequence's calls
         self.media_status = 0
         self.trim_fails = False  # a memory that cannot be cut back (recurrent models)
         self.rows_read: list[list[int]] = []  # logits_rows' calls (logprobs)
@@ -72,6 +74,14 @@ class ScriptedEngine:
     def copy_sequence(self, src: int, dst: int) -> None:
         self.copies.append((src, dst))
 
+    def save_sequence(self, seq: int) -> bytes:
+        self.saved.append(seq)
+        return b"kv%d-" % seq * 100
+
+    def restore_sequence(self, seq: int, data: bytes) -> bool:
+        self.restored.append((seq, data))
+        return True
+
     def decode_embeddings(self, embd: object, n_tokens: int, pos: int, seq: int,
                           non_causal: bool = False) -> int:
         self.steps.append([])  # a step of its own: embeddings never share a token batch
@@ -79,14 +89,14 @@ class ScriptedEngine:
         return self.media_status
 
 
-def make(slots: int = 4, batch: int = 64,
-         prompts_per_step: int = 1) -> tuple[Scheduler, ScriptedEngine]:
+def make(slots: int = 4, batch: int = 64, prompts_per_step: int = 1,
+         spill_bytes: int = 0) -> tuple[Scheduler, ScriptedEngine]:
     """A scheduler on the scripted engine; ``prompts_per_step=0`` starts every request
     that has a sequence at once (prompts evaluated together)."""
     engine = ScriptedEngine()
     sched = Scheduler(engine, slots, batch, threading.Lock(), make_sampler=lambda r: r,
                       free_sampler=lambda s: None, encode=lambda seg: f"embd{seg.start}",
-                      prompts_per_step=prompts_per_step)
+                      prompts_per_step=prompts_per_step, spill_bytes=spill_bytes)
     return sched, engine
 
 
@@ -718,3 +728,31 @@ def test_prompts_being_evaluated_count_against_the_pool() -> None:
     run_until_idle(sched)
     assert all(r.phase is Phase.COMPLETED for r in [a, *late])
     assert sched.pool.preemptions == 0
+
+
+def test_a_reused_sequence_goes_to_host_memory_and_comes_back_for_its_next_turn() -> None:
+    """One sequence, two principals taking turns: each turn's sequence held the other's
+    conversation, which is saved first; a principal's next turn gets its own back and
+    evaluates only the new tokens.  Another principal's same prompt restores nothing."""
+    sched, engine = make(slots=1, spill_bytes=1 << 20)
+    history = list(range(500, 600))  # alice's 100 tokens
+
+    def turn(principal: int, name: int, prompt: list[int]) -> Request:
+        r = of(principal, req(name, [1, 1]))
+        r.prompt = prompt
+        submit(sched, r)
+        run_until_idle(sched)
+        assert r.phase is Phase.COMPLETED
+        return r
+
+    turn(1, 1, history)
+    turn(2, 2, list(range(700, 780)))  # bob's turn: alice's cells are saved
+    assert engine.saved == [0] and sched.spill.spills == 1
+    (entry,) = sched.spill.entries.values()
+    assert entry.owner == 1 and entry.tokens == [*history, 1, 1]  # prompt and its reply
+    again = turn(1, 3, [*history, 1, 1, 42, 43])  # alice's next turn
+    assert engine.restored == [(0, b"kv0-" * 100)] and sched.spill.restores == 1
+    assert again.reused_tokens == 102  # the history and the reply
+    assert engine.saved == [0, 0]  # bob's 80 tokens went out first
+    turn(3, 4, [*history, 1, 1, 42, 43])  # carol, with alice's exact prompt
+    assert sched.spill.restores == 1  # alice's cells are not hers
