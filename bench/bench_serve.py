@@ -338,10 +338,13 @@ def steal_share(before: list[int], after: list[int]) -> float | None:
 STATES: list[str] = []
 
 
-def start_aotx(slots: int) -> tuple[subprocess.Popen[bytes], str, dict[str, str], str]:
+def start_aotx(slots: int | None) -> tuple[subprocess.Popen[bytes], str, dict[str, str], str]:
+    """aotx with ``slots`` of 2048 tokens, or at its defaults (no models file) for None."""
     state = tempfile.mkdtemp(prefix="aotx-bench-", dir="/tmp")
-    with open(os.path.join(state, "models.toml"), "w") as f:
-        f.write(f"[default]\nslots = {slots}\ncontext = 2048\n" + os.environ.get("AOTX_BENCH_MODEL_EXTRA", ""))
+    if slots is not None:
+        with open(os.path.join(state, "models.toml"), "w") as f:
+            f.write(f"[default]\nslots = {slots}\ncontext = 2048\n"
+                    + os.environ.get("AOTX_BENCH_MODEL_EXTRA", ""))
     port = free_port()
     STATES.append(state)
     proc = subprocess.Popen([sys.executable, "-m", "aotx", "--log-level", "WARNING", "serve",
@@ -368,14 +371,17 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout: float = 
     raise SystemExit(f"{url} not ready")
 
 
-def start_peer(spec: str, slots: int) -> tuple[subprocess.Popen[bytes] | None, str, str]:
+def start_peer(spec: str, slots: int | None) -> tuple[subprocess.Popen[bytes] | None, str, str]:
+    """llama-server with ``slots`` of 2048 tokens, or at its defaults (``-t 2`` only)."""
     if spec.startswith("http"):
         return None, spec.rstrip("/"), "default"
     from aotx.device.models import default_model_path
 
     port = free_port()
-    proc = subprocess.Popen([spec, "-m", default_model_path(), "--parallel", str(slots),
-                             "-c", str(2048 * slots), "--port", str(port), "--host", "127.0.0.1"],
+    shape = (["--parallel", str(slots), "-c", str(2048 * slots)] if slots is not None
+             else ["-t", "2"])
+    proc = subprocess.Popen([spec, "-m", default_model_path(), *shape,
+                             "--port", str(port), "--host", "127.0.0.1"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -418,6 +424,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2,
                     help="rounds per N, each: the raw engine, aotx, then the peer (if given)")
     ap.add_argument("--seconds", type=float, default=5.0, help="window-read duration")
+    ap.add_argument("--defaults", action="store_true",
+                    help="both servers at their defaults (aotx: no models file; the peer: "
+                         "-t 2 only) instead of 16 slots of 2048 tokens and 8 for the peer")
     args = ap.parse_args()
     ns = [int(x) for x in args.clients.split(",")]
     slots = max(16, max(ns))
@@ -429,21 +438,21 @@ def main() -> None:
     peer = None
     itl_p50s: list[float] = []  # each N's aotx median inter-token time
     try:
-        proc, base, headers, _ = start_aotx(slots)
+        proc, base, headers, _ = start_aotx(None if args.defaults else slots)
         for n in ns:
             rounds: list[dict] = []
             for _ in range(args.rounds):
                 # The limit right before the load, in the same minute of this VM's speed.
                 decode_only, same_work = raw.measure(n, args.max_tokens, args.requests)
                 if proc is None:
-                    proc, base, headers, _ = start_aotx(slots)
+                    proc, base, headers, _ = start_aotx(None if args.defaults else slots)
                 rnd = {"limit": {"tok_s": decode_only}, "same_work": {"tok_s": same_work},
                        "aotx": asyncio.run(run_load(base, headers, "smollm2", n, args.requests,
                                                     args.max_tokens, 0))}
                 if peer_spec:  # one server at a time: A B A B
                     stop(proc)
                     proc = None
-                    peer, pbase, pmodel = start_peer(peer_spec, 8)
+                    peer, pbase, pmodel = start_peer(peer_spec, None if args.defaults else 8)
                     rnd["peer"] = asyncio.run(run_load(pbase, {}, pmodel, n, args.requests,
                                                        args.max_tokens, 0))
                     stop(peer)
@@ -465,7 +474,7 @@ def main() -> None:
             print(line, flush=True)
         raw.close()
         if proc is None:
-            proc, base, headers, _ = start_aotx(slots)
+            proc, base, headers, _ = start_aotx(None if args.defaults else slots)
         for n in (8,):
             print(f"native N={n}: admission -> SSE until terminal: "
                   f"{asyncio.run(native_load(base, headers, n, args.max_tokens)):.1f} tok/s",
