@@ -107,8 +107,16 @@ def usable_prefix(cached: list[int], owner: int, prompt: list[int], principal: i
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    """The length of the longest common prefix, by halving with slice comparisons (each
+    done in C): every start compares the prompt with every free sequence and every
+    spilled conversation, thousands of tokens each, under the device lock."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while hi - lo > 1:  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -10,9 +10,10 @@ of evaluating the history again.  Restoring is bounded by the same rule as reusi
 sequence (``fair.usable_prefix``): another principal's entry gives at most the public
 prefix, so it is never worth restoring for them.
 
-The store holds at most ``budget`` bytes, least recently stored or restored first out;
-an entry that another of the same principal extends is dropped (the longer one serves
-every prompt the shorter one would).
+The store holds at most ``budget`` bytes, the least recently stored entry first out
+(a restored entry leaves the store: its sequence holds it now); an entry that another
+of the same principal extends is dropped (the longer one serves every prompt the
+shorter one would).
 """
 
 from __future__ import annotations

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
+from aotx.engine.fair import common_prefix
 from aotx.engine.spill import SPILL_MIN_TOKENS, SpillStore
 
 PUBLIC = [1, 2, 3]
@@ -51,3 +55,12 @@ def test_the_default_budget_is_an_eighth_of_the_available_memory_at_most_1_gib()
 
     assert default_budget(0) == 0 and default_budget(12345) == 12345
     assert default_budget(-1) == min(1 << 30, available_bytes() // 8) > 0
+
+
+@given(st.lists(st.integers(0, 3), max_size=40), st.lists(st.integers(0, 3), max_size=40))
+def test_common_prefix_is_the_first_difference(a: list[int], b: list[int]) -> None:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    assert common_prefix(a, b) == n
+    assert common_prefix(a + [9], a + [8]) == len(a) and common_prefix(a, a) == len(a)
