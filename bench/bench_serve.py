@@ -470,7 +470,8 @@ def main() -> None:
             if peer_spec:
                 b = summary(rounds, "peer")
                 line += (f"  peer {b['tok_s']:6.1f} tok/s (aotx/peer {ratios(rounds, 'aotx', 'peer')}) "
-                         f"peer TTFT p50 {b['ttft_p50'] * 1e3:6.1f} ms")
+                         f"peer TTFT p50 {b['ttft_p50'] * 1e3:6.1f} ms "
+                         f"ITL p50 {b['itl_p50'] * 1e3:5.1f} ms")
             print(line, flush=True)
         raw.close()
         if proc is None:
