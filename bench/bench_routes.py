@@ -24,12 +24,16 @@ import threading
 import time
 
 import httpx
+import uvloop
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_serve import cpu_times, free_port, rate, steal_share, stop, wait_ready  # noqa: E402
 
+from aotx import wire  # noqa: E402
 from aotx.device.models import default_model_path  # noqa: E402
+from aotx.gateway.broker_client import BrokerClient  # noqa: E402
+from aotx.paths import for_state_dir  # noqa: E402
 from tests.helpers import running_service  # noqa: E402
 
 
@@ -57,6 +61,28 @@ def rate_http_client(base: str, headers: dict[str, str], path: str, seconds: flo
     for t in threads:
         t.join()
     return sum(counts) / (time.perf_counter() - t0)
+
+
+async def round_trips(state_dir: str, seconds: float) -> float:
+    """INFO packets per second through the broker to the device and back, on the gateway's
+    own client (2 calls in flight, no HTTP): the most window reads could reach, since each
+    crosses the broker and the device, where the results and their grants live."""
+    broker = BrokerClient(for_state_dir(state_dir).socket)
+    count = 0
+    end = time.perf_counter() + seconds
+
+    async def caller() -> None:
+        nonlocal count
+        while time.perf_counter() < end:
+            h, _ = await broker.call(wire.Header(op=wire.Op.INFO))
+            assert h.status == 200, h
+            count += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(caller(), caller())
+    rate = count / (time.perf_counter() - t0)
+    await broker.close()
+    return rate
 
 
 def completed_request(base: str, headers: dict[str, str]) -> str:
@@ -101,6 +127,7 @@ def main() -> None:
                         row[f"{key} {client}"] = (
                             asyncio.run(rate(base, headers, path, args.seconds)) if client == "raw"
                             else rate_http_client(base, headers, path, args.seconds))
+                row["mailbox"] = uvloop.run(round_trips(svc.state_dir, args.seconds))
                 rows.append(row)
                 print(f"round {r + 1}: " + "  ".join(f"{k} {v:.0f}" for k, v in row.items()),
                       flush=True)
@@ -119,6 +146,10 @@ def main() -> None:
                 each = [x[f"{key} {client}"] / x[f"peer {client}"] for x in rows]
                 print(f"  {name} / llama-server's /v1/models: {statistics.median(each):.2f} "
                       f"[{'/'.join(f'{e:.2f}' for e in each)}]")
+    mailbox = statistics.median(x["mailbox"] for x in rows)
+    print(f"device round trips (INFO through the broker, no HTTP, 2 in flight): {mailbox:.0f}/s"
+          + (f", {mailbox / statistics.median(x['peer raw'] for x in rows):.2f} x llama-server's "
+             "GET /v1/models (raw client)" if peer else ""))
     steal = steal_share(times0, cpu_times())
     if steal is not None:
         print(f"CPU steal during the run: {100 * steal:.1f} % of the machine's CPU time")
