@@ -533,23 +533,29 @@ class LlamaEngine:
         milliseconds), far cheaper than evaluating a shared prompt prefix again."""
         llama_cpp.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
 
-    def save_sequence(self, seq: int) -> bytes:
-        """The sequence's cells as llama.cpp serializes them (``llama_state_seq_get_data``:
-        positions, tokens, K and V), for ``restore_sequence`` into any sequence."""
+    def save_sequence(self, seq: int) -> bytearray:
+        """The sequence's cells as llama.cpp serializes them (positions, tokens, K and V),
+        written straight into the bytearray kept: 23 MB for 1000 SmolLM2 tokens in ~60 ms
+        here, nearly all of it fresh memory's page faults (a ctypes array costs as much again)."""
         size = int(llama_cpp.llama_state_seq_get_size(self.ctx, seq))
-        buf = (ctypes.c_uint8 * size)()
+        data = bytearray(size)
+        buf = (ctypes.c_uint8 * size).from_buffer(data)
         n = int(llama_cpp.llama_state_seq_get_data(self.ctx, buf, size, seq))
-        return bytes(memoryview(buf)[:n])
+        del buf
+        if n != size:
+            raise EngineError(f"llama_state_seq_get_data wrote {n} of {size} bytes")
+        return data
 
-    def restore_sequence(self, seq: int, data: bytes) -> bool:
-        """Put ``save_sequence``'s bytes into ``seq``, emptied first.  False when llama.cpp
-        refuses them (no cells free in a pool): ``seq`` is then left empty."""
+    def restore_sequence(self, seq: int, data: bytearray) -> bool:
+        """Put ``save_sequence``'s bytes into ``seq``, emptied first (3 ms for 1000 tokens);
+        False, ``seq`` left empty, when llama.cpp refuses them (no cells free in a pool)."""
         self.clear_sequence(seq)
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        if int(llama_cpp.llama_state_seq_set_data(self.ctx, buf, len(data), seq)) == 0:
+        buf = (ctypes.c_uint8 * len(data)).from_buffer(data)
+        ok = int(llama_cpp.llama_state_seq_set_data(self.ctx, buf, len(data), seq)) != 0
+        del buf  # (the export ends: the store may let the bytes go)
+        if not ok:
             self.clear_sequence(seq)
-            return False
-        return True
+        return ok
 
     def trim_sequence(self, seq: int, keep: int) -> bool:
         """Drop the sequence's cells at positions >= keep.  False when what is left

@@ -40,7 +40,7 @@ def default_budget(setting: int) -> int:
 class Spilled:
     tokens: list[int]  # what the saved cells hold, position 0 onwards
     owner: int  # fair.owner_of the request that computed them
-    data: bytes  # llama_state_seq_get_data's bytes
+    data: bytearray  # llama_state_seq_get_data's bytes (LlamaEngine.save_sequence)
 
 
 class SpillStore:
@@ -56,7 +56,7 @@ class SpillStore:
     def worth(self, tokens: int) -> bool:
         return self.budget > 0 and tokens >= SPILL_MIN_TOKENS
 
-    def put(self, tokens: list[int], owner: int, data: bytes) -> None:
+    def put(self, tokens: list[int], owner: int, data: bytearray) -> None:
         if not data or len(data) > self.budget:
             return
         for key, e in list(self.entries.items()):

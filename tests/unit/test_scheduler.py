@@ -36,7 +36,7 @@ class ScriptedEngine:
         self.media: list[tuple[int, int, int, object]] = []  # (seq, pos, n, embeddings)
         self.copies: list[tuple[int, int]] = []
         self.saved: list[int] = []  # save_sequence's calls
-        self.restored: list[tuple[int, bytes]] = []  # restore_sequence's calls
+        self.restored: list[tuple[int, bytearray]] = []  # restore_sequence's calls
         self.media_status = 0
         self.trim_fails = False  # a memory that cannot be cut back (recurrent models)
         self.rows_read: list[list[int]] = []  # logits_rows' calls (logprobs)
@@ -74,11 +74,11 @@ class ScriptedEngine:
     def copy_sequence(self, src: int, dst: int) -> None:
         self.copies.append((src, dst))
 
-    def save_sequence(self, seq: int) -> bytes:
+    def save_sequence(self, seq: int) -> bytearray:
         self.saved.append(seq)
-        return b"kv%d-" % seq * 100
+        return bytearray(b"kv%d-" % seq * 100)
 
-    def restore_sequence(self, seq: int, data: bytes) -> bool:
+    def restore_sequence(self, seq: int, data: bytearray) -> bool:
         self.restored.append((seq, data))
         return True
 
@@ -751,7 +751,8 @@ def test_a_reused_sequence_goes_to_host_memory_and_comes_back_for_its_next_turn(
     (entry,) = sched.spill.entries.values()
     assert entry.owner == 1 and entry.tokens == [*history, 1, 1]  # prompt and its reply
     again = turn(1, 3, [*history, 1, 1, 42, 43])  # alice's next turn
-    assert engine.restored == [(0, b"kv0-" * 100)] and sched.spill.restores == 1
+    assert engine.restored == [(0, b"kv0-" * 100)]
+    assert sched.spill.restores == 1
     assert again.reused_tokens == 102  # the history and the reply
     assert engine.saved == [0, 0]  # bob's 80 tokens went out first
     turn(3, 4, [*history, 1, 1, 42, 43])  # carol, with alice's exact prompt

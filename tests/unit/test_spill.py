@@ -11,10 +11,14 @@ from aotx.engine.spill import SPILL_MIN_TOKENS, SpillStore
 PUBLIC = [1, 2, 3]
 
 
+def saved(data: bytes) -> bytearray:
+    return bytearray(data)  # (what LlamaEngine.save_sequence returns)
+
+
 def test_the_longest_usable_entry_is_found_and_taken() -> None:
     s = SpillStore(1000)
-    s.put([*PUBLIC, 10, 11, 12], owner=1, data=b"a" * 100)
-    s.put([*PUBLIC, 20, 21], owner=1, data=b"b" * 100)
+    s.put([*PUBLIC, 10, 11, 12], owner=1, data=saved(b"a" * 100))
+    s.put([*PUBLIC, 20, 21], owner=1, data=saved(b"b" * 100))
     key, n = s.best([*PUBLIC, 10, 11, 12, 13], 1, PUBLIC)
     assert n == 6
     e = s.take(key)
@@ -24,22 +28,22 @@ def test_the_longest_usable_entry_is_found_and_taken() -> None:
 
 def test_another_principal_gets_at_most_the_public_prefix() -> None:
     s = SpillStore(1000)
-    s.put([*PUBLIC, 10, 11, 12], owner=1, data=b"a" * 100)
+    s.put([*PUBLIC, 10, 11, 12], owner=1, data=saved(b"a" * 100))
     assert s.best([*PUBLIC, 10, 11, 12, 13], 2, PUBLIC)[1] == len(PUBLIC)
 
 
 def test_the_budget_lets_the_oldest_go_and_an_extended_entry_is_superseded() -> None:
     s = SpillStore(250)
-    s.put([5, 6], owner=1, data=b"a" * 100)
-    s.put([7, 8], owner=2, data=b"b" * 100)
-    s.put([9], owner=3, data=b"c" * 100)  # over budget: [5, 6] goes
+    s.put([5, 6], owner=1, data=saved(b"a" * 100))
+    s.put([7, 8], owner=2, data=saved(b"b" * 100))
+    s.put([9], owner=3, data=saved(b"c" * 100))  # over budget: [5, 6] goes
     assert [e.tokens for e in s.entries.values()] == [[7, 8], [9]] and s.bytes == 200
-    s.put([7, 8, 9], owner=2, data=b"d" * 100)  # extends owner 2's [7, 8]
+    s.put([7, 8, 9], owner=2, data=saved(b"d" * 100))  # extends owner 2's [7, 8]
     assert [e.tokens for e in s.entries.values()] == [[9], [7, 8, 9]]
-    s.put([9, 1], owner=4, data=b"e" * 100)  # another owner's: over budget, [9] goes
+    s.put([9, 1], owner=4, data=saved(b"e" * 100))  # another owner's: over budget, [9] goes
     assert [e.owner for e in s.entries.values()] == [2, 4]
     assert s.bytes == 200 and s.dropped == 3
-    s.put([1], owner=5, data=b"x" * 251)  # larger than the whole budget: not kept
+    s.put([1], owner=5, data=saved(b"x" * 251))  # larger than the whole budget: not kept
     assert s.bytes <= 250 and not any(e.owner == 5 for e in s.entries.values())
 
 
