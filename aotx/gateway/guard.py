@@ -15,8 +15,8 @@ Connection level (:class:`GuardedHttpToolsProtocol`, uvicorn's protocol class):
 
 Request level (:class:`Guard`, ASGI middleware in front of every route): one Host
 header, a loopback one on a loopback bind, body size and pacing (each chunk within ``body_timeout``),
-and the fast paths of ``GET /aotx/v1/requests/{id}``, ``GET /v1/models`` and
-``POST /aotx/v1/requests``.
+and the fast paths of ``GET /aotx/v1/requests/{id}``, ``GET /v1/models``,
+``POST /aotx/v1/requests`` and ``POST /v1/chat/completions``.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ..config import MAX_BODY
-from . import calls, routes_openai
+from . import calls, choices, routes_openai
 from .errors import INTERNAL, ApiError, error_body
-from .render import dumps, send_json
+from .render import dumps, error_response, json_response, send_json
 from .requests import ChatRequest
 
 if TYPE_CHECKING:
@@ -240,9 +240,9 @@ class Guard:
       ``body_timeout`` seconds (408), so slow clients cannot hold a request open for
       ever.  Bodies are read in full before the route runs, except media uploads,
       which stream to the device chunk by chunk under the same pacing.
-    * The fast paths answer the window read, the model list and a valid admission
-      without the framework's routing and dependency layers (the same code as their
-      routes).
+    * The fast paths answer the window read, the model list, a valid admission and a
+      valid chat completion without the framework's routing and dependency layers (the
+      same code as their routes).
     """
 
     def __init__(self, app: ASGIApp, loopback_only: bool, gateway: Callable[[], Gateway],
@@ -292,17 +292,22 @@ class Guard:
 
         await self._answer(send, 200, models)
 
-    async def _submit_fast_path(self, scope: Scope, body: bytes, send: Send) -> bool:
-        """POST /aotx/v1/requests without the framework's layers (they cost ~40 % of the
-        gateway's CPU for an admission).  Only a JSON body that validates is answered
-        here; anything else goes on to the route, which answers exactly as before (the
-        credentials are still checked first there)."""
+    @staticmethod
+    def _valid_chat(scope: Scope, body: bytes) -> ChatRequest | None:
+        """The body as FastAPI would parse it, when it is JSON that validates; else None
+        (the route answers it exactly as before: its credentials are checked first)."""
         ctype = next((v for k, v in scope["headers"] if k == b"content-type"), b"")
         if ctype.split(b";")[0].strip().lower() != b"application/json":
-            return False
+            return None
         try:
-            chat = ChatRequest.model_validate(json.loads(body))  # as FastAPI parses it
+            return ChatRequest.model_validate(json.loads(body))
         except (ValueError, RecursionError, ValidationError):
+            return None
+
+    async def _submit_fast_path(self, scope: Scope, body: bytes, send: Send) -> bool:
+        """POST /aotx/v1/requests without the framework's layers (they cost ~40 % of the
+        gateway's CPU for an admission), for a body that validates."""
+        if (chat := self._valid_chat(scope, body)) is None:
             return False
         g = self.gateway()
 
@@ -310,6 +315,24 @@ class Guard:
             return await calls.admission_body(g, chat, await g.authenticate(Request(scope)))
 
         await self._answer(send, 202, admit)
+        return True
+
+    async def _chat_fast_path(self, scope: Scope, body: bytes, receive: Receive,
+                              send: Send) -> bool:
+        """POST /v1/chat/completions without the framework's layers, for a body that
+        validates: the route's own code (``choices.completion``), its answer or stream
+        sent as the route's would be, an ApiError as the app's handler answers it."""
+        if (chat := self._valid_chat(scope, body)) is None:
+            return False
+        g = self.gateway()
+        try:
+            response = await choices.completion(g, chat, await g.authenticate(Request(scope)))
+        except ApiError as exc:
+            response = error_response(exc)
+        except Exception:
+            log.exception("event=gateway.error")
+            response = json_response(error_body(500, INTERNAL), 500)
+        await response(scope, receive, send)
         return True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -376,8 +399,11 @@ class Guard:
             if not msg.get("more_body"):
                 break
         body = b"".join(chunks)
-        if (scope["path"] == "/aotx/v1/requests" and scope["method"] == "POST"
-                and await self._submit_fast_path(scope, body, send)):
+        if scope["method"] == "POST" and (
+                scope["path"] == "/aotx/v1/requests" and await self._submit_fast_path(
+                    scope, body, send)
+                or scope["path"] == "/v1/chat/completions" and await self._chat_fast_path(
+                    scope, body, receive, send)):
             return
         replayed = False
 

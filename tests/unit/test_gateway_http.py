@@ -547,6 +547,41 @@ def test_the_fast_paths_answer_as_the_routes(gw: Any) -> None:
 
 
 
+def test_the_chat_fast_path_answers_as_the_route() -> None:
+    """A chat completion that validates is answered by the guard (choices.completion,
+    without FastAPI's layers): whole, streamed, and refused, it answers as the route
+    itself does (reached here through the app without its guard)."""
+    state_dir = short_tmpdir()
+    broker = ScriptedBroker()
+    broker.script[wire.Op.SUBMIT] = lambda h, p: (state(h, 202, wire.Phase.QUEUED), b"")
+    broker.script[wire.Op.READ] = lambda h, p: (
+        state(h, phase=wire.Phase.COMPLETED, total=3, finish=1), b"abc"[h.cursor:])
+    app = create_app(RuntimePaths(state_dir), Settings(), broker=broker)  # type: ignore[arg-type]
+
+    def same(r: httpx.Response) -> Any:
+        r.raise_for_status() if r.status_code < 400 else None
+        text = re.sub(r'"created":\d+', '"created":0', r.text)
+        return r.status_code, r.headers["content-type"], text
+
+    async def run() -> None:
+        async with asgi_client(app, RuntimePaths(state_dir)) as fast:
+            route = httpx.AsyncClient(transport=httpx.ASGITransport(app=app.app),  # type: ignore[attr-defined]
+                                      base_url="http://127.0.0.1", headers=fast.headers)
+            stream = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
+            for body in (BODY, stream, {**BODY, "model": "nope"}):
+                a, b = same(await fast.post("/v1/chat/completions", json=body)), \
+                    same(await route.post("/v1/chat/completions", json=body))
+                assert a == b
+            assert a[0] == 404 and "nope" in a[2]
+            assert "data: [DONE]" in same(await fast.post("/v1/chat/completions", json=stream))[2]
+            await route.aclose()
+
+    try:
+        asyncio.run(run())
+    finally:
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
 def test_a_malformed_request_answers_the_standard_error_object(served: Served) -> None:
     """Bytes the HTTP parser refuses: a JSON 400 that says nothing of the parser (not
     uvicorn's text/plain "Invalid HTTP request received."), and the connection closes."""
