@@ -47,7 +47,7 @@ def test_a_turn_whose_sequence_was_reused_restores_its_history() -> None:
     her history goes to host memory, and her next turn restores it: the same cells and the
     same new tokens evaluated, so exactly the same answer.  carol, sending alice's exact
     conversation, restores nothing (alice's cells are not hers)."""
-    with running_service(models="[default]\nslots = 2\ncontext = 2048\n") as kept_svc:
+    with running_service(models="[default]\nslots = 2\ncontext = 2048\nkv_spill = 0\n") as kept_svc:
         kept = conversation(kept_svc)
         assert metric(kept_svc, "aotx_kv_spills_total") == 0
     with running_service(models="[default]\nslots = 1\ncontext = 2048\n") as svc:

@@ -757,3 +757,25 @@ def test_a_reused_sequence_goes_to_host_memory_and_comes_back_for_its_next_turn(
     assert engine.saved == [0, 0]  # bob's 80 tokens went out first
     turn(3, 4, [*history, 1, 1, 42, 43])  # carol, with alice's exact prompt
     assert sched.spill.restores == 1  # alice's cells are not hers
+
+
+def test_with_a_spill_store_a_short_prefix_is_worth_a_long_conversation_saved() -> None:
+    """Sequence 0 holds alice's long conversation, which starts with the public prefix;
+    sequence 1 is empty.  Without a store, bob's request takes the empty sequence (the
+    conversation would be lost) and evaluates the public prefix again; with one, it
+    reuses the prefix and alice's conversation goes to host memory."""
+    public = list(range(100, 110))
+    for spill, seq, reused in ((0, 1, 0), (1 << 20, 0, len(public))):
+        sched, engine = make(slots=2, spill_bytes=spill)
+        sched.warm(public)
+        alice = of(1, req(1, [1] * 3))
+        alice.prompt = [*public, *range(500, 650)]
+        submit(sched, alice)
+        run_until_idle(sched)
+        bob = of(2, req(2, [2]))
+        bob.prompt = [*public, *range(700, 720)]
+        submit(sched, bob)
+        sched.step()
+        assert (bob.seq, bob.reused_tokens) == (seq, reused)
+        assert sched.spill.spills == (1 if spill else 0)
+        run_until_idle(sched)

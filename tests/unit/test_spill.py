@@ -68,3 +68,12 @@ def test_common_prefix_is_the_first_difference(a: list[int], b: list[int]) -> No
         n += 1
     assert common_prefix(a, b) == n
     assert common_prefix(a + [9], a + [8]) == len(a) and common_prefix(a, a) == len(a)
+
+
+def test_a_restore_must_save_more_evaluation_than_it_costs() -> None:
+    s = SpillStore(1 << 20)
+    s.put(list(range(100)), owner=1, data=saved(b"a"))
+    s.put(list(range(1000, 3000)), owner=1, data=saved(b"b"))
+    small, large = list(s.entries)
+    assert s.worth_restoring(small, 4) and not s.worth_restoring(small, 3)
+    assert not s.worth_restoring(large, 4) and s.worth_restoring(large, 2000 // 256)
