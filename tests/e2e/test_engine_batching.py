@@ -150,3 +150,44 @@ class _NoCopy:
 
     def copy_sequence(self, src: int, dst: int) -> None:
         raise AssertionError("no copies in this run")
+
+
+@pytest.mark.skipif(os.environ.get("AOTX_SKIP_MODEL") == "1", reason="model tests disabled")
+def test_a_stream_per_sequence_answers_the_same_beside_others_as_alone() -> None:
+    """The default KV layout's promise (docs/operations.md, "Memory sizing"): a greedy
+    answer does not depend on what else runs.  Five prompts evaluated and decoded
+    together give the tokens each gives alone.  (A shared pool does not keep this: its
+    answers first differ at tokens 4 to 23, docs/performance.md.)"""
+    from aotx.device.models import default_model_path
+    from aotx.device.template import ChatTemplate
+    from aotx.engine.llama import BatchEntry, EngineConfig, LlamaEngine
+    from aotx.engine.sampling import Sampler
+
+    questions = ["Tell me a short story about a cat.", "Describe the sea in a few sentences.",
+                 "Write a short poem about the moon.", "Explain how rain forms.",
+                 "Tell me about the history of bread."]
+    engine = LlamaEngine(EngineConfig(path=default_model_path(), slots=5, slot_context=512))
+    tmpl = ChatTemplate(engine.metadata("tokenizer.chat_template"))
+
+    def greedy(qs: list[str], steps: int = 32) -> list[list[int]]:
+        for q in range(5):
+            engine.clear_sequence(q)
+        prompts = [engine.tokenize(tmpl.render([{"role": "user", "content": q}]), False)
+                   for q in qs]
+        samplers = [Sampler(0.0, 1.0, 0) for _ in qs]
+        entries = [BatchEntry(tok, i, s, i == len(p) - 1)
+                   for s, p in enumerate(prompts) for i, tok in enumerate(p)]
+        assert engine.decode(entries) == 0
+        rows = [i for i, e in enumerate(entries) if e.logits]
+        out = [[engine.sample(samplers[s], rows[s])] for s in range(len(qs))]
+        for k in range(steps):
+            assert engine.decode([BatchEntry(out[s][-1], len(prompts[s]) + k, s, True)
+                                  for s in range(len(qs))]) == 0
+            for s in range(len(qs)):
+                out[s].append(engine.sample(samplers[s], s))
+        return out
+
+    try:
+        assert greedy(questions) == [greedy([q])[0] for q in questions]
+    finally:
+        engine.close()
