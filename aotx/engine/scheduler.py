@@ -255,6 +255,7 @@ class Scheduler:
             self._spill(seq, 0)
             entry = self.spill.take(key)
             restored = self.engine.restore_sequence(seq, entry.data)
+            self.spill.restores += restored
             self.cached[seq] = entry.tokens if restored else []
             self.owner[seq] = entry.owner
             return seq, saved if restored else 0

@@ -51,7 +51,7 @@ class SpillStore:
         self.entries: collections.OrderedDict[int, Spilled] = collections.OrderedDict()
         self.bytes = 0
         self.spills = 0  # entries stored
-        self.restores = 0  # entries given back to a sequence
+        self.restores = 0  # entries given back to a sequence (llama.cpp took them)
         self.dropped = 0  # entries let go for room, or superseded
         self._next = 0
 
@@ -86,9 +86,9 @@ class SpillStore:
         return found, most
 
     def take(self, key: int) -> Spilled:
+        """Remove entry ``key`` for a restore (the caller counts ``restores`` if it takes)."""
         e = self.entries.pop(key)
         self.bytes -= len(e.data)
-        self.restores += 1
         return e
 
     def _drop(self, key: int) -> None:

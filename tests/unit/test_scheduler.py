@@ -39,6 +39,7 @@ class ScriptedEngine:
         self.restored: list[tuple[int, bytearray]] = []  # restore_sequence's calls
         self.media_status = 0
         self.trim_fails = False  # a memory that cannot be cut back (recurrent models)
+        self.restore_fails = False  # llama_state_seq_set_data refuses (a full pool)
         self.rows_read: list[list[int]] = []  # logits_rows' calls (logprobs)
 
     def decode(self, entries: list[BatchEntry]) -> int:
@@ -80,7 +81,7 @@ class ScriptedEngine:
 
     def restore_sequence(self, seq: int, data: bytearray) -> bool:
         self.restored.append((seq, data))
-        return True
+        return not self.restore_fails
 
     def decode_embeddings(self, embd: object, n_tokens: int, pos: int, seq: int,
                           non_causal: bool = False) -> int:
@@ -757,6 +758,12 @@ def test_a_reused_sequence_goes_to_host_memory_and_comes_back_for_its_next_turn(
     assert engine.saved == [0, 0]  # bob's 80 tokens went out first
     turn(3, 4, [*history, 1, 1, 42, 43])  # carol, with alice's exact prompt
     assert sched.spill.restores == 1  # alice's cells are not hers
+    turn(2, 5, list(range(700, 780)))  # bob again (his own cells back): carol's go out
+    assert sched.spill.restores == 2
+    engine.restore_fails = True  # the pool has no room for alice's cells this time
+    refused = turn(1, 6, [*history, 1, 1, 42, 43, 1, 1, 7])
+    assert sched.spill.restores == 2 and refused.reused_tokens == 0  # evaluated anew
+    assert engine.restored[-1][1] == b"kv0-" * 100  # (alice's, tried)
 
 
 def test_with_a_spill_store_a_short_prefix_is_worth_a_long_conversation_saved() -> None:
