@@ -528,18 +528,27 @@ def test_another_principals_cached_prompt_is_evaluated_again() -> None:
     assert once_more.reused_tokens == len(mine.prompt) - 1  # its own cells: all but the last
 
 
-def test_another_principal_takes_an_empty_sequence_over_ones_private_cells() -> None:
-    sched, _ = make(slots=2)
-    public = list(range(500, 510))
-    sched.warm(public)
+PUBLIC = list(range(500, 510))
+
+
+def private_then_other(sched: Scheduler) -> tuple[Request, Request]:
+    """Principal 1's 110 tokens (the public prefix first) end in sequence 0; principal
+    2's request, which shares only the public prefix, has then started."""
+    sched.warm(PUBLIC)
     mine = of(1, req(1, [1]))
-    mine.prompt = [*public, *range(600, 700)]
+    mine.prompt = [*PUBLIC, *range(600, 700)]
     submit(sched, mine)
     run_until_idle(sched)
     theirs = of(2, req(2, [1]))
-    theirs.prompt = [*public, *range(800, 850)]
+    theirs.prompt = [*PUBLIC, *range(800, 850)]
     submit(sched, theirs)
     sched.step()
+    return mine, theirs
+
+
+def test_another_principal_takes_an_empty_sequence_over_ones_private_cells() -> None:
+    sched, _ = make(slots=2)
+    mine, theirs = private_then_other(sched)
     assert theirs.seq == 1  # not sequence 0, where principal 1's 110 tokens are kept
     run_until_idle(sched)
     again = of(1, req(3, [1]))
@@ -767,22 +776,12 @@ def test_a_reused_sequence_goes_to_host_memory_and_comes_back_for_its_next_turn(
 
 
 def test_with_a_spill_store_a_short_prefix_is_worth_a_long_conversation_saved() -> None:
-    """Sequence 0 holds alice's long conversation, which starts with the public prefix;
-    sequence 1 is empty.  Without a store, bob's request takes the empty sequence (the
-    conversation would be lost) and evaluates the public prefix again; with one, it
-    reuses the prefix and alice's conversation goes to host memory."""
-    public = list(range(100, 110))
-    for spill, seq, reused in ((0, 1, 0), (1 << 20, 0, len(public))):
-        sched, engine = make(slots=2, spill_bytes=spill)
-        sched.warm(public)
-        alice = of(1, req(1, [1] * 3))
-        alice.prompt = [*public, *range(500, 650)]
-        submit(sched, alice)
-        run_until_idle(sched)
-        bob = of(2, req(2, [2]))
-        bob.prompt = [*public, *range(700, 720)]
-        submit(sched, bob)
-        sched.step()
-        assert (bob.seq, bob.reused_tokens) == (seq, reused)
-        assert sched.spill.spills == (1 if spill else 0)
-        run_until_idle(sched)
+    """As test_another_principal_takes_an_empty_sequence_over_ones_private_cells, with a
+    spill store: principal 2 reuses the public prefix in sequence 0 instead of taking the
+    empty one, and principal 1's conversation there goes to host memory, not lost."""
+    sched, _ = make(slots=2, spill_bytes=1 << 20)
+    mine, theirs = private_then_other(sched)
+    assert (theirs.seq, theirs.reused_tokens) == (0, len(PUBLIC))
+    (entry,) = sched.spill.entries.values()
+    assert entry.owner == 1 and entry.tokens[:110] == mine.prompt
+    run_until_idle(sched)
