@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -22,8 +21,10 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from aotx.device.models import default_model_path  # noqa: E402
-from tests.helpers import free_port, running_service  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_serve import start_peer, stop  # noqa: E402
+
+from tests.helpers import running_service  # noqa: E402
 
 STREAMS = 16
 
@@ -104,25 +105,13 @@ def main() -> None:
         for pid, n in sorted(per.items(), key=lambda x: -x[1]):
             print(f"  {n / mib:6.0f} MiB  {names.get(pid, pid)}")
     if args.peer and os.path.exists(args.peer):
-        port = free_port()
-        peer = subprocess.Popen([args.peer, "-m", default_model_path(), "-t", "2",
-                                 "--port", str(port), "--host", "127.0.0.1"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        peer, url, _ = start_peer(args.peer, None)  # at its defaults
         try:
-            url = f"http://127.0.0.1:{port}"
-            for _ in range(600):
-                try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.1)
+            assert peer is not None
             peak, rest, _ = measure(peer.pid, url, {}, "smollm2")
             print(f"llama-server (defaults): peak {peak / mib:.0f} MiB, {rest / mib:.0f} MiB at rest")
         finally:
-            peer.terminate()
-            peer.wait(30)
-
+            stop(peer)
 
 if __name__ == "__main__":
     main()

@@ -37,7 +37,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -45,9 +44,8 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_serve import TOPICS, cpu_times, free_port, pct, steal_share, stop, wait_ready  # noqa: E402
-
-from aotx.device.models import default_model_path  # noqa: E402
+from bench_serve import TOPICS, cpu_times, pct, serve_aotx, steal_share, stop  # noqa: E402
+from bench_serve import start_peer as start_peer_as  # noqa: E402
 
 SYSTEM = (
     "You are a friendly and knowledgeable assistant who helps people with everyday "
@@ -96,47 +94,15 @@ def question(u: int, t: int, session: str) -> str:
 
 
 def start_aotx(models: str = "") -> Server:
-    state = tempfile.mkdtemp(prefix="aotx-bench-", dir="/tmp")  # no models.toml: defaults
-    if models:
-        with open(os.path.join(state, "models.toml"), "w") as f:
-            f.write(models.replace("\\n", "\n"))
-    port = free_port()
-    try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "aotx", "--log-level", "WARNING", "serve",
-             "--state-dir", state, "--port", str(port)],
-            stdout=subprocess.DEVNULL,
-            stderr=open(os.environ.get("AOTX_BENCH_LOG", os.devnull), "ab"),
-            start_new_session=True)
-    except BaseException:
-        shutil.rmtree(state, ignore_errors=True)
-        raise
-    srv = Server(proc, f"http://127.0.0.1:{port}", {}, "smollm2", state)
-    try:
-        wait_ready(srv.base + "/readyz", proc)
-        with open(os.path.join(state, "admin.token")) as f:
-            srv.headers = {"Authorization": f"Bearer {f.read().strip()}"}
-    except BaseException:
-        stop_server(srv)
-        raise
-    return srv
+    """aotx with ``models`` as its models file ("": none, its defaults)."""
+    proc, base, headers, state = serve_aotx(models.replace("\\n", "\n") or None)
+    return Server(proc, base, headers, "smollm2", state)
 
 
 def start_peer(spec: str) -> Server:
-    if spec.startswith("http"):
-        return Server(None, spec.rstrip("/"), {}, "default")
-    port = free_port()
-    proc = subprocess.Popen([spec, "-m", default_model_path(), "-t", "2", "--port", str(port),
-                             "--host", "127.0.0.1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    srv = Server(proc, f"http://127.0.0.1:{port}", {}, "default")
-    try:
-        wait_ready(srv.base + "/health", proc)
-    except BaseException:
-        stop_server(srv)
-        raise
-    return srv
+    """llama-server at its defaults (``-t 2`` only), or a running one at a URL."""
+    proc, base, model = start_peer_as(spec, None)
+    return Server(proc, base, {}, model)
 
 
 def stop_server(srv: Server | None) -> None:

@@ -18,7 +18,6 @@ import asyncio
 import http.client
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -28,10 +27,9 @@ import uvloop
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_serve import cpu_times, free_port, rate, steal_share, stop, wait_ready  # noqa: E402
+from bench_serve import cpu_times, rate, start_peer, steal_share, stop  # noqa: E402
 
 from aotx import wire  # noqa: E402
-from aotx.device.models import default_model_path  # noqa: E402
 from aotx.gateway.broker_client import BrokerClient  # noqa: E402
 from aotx.paths import for_state_dir  # noqa: E402
 from tests.helpers import running_service  # noqa: E402
@@ -108,13 +106,7 @@ def main() -> None:
     with running_service(models="") as svc:
         try:
             if args.peer:
-                port = free_port()
-                peer = subprocess.Popen([args.peer, "-m", default_model_path(), "-t", "2",
-                                         "--port", str(port), "--host", "127.0.0.1"],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        start_new_session=True)
-                pbase = f"http://127.0.0.1:{port}"
-                wait_ready(pbase + "/health", peer)
+                peer, pbase, _ = start_peer(args.peer, None)  # at its defaults
             rid = completed_request(svc.url, svc.headers)
             targets = [("models", svc.url, svc.headers, "/v1/models"),
                        ("window", svc.url, svc.headers, f"/aotx/v1/requests/{rid}")]

@@ -340,19 +340,29 @@ STATES: list[str] = []
 
 def start_aotx(slots: int | None) -> tuple[subprocess.Popen[bytes], str, dict[str, str], str]:
     """aotx with ``slots`` of 2048 tokens, or at its defaults (no models file) for None."""
+    return serve_aotx(None if slots is None else f"[default]\nslots = {slots}\ncontext = 2048\n"
+                      + os.environ.get("AOTX_BENCH_MODEL_EXTRA", ""))
+
+
+def serve_aotx(models: str | None) -> tuple[subprocess.Popen[bytes], str, dict[str, str], str]:
+    """aotx serving from a fresh state folder with ``models`` as its models file (None:
+    none, its defaults): (process, base URL, the admin's headers, the state folder)."""
     state = tempfile.mkdtemp(prefix="aotx-bench-", dir="/tmp")
-    if slots is not None:
-        with open(os.path.join(state, "models.toml"), "w") as f:
-            f.write(f"[default]\nslots = {slots}\ncontext = 2048\n"
-                    + os.environ.get("AOTX_BENCH_MODEL_EXTRA", ""))
-    port = free_port()
     STATES.append(state)
+    if models is not None:
+        with open(os.path.join(state, "models.toml"), "w") as f:
+            f.write(models)
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "aotx", "--log-level", "WARNING", "serve",
                              "--state-dir", state, "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=open(os.environ.get("AOTX_BENCH_LOG", os.devnull), "ab"),
                             start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    wait_ready(base + "/readyz", proc)
+    try:
+        wait_ready(base + "/readyz", proc)
+    except BaseException:
+        stop(proc)
+        raise
     token = open(os.path.join(state, "admin.token")).read().strip()
     return proc, base, {"Authorization": f"Bearer {token}"}, state
 
@@ -385,7 +395,11 @@ def start_peer(spec: str, slots: int | None) -> tuple[subprocess.Popen[bytes] | 
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    wait_ready(base + "/health", proc)
+    try:
+        wait_ready(base + "/health", proc)
+    except BaseException:
+        stop(proc)
+        raise
     return proc, base, "default"
 
 
