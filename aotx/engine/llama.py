@@ -30,6 +30,7 @@ import numpy as np
 from llama_cpp import _logger as _llama_logger
 
 from .grammar import apply_mask
+from .residency import anonymous_mappings, available_bytes, release_zero_pages
 from .sampling import Sampler
 
 log = logging.getLogger("aotx.engine")
@@ -154,18 +155,6 @@ def pool_cells(config: EngineConfig, cell_bytes: float, n_ctx_train: int) -> int
     return max(MIN_POOL_CELLS, default)
 
 
-def available_bytes() -> int:
-    """MemAvailable (/proc/meminfo), or 8 GiB where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 8 << 30
-
-
 @dataclass(slots=True)
 class BatchEntry:
     token: int
@@ -207,16 +196,20 @@ class LlamaEngine:
             # N streams do.  llama.cpp also quantizes V only with it.
             cparams.flash_attn_type = 1
         cparams.no_perf = False
+        before = anonymous_mappings()
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
             raise EngineError(f"llama.cpp could not create a context ({cells} KV cells of "
                               f"{config.kv_type}, {config.slots} sequences)")
+        # the KV buffer llama.cpp has just cleared is committed as cells are written
+        self.kv_cells = int(llama_cpp.llama_n_ctx(self.ctx))
+        self.kv_released = release_zero_pages(anonymous_mappings() - before,
+                                              self.kv_bytes() // 2)
         self.threadpool: int | None = None
         if config.poll >= 0 and threads > 1:
             self._attach_threadpool(threads, config.poll)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
-        self.kv_cells = int(llama_cpp.llama_n_ctx(self.ctx))
         self.unified = config.unified
         # llama.cpp caps a batch at the context's cells: a pool smaller than ``batch``
         # takes smaller batches (a larger one would abort in llama_decode)

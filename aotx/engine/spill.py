@@ -22,7 +22,7 @@ import collections
 from dataclasses import dataclass
 
 from .fair import usable_prefix
-from .llama import available_bytes
+from .residency import available_bytes
 
 #: A sequence's cached tokens are saved when a new request would discard at least this
 #: many of them: fewer cost little to evaluate again (~0.2 s on this machine).

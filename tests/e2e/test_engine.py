@@ -99,6 +99,25 @@ def test_the_persistent_thread_pool_gives_the_same_tokens(engine: LlamaEngine) -
         plain.close()
 
 
+def test_a_kv_cache_committed_as_it_is_written_gives_the_same_tokens(
+        engine: LlamaEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine hands the zero pages of its freshly cleared KV buffer back to the
+    kernel (engine/residency.py); an engine that keeps them resident continues a
+    prompt with exactly the same greedy tokens, past the first pages of every layer."""
+    from aotx.device.models import default_model_path
+
+    assert engine.kv_released >= engine.kv_bytes()
+    monkeypatch.setattr("aotx.engine.llama.release_zero_pages", lambda regions, least: 0)
+    kept = LlamaEngine(EngineConfig(path=default_model_path(), slots=4, slot_context=256,
+                                    batch=128))
+    try:
+        assert kept.kv_released == 0
+        text = "A list of the planets of the solar system, with one fact about each:"
+        assert greedy_continuation(engine, text, 160) == greedy_continuation(kept, text, 160)
+    finally:
+        kept.close()
+
+
 def test_every_request_seed_is_a_fixed_sampler_seed(engine: LlamaEngine) -> None:
     """llama.cpp takes the 32-bit seed 0xFFFFFFFF as "random"; no request seed may
     reach it (``seed: -1`` arrives as 2**64 - 1), and a seed samples the same twice."""

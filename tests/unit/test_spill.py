@@ -54,7 +54,7 @@ def test_nothing_is_worth_spilling_without_a_budget_or_below_the_minimum() -> No
 
 
 def test_the_default_budget_is_an_eighth_of_the_available_memory_at_most_1_gib() -> None:
-    from aotx.engine.llama import available_bytes
+    from aotx.engine.residency import available_bytes
     from aotx.engine.spill import default_budget
 
     assert default_budget(0) == 0 and default_budget(12345) == 12345

@@ -1,0 +1,88 @@
+"""KV memory committed as it is used, not when the context is created.
+
+llama.cpp allocates a context's KV cache in one buffer and clears it with ``memset``
+(``llama_kv_cache``'s constructor), which makes every page of it resident at once: a
+stream of 4096 cells for each of 16 sequences holds 1.4 GiB of a small model's memory
+before the first request.  A page of zeros and a page the kernel has never backed read
+the same, so the pages of that buffer that are still all zeros are handed back with
+``madvise(MADV_DONTNEED)`` right after the context is created.  The kernel backs a page
+again when a decode writes a cell in it; reading an unbacked page (attention over cells
+not written yet) maps the shared zero page and costs no memory.  Resident KV then grows
+with the cells the sequences have written, to at most the whole reservation.
+
+Only private anonymous mappings that appeared while the context was created, and only
+whole pages of zeros, are released: for any owner of such a page that is no change of
+content, unless another thread writes it between the scan and the ``madvise``.  The
+device creates its contexts before it starts any thread (``aotx.device.runtime``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import sys
+
+import numpy as np
+
+PAGE = mmap.PAGESIZE
+MADV_DONTNEED = 4  # Linux
+#: Pages scanned at a time (64 MiB): the zero test's temporary stays small.
+CHUNK_PAGES = (64 << 20) // PAGE
+
+Region = tuple[int, int]  # [start, end) of a mapping
+
+
+def available_bytes() -> int:
+    """MemAvailable (/proc/meminfo), or 8 GiB where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 8 << 30
+
+
+def anonymous_mappings() -> set[Region]:
+    """This process's private, writable, anonymous mappings (none where there is no
+    ``/proc/self/maps``)."""
+    found: set[Region] = set()
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) == 5 and fields[1] == "rw-p" and fields[4] == "0":
+                    start, end = fields[0].split("-")
+                    found.add((int(start, 16), int(end, 16)))
+    except OSError:
+        pass
+    return found
+
+
+def release_zero_pages(regions: set[Region], min_bytes: int) -> int:
+    """Hand back the all-zero pages of each region of at least ``min_bytes``; returns the
+    bytes released."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    released = 0
+    for start, end in sorted(regions):
+        if end - start < min_bytes:
+            continue
+        for at in range(start, end, CHUNK_PAGES * PAGE):
+            released += _release_chunk(libc, at, min(CHUNK_PAGES, (end - at) // PAGE))
+    return released
+
+
+def _release_chunk(libc: ctypes.CDLL, at: int, pages: int) -> int:
+    words = (ctypes.c_uint64 * (pages * PAGE // 8)).from_address(at)
+    zero = ~np.ctypeslib.as_array(words).reshape(pages, PAGE // 8).any(axis=1)
+    # the runs of zero pages: where ``zero`` turns on and off
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], zero.view(np.int8), [0]))))
+    released = 0
+    for first, stop in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
+        if libc.madvise(at + first * PAGE, (stop - first) * PAGE, MADV_DONTNEED) == 0:
+            released += (stop - first) * PAGE
+    return released

@@ -1,0 +1,68 @@
+"""Zero pages handed back to the kernel (aotx.engine.residency), on a real mapping."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import sys
+
+import pytest
+
+from aotx.engine.residency import PAGE, anonymous_mappings, release_zero_pages
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc")
+
+PAGES = 8192 + 5  # more than one scan chunk (64 MiB), and not a whole number of them
+
+
+def resident_bytes(start: int) -> int:
+    """The Rss of the mapping that holds ``start`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= start < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no mapping holds the address")
+
+
+def test_only_zero_pages_are_released_and_the_content_is_unchanged() -> None:
+    before = anonymous_mappings()
+    region = mmap.mmap(-1, PAGES * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    try:
+        new = anonymous_mappings() - before
+        assert any(lo <= start and start + PAGES * PAGE <= hi for lo, hi in new)
+        region.write(bytes(PAGES * PAGE))  # every page written (resident), as memset does
+        written = {0, 1, 4000, 8191, 8192, PAGES - 1}  # first, chunk edges, last
+        for page in written:
+            region[page * PAGE + 123] = 7
+        resident = resident_bytes(start)  # the mapping may be merged with a neighbour
+        assert resident >= PAGES * PAGE
+
+        released = release_zero_pages({(start, start + PAGES * PAGE)}, PAGES * PAGE)
+
+        assert released == (PAGES - len(written)) * PAGE
+        assert resident - resident_bytes(start) >= released - 64 * 1024
+        for page in written:
+            assert region[page * PAGE + 123] == 7
+        assert region[:PAGE].count(0) == PAGE - 1
+        assert region[2 * PAGE:4000 * PAGE].count(0) == 3998 * PAGE  # reads as zeros
+        region[3 * PAGE] = 9  # and a write backs the page again
+        assert region[3 * PAGE] == 9
+    finally:
+        region.close()
+
+
+def test_regions_under_the_threshold_are_left_alone() -> None:
+    region = mmap.mmap(-1, 16 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    try:
+        region.write(bytes(16 * PAGE))
+        assert release_zero_pages({(start, start + 16 * PAGE)}, 17 * PAGE) == 0
+        assert resident_bytes(start) >= 16 * PAGE
+    finally:
+        region.close()
