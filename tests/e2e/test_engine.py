@@ -118,6 +118,36 @@ def test_a_kv_cache_committed_as_it_is_written_gives_the_same_tokens(
         kept.close()
 
 
+def resident_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_a_copied_sequence_commits_only_the_cells_it_holds() -> None:
+    """A copy between two streams of 4096 cells (90 MiB each for this model) carries the
+    copied cells, not the whole stream: the process grows by a few MB, and the copy
+    continues as its source does."""
+    from aotx.device.models import default_model_path
+
+    eng = LlamaEngine(EngineConfig(path=default_model_path(), slots=2, slot_context=4096,
+                                   batch=64))
+    try:
+        stream = eng.kv_bytes() // 2
+        assert stream >= 90 << 20
+        prompt = eng.tokenize("Three facts about the moon:", False)
+        assert eng.decode([BatchEntry(t, i, 0, False) for i, t in enumerate(prompt)]) == 0
+        before = resident_bytes()
+        eng.copy_sequence(0, 1)
+        n = len(prompt)
+        assert eng.decode([BatchEntry(prompt[-1], n, 0, True),
+                           BatchEntry(prompt[-1], n, 1, True)]) == 0
+        assert resident_bytes() - before < stream // 8
+        sampler = Sampler(0.0, 1.0, 0)
+        assert eng.sample(sampler, 0) == eng.sample(sampler, 1)
+    finally:
+        eng.close()
+
+
 def test_every_request_seed_is_a_fixed_sampler_seed(engine: LlamaEngine) -> None:
     """llama.cpp takes the 32-bit seed 0xFFFFFFFF as "random"; no request seed may
     reach it (``seed: -1`` arrives as 2**64 - 1), and a seed samples the same twice."""
