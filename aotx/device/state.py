@@ -194,14 +194,7 @@ class DeviceState:
                 "slots": m.spec.slots, "steps": sc.tick, "prompt_tokens": sc.prompt_tokens_in,
                 "completion_tokens": sc.tokens_out, "finished": dict(sc.finished),
                 "ttft_seconds": sc.ttft.snapshot(), "inter_token_seconds": sc.itl.snapshot(),
-                "grammar_steps": sc.masks.steps, "grammar_masks": sc.masks.masks,
-                "grammar_fill_seconds": sc.masks.fill_ns / 1e9,
-                "grammar_wait_seconds": sc.masks.wait_ns / 1e9,
-                "kv_budget_bytes": m.engine.kv_bytes(), "kv_cells": m.engine.kv_cells,
-                "kv_cells_used": sc.pool.in_use(sc.active, sc.cached, sc.free_seqs),
-                "kv_preemptions": sc.pool.preemptions, "kv_evictions": sc.pool.evictions,
-                "kv_spilled_bytes": sc.spill.bytes, "kv_spills": sc.spill.spills,
-                "kv_restores": sc.spill.restores}
+                **sc.engine_metrics()}
         return {"epoch": self.epoch, "requests_by_state": dict(by_phase),
                 "admitted": self.counters.admitted,
                 "refused": {str(k): v for k, v in self.counters.refused.items()},

@@ -116,6 +116,17 @@ class Scheduler:
     def depth(self) -> int:
         return len(self.queue) + len(self.active)
 
+    def engine_metrics(self) -> dict[str, object]:
+        """The grammar masks' and the KV cache's figures (the device's /metrics)."""
+        return {"grammar_steps": self.masks.steps, "grammar_masks": self.masks.masks,
+                "grammar_fill_seconds": self.masks.fill_ns / 1e9,
+                "grammar_wait_seconds": self.masks.wait_ns / 1e9,
+                "kv_budget_bytes": self.engine.kv_bytes(), "kv_cells": self.engine.kv_cells,
+                "kv_cells_used": self.pool.in_use(self.active, self.cached, self.free_seqs),
+                "kv_preemptions": self.pool.preemptions, "kv_evictions": self.pool.evictions,
+                "kv_spilled_bytes": self.spill.bytes, "kv_spills": self.spill.spills,
+                "kv_restores": self.spill.restores}
+
     # -- engine thread -------------------------------------------------------
     def _finish(self, req: Request, phase: Phase, finish: Finish = Finish.NONE,
                 failure: Failure = Failure.NONE) -> None:

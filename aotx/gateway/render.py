@@ -240,7 +240,8 @@ def _model_families(models: dict[str, Any]) -> Any:
     for key, name, doc, counter in _MODEL_FAMILIES:
         fam = (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=["model"])
         for alias, m in sorted(models.items()):
-            fam.add_metric([alias], m[key])
+            if key in m:  # (an engine reports the figures it has: vLLM no grammar masks)
+                fam.add_metric([alias], m[key])
         yield fam
     finished = CounterMetricFamily("aotx_requests_finished", "Requests that ended",
                                    labels=["model", "state"])
