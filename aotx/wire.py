@@ -211,6 +211,7 @@ class Reason(enum.IntEnum):
     PROMPT_TOKEN = 55  #: a raw prompt's token id is not in the model's vocabulary; detail: it
     TOOL_FORMAT = 56  #: the tools' fields or format are not the model's template's; detail: its ToolFormat
     TOOL_TEXT = 57  #: a tool, call or call id holds special-token text; detail: the message (count: the tools)
+    ENGINE_FEATURE = 58  #: the model's engine does not provide it (501); detail: an EngineFeature
     KV_FULL = 60  #: the engine ran out of KV cache (503)
     DECODE = 61  #: llama_decode failed (500)
     MEDIA_ENCODE = 62  #: encoding a media part failed (500)
@@ -504,6 +505,14 @@ SAMPLING = layout(Sampling, 32)
 _BIAS = struct.Struct("<If")
 MAX_BIAS = 1024
 MAX_TOP_LOGPROBS = 20
+
+
+class EngineFeature(enum.IntEnum):
+    """What a submission asked that its model's engine lacks (``Reason.ENGINE_FEATURE``)."""
+
+    LOGPROBS = 1
+    PENALTY_WINDOW = 2  #: ``Sampling.last_n``
+    CONSTRAINT = 3  #: a grammar (response_format, tools)
 
 
 class GrammarKind(enum.IntEnum):

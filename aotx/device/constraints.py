@@ -19,6 +19,7 @@ import threading
 import orjson
 
 from ..engine.grammar import GrammarCompiler, GrammarError, GrammarSpec, Matcher
+from ..engine.llama import LlamaEngine
 from ..wire import Constraint, GrammarKind, Reason
 from .errors import DeviceError
 from .loading import LoadedModel
@@ -31,6 +32,7 @@ _lock = threading.Lock()  # one compiler built per model, even by two threads at
 def compiler_of(model: LoadedModel) -> GrammarCompiler:
     with _lock:
         if model.grammars is None:
+            assert isinstance(model.engine, LlamaEngine)  # (admission refuses it for vLLM)
             model.grammars = GrammarCompiler.for_engine(model.engine)
         return model.grammars
 

@@ -25,8 +25,9 @@ from ..engine.multimodal import MARKER, MediaEncoder, MediaInputError
 from ..engine.sampling import Sampler
 from ..engine.scheduler import Request, Scheduler
 from ..engine.spill import default_budget
+from ..engine.vllm import VllmModel, VllmRunner, sampling_params
 from .memory import qualified
-from .models import ModelSpec, file_sha256
+from .models import ModelSpec, file_sha256, folder_sha256
 from .prompt import TextRefused, split, text_tokens
 from .template import ChatTemplate, TemplateError
 
@@ -36,9 +37,9 @@ log = logging.getLogger("aotx.device")
 @dataclass
 class LoadedModel:
     spec: ModelSpec
-    engine: LlamaEngine
+    engine: LlamaEngine | VllmModel
     template: ChatTemplate
-    scheduler: Scheduler
+    scheduler: Scheduler | VllmRunner
     sha256: bytes
     published_at: int
     thread: threading.Thread | None = None
@@ -62,6 +63,8 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
     """Load ``spec`` and warm its scheduler; the scheduler shares the device's ``lock``."""
     log.info("event=model.load alias=%s role=%d path=%s slots=%d context=%d",
              spec.alias, spec.role, spec.path, spec.slots, spec.context)
+    if spec.engine == "vllm":
+        return _load_vllm(spec, state_dir, lock, on_step, on_terminal)
     t0 = time.monotonic()
     hashes = os.path.join(state_dir, "model-hashes.json")
     digest = file_sha256(spec.path, hashes)
@@ -102,6 +105,34 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
              spec.kv_type, engine.threads,
              model.automatic_memory, template.tool_format.name.lower(), time.monotonic() - t0)
     return model
+
+
+def _load_vllm(spec: ModelSpec, state_dir: str, lock: threading.Lock,
+               on_step: Callable[[], None],
+               on_terminal: Callable[[Request], None]) -> LoadedModel:
+    """A model vLLM serves (engine/vllm.py): its tokenizer and template here, its
+    batching and KV there.  No embeddings, projector or automatic memory on it yet."""
+    from ..engine import vllm
+
+    t0 = time.monotonic()
+    digest = folder_sha256(spec.path, os.path.join(state_dir, "model-hashes.json"))
+    try:
+        engine = vllm.start(spec.path, dict(spec.vllm))
+    except EngineError as exc:
+        raise SystemExit(f"model {spec.alias}: {exc}") from None
+    try:
+        source = _read_template(spec.chat_template) if spec.chat_template else (
+            engine.metadata("tokenizer.chat_template"))
+        template = ChatTemplate(source, bos_token=engine.token_text(engine.bos),
+                                eos_token=engine.token_text(engine.eos))
+    except TemplateError as exc:
+        engine.close()
+        raise SystemExit(f"model {spec.alias} ({spec.path}) refused: {exc}") from None
+    runner = VllmRunner(engine.client, engine, lock, sampling_params, on_step, on_terminal)
+    log.info("event=model.ready alias=%s role=%d engine=vllm sha256=%s context=%d "
+             "seconds=%.1f", spec.alias, spec.role, digest.hex(), engine.slot_context,
+             time.monotonic() - t0)
+    return LoadedModel(spec, engine, template, runner, digest, int(os.stat(spec.path).st_mtime))
 
 
 def _embeddings(spec: ModelSpec, engine: LlamaEngine, scheduler: Scheduler,

@@ -37,6 +37,14 @@ installed package, never by a fixed path.
     mmproj = "models/mmproj-some-vlm.gguf"  # llama.cpp multimodal projector
 
     [[model]]
+    alias = "big"                       # served by vLLM (pip install aotx[vllm])
+    engine = "vllm"
+    path = "models/Qwen2.5-7B-Instruct" # a Hugging Face model folder
+    [model.vllm]                        # vLLM's engine arguments, passed by name
+    tensor_parallel_size = 2
+    max_model_len = 8192
+
+    [[model]]
     alias = "tools"
     path = "models/some.gguf"
     chat_template = "templates/fixed.jinja"  # instead of the GGUF's tokenizer.chat_template
@@ -110,6 +118,8 @@ class ModelSpec:
     kv_type: str = "f16"  # "f16" or "q8_0" (engine.llama.KV_TYPES)
     kv_spill: int = -1  # bytes of host memory for cached prefixes (engine/spill.py); -1: "auto"
     prompts_per_step: int = 1  # Scheduler.prompts_per_step: 0 evaluates all prompts at once
+    engine: str = "llama"  # "llama" (llama.cpp, a GGUF file) or "vllm" (a model folder)
+    vllm: tuple[tuple[str, Any], ...] = ()  # vLLM's own engine arguments, by name
 
 
 def default_model_path() -> str:
@@ -214,6 +224,56 @@ def _kv(entry: dict[str, object], what: str) -> dict[str, Any]:
     return out
 
 
+#: The vLLM engine arguments a models file may set (``vllm.engine.arg_utils.
+#: AsyncEngineArgs``): how the model is split across devices and nodes, its memory and
+#: lengths, its batch, LoRA.  Anything else (the model path, the tokenizer, logging)
+#: is aotx's to set.
+VLLM_SETTINGS = frozenset({
+    "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+    "distributed_executor_backend", "max_model_len", "gpu_memory_utilization",
+    "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "kv_cache_dtype",
+    "dtype", "quantization", "enforce_eager", "seed", "enable_lora", "max_loras",
+    "max_lora_rank", "max_cpu_loras", "block_size", "swap_space", "cpu_offload_gb",
+    "enable_chunked_prefill", "structured_outputs_config", "trust_remote_code"})
+
+
+def _engine(state_dir: str, entry: dict[str, object], what: str) -> dict[str, Any]:
+    """``engine`` and ``path`` of a ``[[model]]``, and for vLLM its ``[model.vllm]``
+    settings: a GGUF file for llama.cpp, a Hugging Face model folder for vLLM."""
+    engine = entry.get("engine", "llama")
+    if engine not in ("llama", "vllm"):
+        raise ModelConfigError(f"{what}: engine is \"llama\" or \"vllm\", got {engine!r}")
+    settings = entry.get("vllm", {})
+    if engine == "llama":
+        if "vllm" in entry:
+            raise ModelConfigError(f"{what}: [model.vllm] settings need engine = \"vllm\"")
+        return {"path": _file_in(state_dir, entry.get("path"), what)}
+    if not isinstance(settings, dict):
+        raise ModelConfigError(f"{what}: vllm must be a table of vLLM engine arguments")
+    unknown = sorted(set(settings) - VLLM_SETTINGS)
+    if unknown:
+        raise ModelConfigError(f"{what}: unknown vLLM settings {unknown}; a models file may "
+                               f"set {sorted(VLLM_SETTINGS)}")
+    if entry.get("kind", "chat") != "chat":
+        raise ModelConfigError(f"{what}: a vLLM model is a chat model (kind = \"chat\")")
+    for key in ("mmproj", "kv_budget", "kv_type", "kv_spill", "prompts_per_step", "poll"):
+        if key in entry:
+            raise ModelConfigError(f"{what}: {key} is a llama.cpp setting; vLLM takes its "
+                                   "own in [model.vllm]")
+    return {"path": _folder_in(state_dir, entry.get("path"), what), "engine": "vllm",
+            "vllm": tuple(sorted(settings.items()))}
+
+
+def _folder_in(state_dir: str, value: object, what: str) -> str:
+    """A vLLM model: a folder with a config.json (resolved as :func:`_file_in`)."""
+    if isinstance(value, str) and value and os.path.isdir(
+            os.path.join(state_dir, value) if not os.path.isabs(value) else value):
+        path = os.path.dirname(_file_in(state_dir, os.path.join(value, "config.json"), what))
+        return path
+    raise ModelConfigError(f"{what}: path must be a Hugging Face model folder "
+                           f"(with config.json), got {value!r}")
+
+
 def _template_file(state_dir: str, entry: dict[str, object], what: str) -> str | None:
     if "chat_template" not in entry:
         return None
@@ -266,7 +326,7 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
     for n, entry in enumerate(entries):
         if not isinstance(entry, dict):
             raise ModelConfigError("each [[model]] must be a table")
-        mpath = _file_in(state_dir, entry.get("path"), f"model {n}")
+        engine = _engine(state_dir, entry, f"model {n}")
         mmproj = (_file_in(state_dir, entry["mmproj"], f"model {n} mmproj")
                   if "mmproj" in entry else None)
         mods = _modalities(entry, f"model {n}", mmproj)
@@ -274,7 +334,7 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
         if sha is not None and (not isinstance(sha, str) or len(sha) != 64):
             raise ModelConfigError(f"model {n}: sha256 must be 64 hex digits")
         kind = _kind(entry, f"model {n}")
-        specs.append(ModelSpec(alias=_check_alias(entry.get("alias")), path=mpath,
+        specs.append(ModelSpec(alias=_check_alias(entry.get("alias")), **engine,
                                role=len(specs) + 1,  # an embedding model decodes no stream
                                slots=_positive(entry, "slots", 8) if kind == "chat" else 1,
                                context=_positive(entry, "context", 4096),
@@ -293,6 +353,17 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
     if len(set(aliases)) != len(aliases):
         raise ModelConfigError(f"duplicate model aliases in {aliases}")
     return specs
+
+
+def folder_sha256(path: str, cache_path: str | None = None) -> bytes:
+    """SHA-256 over a model folder's files (name and each file's own SHA-256, in name
+    order; hidden files aside), each cached as :func:`file_sha256` caches."""
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if not name.startswith(".") and os.path.isfile(full):
+            h.update(name.encode() + b"\0" + file_sha256(full, cache_path))
+    return h.digest()
 
 
 def file_sha256(path: str, cache_path: str | None = None) -> bytes:

@@ -36,9 +36,8 @@ import functools
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
-from ..engine.llama import LlamaEngine
 from ..engine.multimodal import MediaEncoder, MediaInputError, MediaSegment, release_all
 from .template import ChatTemplate, TemplateError
 
@@ -234,13 +233,21 @@ def _prompt(text: str, layout: Layout, contents: Sequence[str], at: Sequence[Seq
     return Prompt(text, tuple(pieces), method)
 
 
-def text_tokens(engine: LlamaEngine, prompt: Prompt, add_special: bool) -> list[int]:
+class Pieces(Protocol):
+    """What tokenizing a rendered prompt needs of an engine: llama.cpp's vocabulary
+    (engine/llama.py) or a Hugging Face tokenizer's (engine/hfvocab.py)."""
+
+    def tokenize_pieces(self, pieces: Sequence[tuple[str, bool]], add_special: bool = True,
+                        start: bool = True, end: bool = True) -> list[int]: ...
+
+
+def text_tokens(engine: Pieces, prompt: Prompt, add_special: bool) -> list[int]:
     """The tokens of a prompt without media."""
     return engine.tokenize_pieces([(p.text, p.kind is Kind.MARKUP) for p in prompt.pieces],
                                   add_special)
 
 
-def media_tokens(engine: LlamaEngine, encoder: MediaEncoder, prompt: Prompt,
+def media_tokens(engine: Pieces, encoder: MediaEncoder, prompt: Prompt,
                  media: Sequence[tuple[str, bytes]],
                  add_special: bool) -> tuple[list[int], list[MediaSegment]]:
     """The tokens (with placeholders) and segments of a prompt with media: the text

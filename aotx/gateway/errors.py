@@ -168,6 +168,8 @@ REASONS: dict[Reason, Wording] = {
     Reason.TOOL_TEXT: Wording("the tools, or the tool calls of message {detail}, hold "
                               "special-token text, which model {model}'s chat template would "
                               "write as control tokens", param="tools"),
+    Reason.ENGINE_FEATURE: Wording("model {model}'s engine does not provide {feature} yet",
+                                   "engine_feature_unsupported"),
     Reason.NO_SOURCE_ID: Wording("no such media source"),
     Reason.UPLOAD_OFFSET: Wording("the upload's chunks do not follow each other"),
     Reason.CONTENT_TYPE: Wording("unsupported content type"),
@@ -218,7 +220,13 @@ def _fields(h: wire.Header, call: Call, body: bytes = b"") -> dict[str, object]:
         "kind_of_part": call.kinds[d] if d < len(call.kinds) else "media",
         "action": " or ".join((a.name or "").lower() for a in wire.Action if d & a) or str(d),
         "content_type": wire.MEDIA_TYPES.get(h.content_type, "its content type"),
+        "feature": _FEATURES.get(d, "this") if h.reason == wire.Reason.ENGINE_FEATURE else "",
     }
+
+
+_FEATURES: dict[int, str] = {wire.EngineFeature.LOGPROBS: "logprobs",
+             wire.EngineFeature.PENALTY_WINDOW: "a penalty window (last_n)",
+             wire.EngineFeature.CONSTRAINT: "constrained output (response_format, tools)"}
 
 
 def _grammar_why(body: bytes) -> str:

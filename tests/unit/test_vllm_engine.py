@@ -1,0 +1,267 @@
+"""The vLLM engine's device side (engine/vllm.py, engine/hfvocab.py) against a scripted
+``EngineClient`` and a scripted vocabulary: no vLLM installed.  The same code runs on
+the real vLLM in tests/vllm/."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from aotx.device.models import ModelConfigError, load_specs
+from aotx.engine.hfvocab import HfVocab, Vocab
+from aotx.engine.llama import EngineError
+from aotx.engine.request import Failure, Request
+from aotx.engine.vllm import VllmRunner, start, unsupported
+from aotx.wire import EngineFeature, Finish, Phase, Sampling
+
+BOS, EOS, A, B = 0, 1, 2, 3  # specials; a byte b is token b + 4
+SPECIALS = (("<s>", BOS), ("</s>", EOS), ("<|a|>", A), ("<|ab|>", B))
+
+
+def vocab() -> HfVocab:
+    return HfVocab(Vocab(n_vocab=260, specials=SPECIALS, eog=frozenset({EOS}), bos=BOS,
+                         add_bos=True, chat_template="{{ messages }}",
+                         encode=lambda text: [b + 4 for b in text.encode()],
+                         token_bytes=lambda t: bytes([t - 4])), context=64)
+
+
+def tokens(data: bytes) -> list[int]:
+    return [b + 4 for b in data]
+
+
+def test_markup_alone_is_parsed_for_special_tokens() -> None:
+    v = vocab()
+    ids = v.tokenize_pieces([("<|ab|>u:", True), ("x<|a|>", False), ("<|a|>", True)])
+    assert ids == [BOS, B, *tokens(b"u:x<|a|>"), A]
+    assert v.specials("a<|ab|>b<|a|><s>") == [B, A, BOS]
+    assert v.tokenize("hi", add_special=False) == tokens(b"hi")
+    assert v.piece(A) == b"" and v.piece(tokens(b"z")[0]) == b"z"
+    assert v.token_text(EOS) == "</s>" and v.is_eog(EOS) and not v.is_eog(A)
+    assert v.metadata("tokenizer.chat_template") == "{{ messages }}"
+
+
+def out(ids: list[int], reason: str | None = None) -> Any:
+    return SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, finish_reason=reason)],
+                           finished=reason is not None)
+
+
+class ScriptedClient:
+    """``generate`` yields the script's outputs (a pause before each); records aborts."""
+
+    def __init__(self, script: list[Any], pause: float = 0.0,
+                 fail: Exception | None = None) -> None:
+        self.script, self.pause, self.fail = script, pause, fail
+        self.prompts: list[list[int]] = []
+        self.aborted: list[str] = []
+
+    async def generate(self, prompt: Any, sampling_params: Any, request_id: str
+                       ) -> AsyncIterator[Any]:
+        self.prompts.append(prompt["prompt_token_ids"])
+        for item in self.script:
+            await asyncio.sleep(self.pause)
+            if self.fail is not None:
+                raise self.fail
+            yield item
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+
+class Running:
+    """A runner on its own engine thread; ``steps`` counts on_step calls."""
+
+    def __init__(self, client: ScriptedClient) -> None:
+        self.lock = threading.Lock()
+        self.steps = 0
+        self.ended: list[Request] = []
+        self.runner = VllmRunner(client, vocab(), self.lock, make_params=lambda r: r,
+                                 on_step=self._step, on_terminal=self.ended.append)
+        self.thread = threading.Thread(target=self.runner.run, daemon=True)
+        self.thread.start()
+
+    def _step(self) -> None:
+        self.steps += 1
+
+    def submit(self, **kw: Any) -> Request:
+        req = Request(identity=os.urandom(16), principal=1, revision=1, role=2,
+                      prompt=[BOS, *tokens(b"hi")], max_tokens=kw.pop("max_tokens", 32), **kw)
+        with self.lock:
+            self.runner.submit(req)
+        return req
+
+    def wait(self, until: Callable[[], bool], timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not until():
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        self.runner.stop()
+        self.thread.join(5)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture
+def running() -> Any:
+    made: list[Running] = []
+
+    def make(client: ScriptedClient) -> Running:
+        made.append(Running(client))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def test_tokens_become_bytes_at_utf8_boundaries_and_the_length_ends_it(running: Any) -> None:
+    e_acute = "é".encode()  # two bytes, sent in two outputs
+    client = ScriptedClient([out(tokens(b"ab") + [tokens(e_acute)[0]]),
+                             out([tokens(e_acute)[1]]), out(tokens(b"!"), "length")])
+    r = running(client)
+    req = r.submit(max_tokens=5)
+    r.wait(lambda: req.phase.terminal)
+    assert req.phase is Phase.COMPLETED and req.finish is Finish.LENGTH
+    assert bytes(req.out) == b"ab" + e_acute + b"!" and req.sampled == 5
+    assert client.prompts == [[BOS, *tokens(b"hi")]]
+    assert client.aborted == []  # vLLM ended it: nothing to abort
+    assert r.steps >= 3 and r.ended == [req]
+    assert r.runner.tokens_out == 5 and r.runner.finished["completed"] == 1
+    assert r.runner.ttft.count == 1 and r.runner.itl.count == 4
+
+
+def test_a_split_character_is_not_published_early(running: Any) -> None:
+    e_acute = "é".encode()
+    client = ScriptedClient([out(tokens(b"a") + [tokens(e_acute)[0]]),
+                             out([tokens(e_acute)[1]], "stop")], pause=0.2)
+    r = running(client)
+    req = r.submit()
+    r.wait(lambda: req.sampled == 2)
+    with r.lock:
+        assert bytes(req.out) == b"a"  # the lead byte is held back
+    r.wait(lambda: req.phase.terminal)
+    assert bytes(req.out) == b"a" + e_acute and req.finish is Finish.STOP
+
+
+def test_a_stop_string_or_max_tokens_ends_it_here_and_aborts_vllm(running: Any) -> None:
+    client = ScriptedClient([out(tokens(b"one END two")), out(tokens(b"more"))])
+    r = running(client)
+    stopped = r.submit(stops=(b"END",))
+    r.wait(lambda: stopped.phase.terminal)
+    assert bytes(stopped.out) == b"one " and stopped.finish is Finish.STOP
+    capped = r.submit(max_tokens=3)
+    r.wait(lambda: capped.phase.terminal)
+    assert bytes(capped.out) == b"one" and capped.finish is Finish.LENGTH
+    r.wait(lambda: len(client.aborted) == 2)
+    assert client.aborted == [stopped.identity.hex(), capped.identity.hex()]
+
+
+def test_end_of_generation_token_completes_it(running: Any) -> None:
+    r = running(ScriptedClient([out(tokens(b"ok") + [EOS], "stop")]))
+    req = r.submit()
+    r.wait(lambda: req.phase.terminal)
+    assert bytes(req.out) == b"ok" and req.finish is Finish.STOP and req.sampled == 3
+
+
+def test_cancel_ends_it_and_aborts_vllm(running: Any) -> None:
+    client = ScriptedClient([out(tokens(b"x"))] * 50, pause=0.05)
+    r = running(client)
+    req = r.submit(max_tokens=100)
+    r.wait(lambda: req.sampled >= 2)
+    with r.lock:
+        r.runner.cancel(req)
+    r.wait(lambda: req.phase.terminal)
+    assert req.phase is Phase.CANCELLED and req.sampled < 50
+    r.wait(lambda: client.aborted == [req.identity.hex()])
+    assert r.runner.depth == 0
+
+
+def test_an_engine_error_fails_the_request_alone(running: Any) -> None:
+    r = running(ScriptedClient([out(tokens(b"x"))], fail=RuntimeError("engine core died")))
+    req = r.submit()
+    r.wait(lambda: req.phase.terminal)
+    assert req.phase is Phase.FAILED and req.failure is Failure.DECODE
+    assert r.runner.depth == 0
+
+
+def test_requests_submitted_before_the_loop_runs_are_started() -> None:
+    lock = threading.Lock()
+    client = ScriptedClient([out(tokens(b"early"), "stop")])
+    runner = VllmRunner(client, vocab(), lock, make_params=lambda r: r)
+    req = Request(identity=os.urandom(16), principal=1, revision=1, role=2, prompt=[BOS],
+                  max_tokens=8)
+    with lock:
+        runner.submit(req)
+    thread = threading.Thread(target=runner.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not req.phase.terminal and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert bytes(req.out) == b"early"
+    finally:
+        runner.stop()
+        thread.join(5)
+
+
+def test_what_the_engine_lacks_is_named() -> None:
+    assert unsupported(Sampling(logprobs=3), False) is EngineFeature.LOGPROBS
+    assert unsupported(Sampling(last_n=64), False) is EngineFeature.PENALTY_WINDOW
+    assert unsupported(Sampling(), True) is EngineFeature.CONSTRAINT
+    assert unsupported(Sampling(top_k=5, presence=0.5, bias=((7, 1.0),)), False) is None
+
+
+def test_without_vllm_a_vllm_model_is_refused_with_the_remedy(tmp_path: Any) -> None:
+    pytest.importorskip("llama_cpp")
+    try:
+        import vllm  # noqa: F401
+        pytest.skip("vLLM is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(EngineError, match=r"pip install 'aotx\[vllm\]'"):
+        start(str(tmp_path), {})
+
+
+def write_models(tmp_path: Any, body: str) -> str:
+    (tmp_path / "m").mkdir(exist_ok=True)
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "models.toml").write_text("[default]\nenabled = false\n" + body)
+    return str(tmp_path)
+
+
+def test_models_file_declares_the_engine_and_passes_vllm_settings(tmp_path: Any) -> None:
+    state = write_models(tmp_path, '[[model]]\nalias = "big"\nengine = "vllm"\npath = "m"\n'
+                         '[model.vllm]\ntensor_parallel_size = 2\nmax_model_len = 8192\n'
+                         'distributed_executor_backend = "ray"\n')
+    (spec,) = load_specs(state)
+    assert spec.engine == "vllm" and spec.path == os.path.realpath(tmp_path / "m")
+    assert dict(spec.vllm) == {"tensor_parallel_size": 2, "max_model_len": 8192,
+                               "distributed_executor_backend": "ray"}
+
+
+@pytest.mark.parametrize("body, message", [
+    ('engine = "vllm"\npath = "m"\n[model.vllm]\nmodel = "other"\n', "unknown vLLM settings"),
+    ('engine = "vllm"\npath = "m"\nkv_budget = "1GiB"\n', "kv_budget is a llama.cpp setting"),
+    ('engine = "vllm"\npath = "m/config.json"\n', "Hugging Face model folder"),
+    ('engine = "vllm"\npath = "m"\nkind = "embedding"\n', "a vLLM model is a chat model"),
+    ('engine = "tgi"\npath = "m"\n', 'engine is "llama" or "vllm"'),
+    ('path = "m/config.json"\n[model.vllm]\nmax_model_len = 8\n', 'need engine = "vllm"'),
+])
+def test_models_file_refuses_what_vllm_cannot_take(tmp_path: Any, body: str,
+                                                   message: str) -> None:
+    state = write_models(tmp_path, '[[model]]\nalias = "big"\n' + body)
+    with pytest.raises(ModelConfigError, match=message):
+        load_specs(state)
