@@ -14,11 +14,13 @@ import pytest
 from .helpers import Service, make_service, running_service
 
 E2E = pathlib.Path(__file__).parent / "e2e"
+VLLM = pathlib.Path(__file__).parent / "vllm"  # (they load the real model too)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if E2E in pathlib.Path(str(item.path)).parents:
+        parents = pathlib.Path(str(item.path)).parents
+        if E2E in parents or VLLM in parents:
             item.add_marker(pytest.mark.e2e)
 
 

@@ -66,6 +66,7 @@ class Service:
     log_path: str = ""
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    python: str = ""  # the service's interpreter (default: this one)
 
     @property
     def url(self) -> str:
@@ -87,7 +88,7 @@ class Service:
         self.log_path = os.path.join(self.state_dir, "serve.log")
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "aotx", "serve", "--state-dir", self.state_dir,
+            [self.python or sys.executable, "-m", "aotx", "serve", "--state-dir", self.state_dir,
              "--port", str(self.port), *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True, env={**os.environ, **self.env})
