@@ -299,8 +299,9 @@ def start(path: str, settings: dict[str, Any]) -> VllmModel:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError as exc:
-        raise EngineError("engine = \"vllm\" needs vLLM where the device runs: "
-                          f"pip install 'aotx[vllm]' ({exc})") from None
+        raise EngineError("engine = \"vllm\" needs vLLM where the device runs: start "
+                          "the service from a Python with vLLM (scripts/setup-vllm; "
+                          f"docs/operations.md, \"Models served by vLLM\") ({exc})") from None
     client = AsyncLLM.from_engine_args(AsyncEngineArgs(model=path, **settings))
     context = int(client.model_config.max_model_len)
     return VllmModel(from_hf(AutoTokenizer.from_pretrained(path)), context, client)
