@@ -30,7 +30,7 @@ import numpy as np
 from llama_cpp import _logger as _llama_logger
 
 from .grammar import apply_mask
-from .residency import anonymous_mappings, available_bytes, release_zero_pages
+from .residency import anonymous_mappings, available_bytes, new_regions, release_zero_pages
 from .sampling import Sampler
 
 log = logging.getLogger("aotx.engine")
@@ -204,7 +204,7 @@ class LlamaEngine:
                               f"{config.kv_type}, {config.slots} sequences)")
         # the KV buffer llama.cpp has just cleared is committed as cells are written
         self.kv_cells = int(llama_cpp.llama_n_ctx(self.ctx))
-        self.kv_released = release_zero_pages(anonymous_mappings() - before,
+        self.kv_released = release_zero_pages(new_regions(before, anonymous_mappings()),
                                               self.kv_bytes() // 2)
         self.threadpool: int | None = None
         if config.poll >= 0 and threads > 1:

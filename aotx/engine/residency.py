@@ -10,8 +10,9 @@ again when a decode writes a cell in it; reading an unbacked page (attention ove
 not written yet) maps the shared zero page and costs no memory.  Resident KV then grows
 with the cells the sequences have written, to at most the whole reservation.
 
-Only private anonymous mappings that appeared while the context was created, and only
-whole pages of zeros, are released: for any owner of such a page that is no change of
+Only private anonymous memory mapped while the context was created (a new mapping the
+kernel merged with an older one counts for its new part alone), and only whole pages of
+zeros, are released: for any owner of such a page that is no change of
 content, unless another thread writes it between the scan and the ``madvise``.  The
 device creates its contexts before it starts any thread (``aotx.device.runtime``).
 """
@@ -58,6 +59,24 @@ def anonymous_mappings() -> set[Region]:
     except OSError:
         pass
     return found
+
+
+def new_regions(before: set[Region], after: set[Region]) -> set[Region]:
+    """The address ranges mapped in ``after`` that were not in ``before``: a new mapping
+    the kernel merged with an older neighbour counts only for its new part."""
+    old = sorted(before)
+    out: set[Region] = set()
+    for start, end in after - before:
+        at = start
+        for lo, hi in old:
+            if hi <= at or lo >= end:
+                continue
+            if lo > at:
+                out.add((at, lo))
+            at = max(at, hi)
+        if at < end:
+            out.add((at, end))
+    return out
 
 
 def release_zero_pages(regions: set[Region], min_bytes: int) -> int:

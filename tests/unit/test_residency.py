@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from aotx.engine.residency import PAGE, anonymous_mappings, release_zero_pages
+from aotx.engine.residency import PAGE, anonymous_mappings, new_regions, release_zero_pages
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc")
 
@@ -66,3 +66,10 @@ def test_regions_under_the_threshold_are_left_alone() -> None:
         assert resident_bytes(start) >= 16 * PAGE
     finally:
         region.close()
+
+
+def test_a_mapping_merged_with_an_older_one_counts_only_for_its_new_part() -> None:
+    before = {(100, 200), (300, 400)}
+    after = {(50, 200), (300, 400), (500, 600), (250, 450)}  # grown down; new; around
+    assert new_regions(before, after) == {(50, 100), (500, 600), (250, 300), (400, 450)}
+    assert new_regions(before, before) == set()
