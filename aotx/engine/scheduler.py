@@ -125,7 +125,17 @@ class Scheduler:
                 "kv_cells_used": self.pool.in_use(self.active, self.cached, self.free_seqs),
                 "kv_preemptions": self.pool.preemptions, "kv_evictions": self.pool.evictions,
                 "kv_spilled_bytes": self.spill.bytes, "kv_spills": self.spill.spills,
-                "kv_restores": self.spill.restores}
+                "kv_restores": self.spill.restores, **self.router_metrics()}
+
+    def router_metrics(self) -> dict[str, object]:
+        """The figures a router's scorers read from vLLM (docs/scale-out.md), from this
+        scheduler: running and waiting requests, the share of KV cells held, prompt
+        tokens looked up in and found in cached prefixes."""
+        used = self.pool.in_use(self.active, self.cached, self.free_seqs)
+        return {"num_requests_running": len(self.active), "num_requests_waiting": len(self.queue),
+                "kv_cache_usage_perc": min(1.0, used / max(1, self.engine.kv_cells)),
+                "prefix_cache_queries": self.prompt_tokens_in,
+                "prefix_cache_hits": self.reused_tokens}
 
     # -- engine thread -------------------------------------------------------
     def _finish(self, req: Request, phase: Phase, finish: Finish = Finish.NONE,

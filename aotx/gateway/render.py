@@ -192,6 +192,18 @@ _MODEL_FAMILIES = (  # (key in the device's per-model counters, name, help, coun
     ("kv_spills", "aotx_kv_spills", "Cached prefixes saved to host memory", True),
     ("kv_restores", "aotx_kv_restores", "Cached prefixes restored from host memory", True),
 )
+#: The same figures under vLLM's names and its ``model_name`` label, for a router's
+#: scorers that read vLLM (llm-d's queue, KV and prefix scorers: docs/scale-out.md).
+_VLLM_FAMILIES = (
+    ("num_requests_running", "vllm:num_requests_running", "Requests being decoded", False),
+    ("num_requests_waiting", "vllm:num_requests_waiting", "Requests waiting to start", False),
+    ("kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "Share of KV cache in use (0-1)",
+     False),
+    ("prefix_cache_queries", "vllm:prefix_cache_queries",
+     "Prompt tokens looked up in the prefix cache", True),
+    ("prefix_cache_hits", "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+     True),
+)
 _HISTOGRAMS = (("ttft_seconds", "aotx_time_to_first_token_seconds", "Admission to first token"),
                ("inter_token_seconds", "aotx_inter_token_seconds",
                 "Time between tokens of one request"))
@@ -237,12 +249,14 @@ def _model_families(models: dict[str, Any]) -> Any:
         HistogramMetricFamily,
     )
 
-    for key, name, doc, counter in _MODEL_FAMILIES:
-        fam = (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=["model"])
-        for alias, m in sorted(models.items()):
-            if key in m:  # (an engine reports the figures it has: vLLM no grammar masks)
-                fam.add_metric([alias], m[key])
-        yield fam
+    for families, label in ((_MODEL_FAMILIES, "model"), (_VLLM_FAMILIES, "model_name")):
+        for key, name, doc, counter in families:
+            fam = (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc,
+                                                                          labels=[label])
+            for alias, m in sorted(models.items()):
+                if key in m:  # (an engine reports the figures it has: vLLM no grammar masks)
+                    fam.add_metric([alias], m[key])
+            yield fam
     finished = CounterMetricFamily("aotx_requests_finished", "Requests that ended",
                                    labels=["model", "state"])
     for alias, m in sorted(models.items()):
