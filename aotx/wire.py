@@ -510,9 +510,7 @@ MAX_TOP_LOGPROBS = 20
 class EngineFeature(enum.IntEnum):
     """What a submission asked that its model's engine lacks (``Reason.ENGINE_FEATURE``)."""
 
-    LOGPROBS = 1
-    PENALTY_WINDOW = 2  #: ``Sampling.last_n``
-    CONSTRAINT = 3  #: a grammar (response_format, tools)
+    PENALTY_WINDOW = 2  #: ``Sampling.last_n`` (vLLM's penalties count all tokens)
 
 
 class GrammarKind(enum.IntEnum):

@@ -115,7 +115,7 @@ class Admission:
             if token >= model.engine.n_vocab:
                 raise DeviceError(400, Reason.LOGIT_BIAS, token)
         if isinstance(model.engine, VllmModel) and (
-                lacks := vllm_unsupported(sub.sampling, sub.constraint is not None)):
+                lacks := vllm_unsupported(sub.sampling)):
             raise DeviceError(501, Reason.ENGINE_FEATURE, lacks)
         if h.submit_flags & wire.SUBMIT_FLAG_RAW:
             return self._raw(h, grant, model, sub)

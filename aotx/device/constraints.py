@@ -32,8 +32,10 @@ _lock = threading.Lock()  # one compiler built per model, even by two threads at
 def compiler_of(model: LoadedModel) -> GrammarCompiler:
     with _lock:
         if model.grammars is None:
-            assert isinstance(model.engine, LlamaEngine)  # (admission refuses it for vLLM)
-            model.grammars = GrammarCompiler.for_engine(model.engine)
+            if isinstance(model.engine, LlamaEngine):
+                model.grammars = GrammarCompiler.for_engine(model.engine)
+            else:  # vLLM applies the same llguidance grammar itself (engine/vllm.py)
+                model.grammars = GrammarCompiler(model.engine.vocab.grammar_tokenizer)
         return model.grammars
 
 

@@ -9,11 +9,12 @@ projector that does not load or encodes other modalities than the models file sa
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .. import wire
@@ -50,6 +51,7 @@ class LoadedModel:
     grammars: GrammarCompiler | None = None  # built on the first constrained request
     embeddings: EmbedQueue | None = None  # /v1/embeddings, run by the engine thread
     chat: bool = True  # False: an embedding model (kind = "embedding"), no SUBMIT
+    shares_engine: bool = False  # a LoRA adapter: its base model's thread runs the engine
 
 
 #: The template of an embedding model: it takes no chat request, so it renders nothing.
@@ -59,10 +61,14 @@ MAX_TEMPLATE_BYTES = 1024 * 1024  # a models file's chat_template file
 
 def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
                on_step: Callable[[], None],
-               on_terminal: Callable[[Request], None]) -> LoadedModel:
-    """Load ``spec`` and warm its scheduler; the scheduler shares the device's ``lock``."""
+               on_terminal: Callable[[Request], None],
+               loaded: Sequence[LoadedModel] = ()) -> LoadedModel:
+    """Load ``spec`` and warm its scheduler; the scheduler shares the device's ``lock``.
+    A LoRA adapter is served by its base model's engine, among ``loaded``."""
     log.info("event=model.load alias=%s role=%d path=%s slots=%d context=%d",
              spec.alias, spec.role, spec.path, spec.slots, spec.context)
+    if spec.lora_of:
+        return _load_lora(spec, state_dir, next(m for m in loaded if m.spec.alias == spec.lora_of))
     if spec.engine == "vllm":
         return _load_vllm(spec, state_dir, lock, on_step, on_terminal)
     t0 = time.monotonic()
@@ -133,6 +139,21 @@ def _load_vllm(spec: ModelSpec, state_dir: str, lock: threading.Lock,
              "seconds=%.1f", spec.alias, spec.role, digest.hex(), engine.slot_context,
              time.monotonic() - t0)
     return LoadedModel(spec, engine, template, runner, digest, int(os.stat(spec.path).st_mtime))
+
+
+def _load_lora(spec: ModelSpec, state_dir: str, base: LoadedModel) -> LoadedModel:
+    """A LoRA adapter as a model of its own alias: its base's engine, runner and template;
+    its requests name the adapter to vLLM (VllmRunner.loras)."""
+    from ..engine import vllm
+
+    assert isinstance(base.scheduler, VllmRunner)
+    digest = hashlib.sha256(base.sha256 + folder_sha256(
+        spec.path, os.path.join(state_dir, "model-hashes.json"))).digest()
+    base.scheduler.loras[spec.role] = vllm.lora_request(spec.alias, spec.role, spec.path)
+    log.info("event=model.ready alias=%s role=%d engine=vllm lora_of=%s sha256=%s",
+             spec.alias, spec.role, spec.lora_of, digest.hex())
+    return LoadedModel(spec, base.engine, base.template, base.scheduler, digest,
+                       int(os.stat(spec.path).st_mtime), shares_engine=True)
 
 
 def _embeddings(spec: ModelSpec, engine: LlamaEngine, scheduler: Scheduler,

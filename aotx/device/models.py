@@ -73,6 +73,7 @@ for a model (at most 31 models).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -120,6 +121,7 @@ class ModelSpec:
     prompts_per_step: int = 1  # Scheduler.prompts_per_step: 0 evaluates all prompts at once
     engine: str = "llama"  # "llama" (llama.cpp, a GGUF file) or "vllm" (a model folder)
     vllm: tuple[tuple[str, Any], ...] = ()  # vLLM's own engine arguments, by name
+    lora_of: str | None = None  # a LoRA adapter: the alias of the vLLM model it adapts
 
 
 def default_model_path() -> str:
@@ -245,8 +247,9 @@ def _engine(state_dir: str, entry: dict[str, object], what: str) -> dict[str, An
         raise ModelConfigError(f"{what}: engine is \"llama\" or \"vllm\", got {engine!r}")
     settings = entry.get("vllm", {})
     if engine == "llama":
-        if "vllm" in entry:
-            raise ModelConfigError(f"{what}: [model.vllm] settings need engine = \"vllm\"")
+        if "vllm" in entry or "lora" in entry:
+            raise ModelConfigError(f"{what}: [model.vllm] settings and [[model.lora]] "
+                                   "adapters need engine = \"vllm\"")
         return {"path": _file_in(state_dir, entry.get("path"), what)}
     if not isinstance(settings, dict):
         raise ModelConfigError(f"{what}: vllm must be a table of vLLM engine arguments")
@@ -260,8 +263,26 @@ def _engine(state_dir: str, entry: dict[str, object], what: str) -> dict[str, An
         if key in entry:
             raise ModelConfigError(f"{what}: {key} is a llama.cpp setting; vLLM takes its "
                                    "own in [model.vllm]")
+    if adapters := _adapters(state_dir, entry, what):
+        settings = {"enable_lora": True, "max_loras": len(adapters), **settings}
     return {"path": _folder_in(state_dir, entry.get("path"), what), "engine": "vllm",
             "vllm": tuple(sorted(settings.items()))}
+
+
+def _adapters(state_dir: str, entry: dict[str, object], what: str) -> list[tuple[str, str]]:
+    """A vLLM model's ``[[model.lora]]`` adapters: (alias, folder with adapter_config.json).
+    Each is served as a model of its own alias (engine/vllm.py)."""
+    found = entry.get("lora", [])
+    if not isinstance(found, list) or not all(isinstance(a, dict) for a in found):
+        raise ModelConfigError(f"{what}: lora must be [[model.lora]] tables")
+    out = []
+    for n, adapter in enumerate(found):
+        if set(adapter) - {"alias", "path"}:
+            raise ModelConfigError(f"{what} lora {n}: takes alias and path only")
+        folder = _file_in(state_dir, os.path.join(str(adapter.get("path", "")),
+                                                  "adapter_config.json"), f"{what} lora {n}")
+        out.append((_check_alias(adapter.get("alias")), os.path.dirname(folder)))
+    return out
 
 
 def _folder_in(state_dir: str, value: object, what: str) -> str:
@@ -345,6 +366,12 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
                                    state_dir, entry, f"model {n}"),
                                **_kv(entry, f"model {n}"),
                                embedding_context=_positive(entry, "embedding_context", 512)))
+        if engine.get("engine") == "vllm":
+            base = specs[-1]
+            specs += [dataclasses.replace(base, alias=alias, path=path, role=len(specs) + 1 + i,
+                                          sha256=None, lora_of=base.alias)
+                      for i, (alias, path) in enumerate(_adapters(state_dir, entry,
+                                                                  f"model {n}"))]
     if not specs:
         raise ModelConfigError("no model to load: the default is disabled and none is configured")
     if len(specs) > MAX_MODELS:

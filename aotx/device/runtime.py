@@ -124,7 +124,7 @@ class Device:
         self._stopping = False
         for spec in specs:
             st.models[spec.role] = load_model(spec, paths.state_dir, st.lock, self._after_step,
-                                              self.on_terminal)
+                                              self.on_terminal, list(st.models.values()))
         st.policy = Policy(os.path.join(paths.state_dir, "memory"),
                            enabled=any(m.automatic_memory for m in st.models.values()))
 
@@ -294,6 +294,8 @@ class Device:
     # -- the control loop -----------------------------------------------------------------------
     def _start_threads(self) -> None:
         for m in self.state.models.values():
+            if m.shares_engine:
+                continue  # a LoRA adapter: its base model's thread runs the engine
             m.thread = threading.Thread(target=m.scheduler.run, name=f"engine-{m.spec.alias}",
                                         daemon=True)
             m.thread.start()

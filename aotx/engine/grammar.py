@@ -281,12 +281,14 @@ class Matcher:
     generation tokens are allowed by the mask only where :attr:`can_stop`.
     """
 
-    __slots__ = ("_m", "spec_key", "words")
+    __slots__ = ("_m", "spec_key", "words", "spec")
 
-    def __init__(self, matcher: LLMatcher, spec_key: str, n_vocab: int) -> None:
+    def __init__(self, matcher: LLMatcher, spec_key: str, n_vocab: int,
+                 spec: GrammarSpec | None = None) -> None:
         self._m = matcher
         self.spec_key = spec_key
         self.words = mask_words(n_vocab)  # int32 words in one bitmask row
+        self.spec = spec  # what was compiled (an engine that applies it itself: vLLM)
 
     def fill(self, row: np.ndarray[Any, np.dtype[np.int32]]) -> None:
         """Write the allowed-token bitmask for the next token into ``row`` (int32,
@@ -324,7 +326,7 @@ class Grammar:
 
     def matcher(self) -> Matcher:
         """A new request's matcher at the grammar's start (a copy: ~10-100 us)."""
-        return Matcher(self._pristine.deep_copy(), self.spec.key, self.n_vocab)
+        return Matcher(self._pristine.deep_copy(), self.spec.key, self.n_vocab, self.spec)
 
 
 def mask_words(n_vocab: int) -> int:

@@ -34,6 +34,7 @@ class Vocab:
     chat_template: str | None
     encode: Callable[[str], list[int]]
     token_bytes: Callable[[int], bytes]
+    grammar_tokenizer: Any = None  # llguidance's LLTokenizer (constraints: grammar.py)
 
 
 class HfVocab:
@@ -139,4 +140,4 @@ def from_hf(tokenizer: Any) -> Vocab:
         chat_template=getattr(tokenizer, "chat_template", None),
         encode=lambda text: list(tokenizer(text, add_special_tokens=False,
                                            split_special_tokens=True).input_ids),
-        token_bytes=lambda t: bytes(ll.decode_bytes([t])))
+        token_bytes=lambda t: bytes(ll.decode_bytes([t])), grammar_tokenizer=ll)

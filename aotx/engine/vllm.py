@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import threading
 import time
@@ -31,9 +32,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from ..wire import EngineFeature, Finish, Phase
+from .grammar import JSON_OPTIONS, GrammarSpec
 from .hfvocab import HfVocab, from_hf
 from .histogram import Histogram
 from .llama import EngineError
+from .logprobs import Annotations, Entry, line
 from .output import OutputBuffer
 from .request import Failure, Request
 
@@ -43,8 +46,8 @@ log = logging.getLogger("aotx.engine")
 class EngineClient(Protocol):
     """The part of vLLM's ``vllm.engine.protocol.EngineClient`` aotx uses."""
 
-    def generate(self, prompt: Any, sampling_params: Any, request_id: str
-                 ) -> AsyncIterator[Any]: ...
+    def generate(self, prompt: Any, sampling_params: Any, request_id: str, *,
+                 lora_request: Any = None) -> AsyncIterator[Any]: ...
     async def abort(self, request_id: str) -> None: ...
     async def check_health(self) -> None: ...
     def shutdown(self) -> None: ...
@@ -78,6 +81,7 @@ class VllmRunner:
         self._stopping = False
         self._tasks: dict[bytes, asyncio.Task[None]] = {}
         self._pending: list[Request] = []  # submitted before the loop runs
+        self.loras: dict[int, Any] = {}  # model role -> vLLM's LoRARequest (lora_request)
 
     @property
     def depth(self) -> int:
@@ -87,6 +91,8 @@ class VllmRunner:
     def submit(self, req: Request) -> None:
         req.phase = Phase.QUEUED
         req.buffer = OutputBuffer(req.stops)
+        if req.sampling.logprobs:
+            req.notes = Annotations(req.sampling.logprobs - 1)
         self.queue.append(req)
         self.prompt_tokens_in += len(req.prompt)
         if self._loop is None:
@@ -102,7 +108,9 @@ class VllmRunner:
             self._loop.call_soon_threadsafe(self._cancel, req)
 
     def engine_metrics(self) -> dict[str, object]:
-        return {}
+        """vLLM's scheduler figures, for /metrics under vLLM's names (render.py)."""
+        figures = getattr(self.vocab, "figures", None)
+        return figures.metrics() if figures is not None else {}
 
     # -- the engine thread --------------------------------------------------
     def run(self) -> None:
@@ -127,6 +135,8 @@ class VllmRunner:
 
     def stop(self) -> None:
         with self.lock:
+            if self._stopping:  # (once, whichever of its aliases asks first)
+                return
             self._stopping = True
             loop = self._loop
         if loop is not None:
@@ -152,13 +162,15 @@ class VllmRunner:
         engine_done = False  # vLLM has ended the request itself
         try:
             stream = self.client.generate({"prompt_token_ids": list(req.prompt)},
-                                          self.make_params(req), rid)
+                                          self.make_params(req), rid,
+                                          lora_request=self.loras.get(req.role))
             async for out in stream:
                 completion = out.outputs[0]
                 engine_done = bool(out.finished)
                 with self.lock:
                     ended = self._apply(req, list(completion.token_ids),
-                                        completion.finish_reason, engine_done)
+                                        completion.finish_reason, engine_done,
+                                        completion.logprobs)
                 self.on_step()  # the device answers the WAITs the new bytes satisfy
                 if ended:
                     break
@@ -178,13 +190,17 @@ class VllmRunner:
             await self.client.abort(rid)  # aotx ended it first: vLLM's work stops too
 
     def _apply(self, req: Request, tokens: list[int], reason: str | None,
-               finished: bool) -> bool:
-        """One output's new tokens, under the lock; True once the request is terminal."""
+               finished: bool, logprobs: Any = None) -> bool:
+        """One output's new tokens (and, when asked, each one's logprobs: a dict of
+        token id to vLLM's ``Logprob``), under the lock; True once it is terminal."""
         if req.phase.terminal:
             return True
         self.tick += 1
         now = time.monotonic_ns()
-        for token in tokens:
+        for i, token in enumerate(tokens):
+            if req.notes is not None and logprobs is not None and not self.vocab.is_eog(token):
+                req.notes.next = line(token, entry(token, logprobs[i], req.notes.top),
+                                      self.vocab.piece, self.vocab.piece(token))
             if self._accept(req, token, now):
                 return True
         if finished:
@@ -210,8 +226,11 @@ class VllmRunner:
             return self._end_if_running(req, Phase.COMPLETED, Finish.STOP)
         req.generated.append(token)
         assert req.buffer is not None
-        published, stopped = req.buffer.push(self.vocab.piece(token))
+        piece = self.vocab.piece(token)
+        published, stopped = req.buffer.push(piece)
         req.out += published
+        if req.notes is not None:
+            req.notes.push(len(piece), len(req.out))
         if stopped:
             return self._end_if_running(req, Phase.COMPLETED, Finish.STOP)
         if req.sampled >= req.max_tokens or (
@@ -239,6 +258,8 @@ class VllmRunner:
                 failure: Failure = Failure.NONE) -> None:
         if req.buffer is not None and phase is not Phase.FAILED:
             req.out += req.buffer.flush()
+        if req.notes is not None:
+            req.notes.end(len(req.out))
         req.phase, req.finish, req.failure = phase, finish, failure
         req.finished_ns = time.monotonic_ns()
         if not req.background:
@@ -246,15 +267,21 @@ class VllmRunner:
         self.on_terminal(req)
 
 
-def unsupported(sampling: Any, constrained: bool) -> EngineFeature | None:
-    """What a submission asks that this engine does not do yet (the device refuses it)."""
-    if sampling.logprobs:
-        return EngineFeature.LOGPROBS
+def unsupported(sampling: Any) -> EngineFeature | None:
+    """What a submission asks that this engine does not do (the device refuses it):
+    vLLM's penalties count every token generated, with no window."""
     if sampling.last_n:
         return EngineFeature.PENALTY_WINDOW
-    if constrained:
-        return EngineFeature.CONSTRAINT
     return None
+
+
+def entry(token: int, ranked: dict[int, Any], top: int) -> Entry:
+    """vLLM's logprobs of one position (the sampled token and the ``top`` likeliest) as
+    engine/logprobs.py's entry: the chosen token's, and the alternatives likeliest first
+    (ties by token id)."""
+    alts = sorted(((t, float(p.logprob)) for t, p in ranked.items()
+                   if p.rank is not None and p.rank <= top), key=lambda a: (-a[1], a[0]))
+    return float(ranked[token].logprob), alts[:top]
 
 
 def sampling_params(req: Request) -> Any:
@@ -264,12 +291,41 @@ def sampling_params(req: Request) -> Any:
     from vllm.sampling_params import RequestOutputKind
 
     s = req.sampling
+    spec = req.matcher.spec if req.matcher is not None else None
     return SamplingParams(
         n=1, temperature=req.temperature, top_p=req.top_p, top_k=s.top_k, min_p=s.min_p,
         presence_penalty=s.presence, frequency_penalty=s.frequency,
         repetition_penalty=s.repetition, seed=req.seed, max_tokens=req.max_tokens,
         logit_bias=dict(s.bias) or None, detokenize=False, skip_special_tokens=False,
+        logprobs=s.logprobs - 1 if s.logprobs else None,
+        structured_outputs=structured_outputs(spec) if spec is not None else None,
         output_kind=RequestOutputKind.DELTA)
+
+
+class SchedulerFigures:
+    """vLLM's scheduler figures, summed over its engines (data parallel): kept by a stat
+    logger vLLM calls after each step (``start``), read for ``/metrics``."""
+
+    def __init__(self) -> None:
+        self.by_engine: dict[int, tuple[int, int, float]] = {}  # running, waiting, KV use
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which found
+
+    def record(self, stats: Any, engine: int) -> None:
+        self.by_engine[engine] = (int(stats.num_running_reqs), int(stats.num_waiting_reqs),
+                                  float(stats.kv_cache_usage))
+        cache = stats.prefix_cache_stats
+        if cache is not None:
+            self.prefix_queries += int(cache.queries)
+            self.prefix_hits += int(cache.hits)
+
+    def metrics(self) -> dict[str, object]:
+        rows = list(self.by_engine.values()) or [(0, 0, 0.0)]
+        return {"num_requests_running": sum(r[0] for r in rows),
+                "num_requests_waiting": sum(r[1] for r in rows),
+                "kv_cache_usage_perc": sum(r[2] for r in rows) / len(rows),
+                "prefix_cache_queries": self.prefix_queries,
+                "prefix_cache_hits": self.prefix_hits}
 
 
 class VllmModel(HfVocab):
@@ -280,15 +336,20 @@ class VllmModel(HfVocab):
     model_bytes = 0
     threads = 0
 
-    def __init__(self, vocab: Any, context: int, client: EngineClient) -> None:
+    def __init__(self, vocab: Any, context: int, client: EngineClient,
+                 figures: SchedulerFigures | None = None) -> None:
         super().__init__(vocab, context)
         self.client = client
+        self.figures = figures or SchedulerFigures()
+        self._closed = False
 
     def kv_bytes(self) -> int:
         return 0
 
     def close(self) -> None:
-        self.client.shutdown()
+        if not self._closed:  # (a LoRA alias shares the engine)
+            self._closed = True
+            self.client.shutdown()
 
 
 def start(path: str, settings: dict[str, Any]) -> VllmModel:
@@ -302,6 +363,54 @@ def start(path: str, settings: dict[str, Any]) -> VllmModel:
         raise EngineError("engine = \"vllm\" needs vLLM where the device runs: start "
                           "the service from a Python with vLLM (scripts/setup-vllm; "
                           f"docs/operations.md, \"Models served by vLLM\") ({exc})") from None
-    client = AsyncLLM.from_engine_args(AsyncEngineArgs(model=path, **settings))
+    # Constraints are aotx's llguidance grammars (grammar.py), as on llama.cpp: vLLM's
+    # guidance backend applies them as they are.
+    settings = {"structured_outputs_config": {"backend": "guidance"}, **settings}
+    figures = SchedulerFigures()
+    client = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(model=path, disable_log_stats=True, **settings),
+        stat_loggers=[_recorder(figures)])
     context = int(client.model_config.max_model_len)
-    return VllmModel(from_hf(AutoTokenizer.from_pretrained(path)), context, client)
+    return VllmModel(from_hf(AutoTokenizer.from_pretrained(path)), context, client, figures)
+
+
+def structured_outputs(spec: GrammarSpec) -> Any:
+    """The constraint aotx compiled (and so checked) for this vocabulary, as vLLM's
+    guidance backend takes it: a JSON schema with the JSON layout aotx fixes
+    (``JSON_OPTIONS``, as llguidance's ``x-guidance``), a Lark grammar, a regex."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if spec.kind == "json_schema":
+        schema = json.loads(spec.source)
+        schema = {} if schema is True else schema  # (false is refused when compiled)
+        return StructuredOutputsParams(json={**schema, "x-guidance": JSON_OPTIONS})
+    if spec.kind == "lark":
+        return StructuredOutputsParams(grammar=spec.source)
+    return StructuredOutputsParams(regex=spec.source)
+
+
+def lora_request(alias: str, number: int, path: str) -> Any:
+    """vLLM's ``LoRARequest`` for an adapter served as ``alias`` (``number``: its id)."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=alias, lora_int_id=number, lora_path=path)
+
+
+def _recorder(figures: SchedulerFigures) -> Any:
+    """A vLLM stat-logger factory whose loggers keep the scheduler's figures (vLLM's
+    own periodic log lines stay off: ``disable_log_stats``)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class Recorder(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any,
+                   mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                figures.record(scheduler_stats, engine_idx)
+
+        def log_engine_initialized(self) -> None:
+            return None
+
+    return Recorder

@@ -224,9 +224,8 @@ def _fields(h: wire.Header, call: Call, body: bytes = b"") -> dict[str, object]:
     }
 
 
-_FEATURES: dict[int, str] = {wire.EngineFeature.LOGPROBS: "logprobs",
-             wire.EngineFeature.PENALTY_WINDOW: "a penalty window (last_n)",
-             wire.EngineFeature.CONSTRAINT: "constrained output (response_format, tools)"}
+_FEATURES: dict[int, str] = {wire.EngineFeature.PENALTY_WINDOW: "a penalty window "
+                             "(repeat_last_n)"}
 
 
 def _grammar_why(body: bytes) -> str:

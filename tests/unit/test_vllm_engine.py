@@ -5,6 +5,7 @@ the real vLLM in tests/vllm/."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 import time
@@ -48,7 +49,8 @@ def test_markup_alone_is_parsed_for_special_tokens() -> None:
 
 
 def out(ids: list[int], reason: str | None = None) -> Any:
-    return SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, finish_reason=reason)],
+    return SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, finish_reason=reason,
+                                                    logprobs=None)],
                            finished=reason is not None)
 
 
@@ -60,10 +62,12 @@ class ScriptedClient:
         self.script, self.pause, self.fail = script, pause, fail
         self.prompts: list[list[int]] = []
         self.aborted: list[str] = []
+        self.loras: list[Any] = []
 
-    async def generate(self, prompt: Any, sampling_params: Any, request_id: str
-                       ) -> AsyncIterator[Any]:
+    async def generate(self, prompt: Any, sampling_params: Any, request_id: str, *,
+                       lora_request: Any = None) -> AsyncIterator[Any]:
         self.prompts.append(prompt["prompt_token_ids"])
+        self.loras.append(lora_request)
         for item in self.script:
             await asyncio.sleep(self.pause)
             if self.fail is not None:
@@ -96,8 +100,9 @@ class Running:
         self.steps += 1
 
     def submit(self, **kw: Any) -> Request:
-        req = Request(identity=os.urandom(16), principal=1, revision=1, role=2,
-                      prompt=[BOS, *tokens(b"hi")], max_tokens=kw.pop("max_tokens", 32), **kw)
+        req = Request(identity=os.urandom(16), principal=1, revision=1,
+                      role=kw.pop("role", 2), prompt=[BOS, *tokens(b"hi")],
+                      max_tokens=kw.pop("max_tokens", 32), **kw)
         with self.lock:
             self.runner.submit(req)
         return req
@@ -169,6 +174,17 @@ def test_a_stop_string_or_max_tokens_ends_it_here_and_aborts_vllm(running: Any) 
     assert client.aborted == [stopped.identity.hex(), capped.identity.hex()]
 
 
+def test_a_lora_alias_names_its_adapter_to_vllm(running: Any) -> None:
+    client = ScriptedClient([out(tokens(b"ok"), "stop")])
+    r = running(client)
+    r.runner.loras[3] = "adapter-of-role-3"
+    plain = r.submit()
+    r.wait(lambda: plain.phase.terminal)
+    adapted = r.submit(role=3)
+    r.wait(lambda: adapted.phase.terminal)
+    assert client.loras == [None, "adapter-of-role-3"]
+
+
 def test_end_of_generation_token_completes_it(running: Any) -> None:
     r = running(ScriptedClient([out(tokens(b"ok") + [EOS], "stop")]))
     req = r.submit()
@@ -218,10 +234,34 @@ def test_requests_submitted_before_the_loop_runs_are_started() -> None:
 
 
 def test_what_the_engine_lacks_is_named() -> None:
-    assert unsupported(Sampling(logprobs=3), False) is EngineFeature.LOGPROBS
-    assert unsupported(Sampling(last_n=64), False) is EngineFeature.PENALTY_WINDOW
-    assert unsupported(Sampling(), True) is EngineFeature.CONSTRAINT
-    assert unsupported(Sampling(top_k=5, presence=0.5, bias=((7, 1.0),)), False) is None
+    assert unsupported(Sampling(last_n=64)) is EngineFeature.PENALTY_WINDOW
+    assert unsupported(Sampling(top_k=5, presence=0.5, logprobs=3, bias=((7, 1.0),))) is None
+
+
+def lp(logprob: float, rank: int) -> Any:
+    return SimpleNamespace(logprob=logprob, rank=rank)
+
+
+def test_logprobs_become_the_annotation_stream(running: Any) -> None:
+    """vLLM's per-token dicts (sampled token plus the top k, by rank) become the same
+    annotation lines as llama.cpp's: offset, token, logprob, bytes, top likeliest first."""
+    x, y, z = tokens(b"xyz")
+    first = {x: lp(-0.5, 2), y: lp(-0.25, 1), z: lp(-3.0, 3)}  # x sampled, not likeliest
+    second = {y: lp(-0.1, 1), z: lp(-0.1, 2)}  # a tie: by token id
+    client = ScriptedClient([SimpleNamespace(outputs=[SimpleNamespace(
+        token_ids=[x, y, EOS], finish_reason="stop",
+        logprobs=[first, second, {EOS: lp(-0.2, 1)}])], finished=True)])
+    r = running(client)
+    req = r.submit(sampling=Sampling(logprobs=3))  # k + 1: two alternatives
+    r.wait(lambda: req.phase.terminal)
+    assert bytes(req.out) == b"xy"
+    assert req.notes is not None
+    lines = [json.loads(ln) for ln in bytes(req.notes.data).splitlines()]
+    assert lines == [
+        {"offset": 0, "token": x, "logprob": -0.5, "bytes": list(b"x"),
+         "top": [[y, -0.25, list(b"y")], [x, -0.5, list(b"x")]]},
+        {"offset": 1, "token": y, "logprob": -0.1, "bytes": list(b"y"),
+         "top": [[y, -0.1, list(b"y")], [z, -0.1, list(b"z")]]}]
 
 
 def test_without_vllm_a_vllm_model_is_refused_with_the_remedy(tmp_path: Any) -> None:
@@ -252,7 +292,25 @@ def test_models_file_declares_the_engine_and_passes_vllm_settings(tmp_path: Any)
                                "distributed_executor_backend": "ray"}
 
 
+def test_lora_adapters_become_aliases_after_their_base(tmp_path: Any) -> None:
+    for name in ("sql", "chat"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text("{}")
+    state = write_models(tmp_path, '[[model]]\nalias = "big"\nengine = "vllm"\npath = "m"\n'
+                         '[[model.lora]]\nalias = "big-sql"\npath = "sql"\n'
+                         '[[model.lora]]\nalias = "big-chat"\npath = "chat"\n')
+    base, sql, chat = load_specs(state)
+    assert (base.role, sql.role, chat.role) == (1, 2, 3)
+    assert sql.lora_of == chat.lora_of == "big" and base.lora_of is None
+    assert sql.path == os.path.realpath(tmp_path / "sql") and sql.engine == "vllm"
+    assert dict(base.vllm) == {"enable_lora": True, "max_loras": 2}
+
+
 @pytest.mark.parametrize("body, message", [
+    ('path = "m/config.json"\n[[model.lora]]\nalias = "x"\npath = "m"\n',
+     'need engine = "vllm"'),
+    ('engine = "vllm"\npath = "m"\n[[model.lora]]\nalias = "x"\npath = "m"\n',
+     "adapter_config.json"),
     ('engine = "vllm"\npath = "m"\n[model.vllm]\nmodel = "other"\n', "unknown vLLM settings"),
     ('engine = "vllm"\npath = "m"\nkv_budget = "1GiB"\n', "kv_budget is a llama.cpp setting"),
     ('engine = "vllm"\npath = "m/config.json"\n', "Hugging Face model folder"),

@@ -10,6 +10,7 @@ unless that Python exists (``scripts/setup-vllm`` prints it; AOTX_VLLM_PYTHON na
 from __future__ import annotations
 
 import base64
+import json
 import os
 import pathlib
 import shutil
@@ -43,8 +44,14 @@ engine = "vllm"
 path = "tiny"
 [model.vllm]
 enforce_eager = true
-max_model_len = 512
+max_model_len = 1024
 dtype = "float32"
+[[model.lora]]
+alias = "tiny-a"
+path = "lora-a"
+[[model.lora]]
+alias = "tiny-b"
+path = "lora-b"
 """
 HELLO = [{"role": "user", "content": "Hello world"}]
 
@@ -53,8 +60,8 @@ HELLO = [{"role": "user", "content": "Hello world"}]
 def vsvc() -> Iterator[Service]:
     state = short_tmpdir()
     built = subprocess.run([VENV, str(pathlib.Path(__file__).with_name("tiny_model.py")),
-                            os.path.join(state, "tiny")], capture_output=True, text=True,
-                           timeout=300)
+                            *(os.path.join(state, d) for d in ("tiny", "lora-a", "lora-b"))],
+                           capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-4000:]
     with open(os.path.join(state, "models.toml"), "w") as f:
         f.write(MODELS)
@@ -74,7 +81,7 @@ def openai_client(svc: Service, token: str | None = None) -> openai.OpenAI:
 
 def test_chat_whole_and_streamed_are_the_same_bytes(vsvc: Service) -> None:
     c = openai_client(vsvc)
-    assert {m.id for m in c.models.list().data} == {"smollm2", "tiny"}
+    assert {m.id for m in c.models.list().data} == {"smollm2", "tiny", "tiny-a", "tiny-b"}
     whole = c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=16,
                                       temperature=0)
     assert whole.choices[0].finish_reason == "length"
@@ -133,6 +140,34 @@ def test_cancel_stops_a_long_request(vsvc: Service) -> None:
         assert int(state["output"]["total_bytes"]) < 480 * 4
 
 
+def test_lora_adapters_are_models_of_their_own(vsvc: Service) -> None:
+    """Each [[model.lora]] is an alias of its own on the base model's engine: greedy
+    answers of the base and the two adapters differ, and each repeats."""
+    c = openai_client(vsvc)
+
+    def answer(model: str) -> str:
+        r = c.chat.completions.create(model=model, messages=HELLO, max_tokens=24,
+                                      temperature=0, logit_bias={"1": -100})
+        return r.choices[0].message.content or ""
+
+    first = {m: answer(m) for m in ("tiny", "tiny-a", "tiny-b")}
+    assert len(set(first.values())) == 3
+    assert {m: answer(m) for m in ("tiny-b", "tiny", "tiny-a")} == first
+
+
+def test_metrics_carry_vllm_names_for_a_router(vsvc: Service) -> None:
+    with vsvc.client() as c:
+        text = c.get("/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total"):
+        assert f'{name}{{model_name="tiny"}}' in text, name
+        assert f'{name}{{model_name="smollm2"}}' in text, name
+    queries = next(float(ln.split()[-1]) for ln in text.splitlines()
+                   if ln.startswith('vllm:prefix_cache_queries_total{model_name="tiny"}'))
+    assert queries > 0  # vLLM's own scheduler figures, recorded after its steps
+
+
 def test_a_grant_without_the_model_does_not_see_it(vsvc: Service) -> None:
     made = subprocess.run([sys.executable, "-m", "aotx", "token", "create", "--principal",
                            "ann", "--models", "smollm2", "--state-dir", vsvc.state_dir],
@@ -144,14 +179,58 @@ def test_a_grant_without_the_model_does_not_see_it(vsvc: Service) -> None:
         c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=4)
 
 
-@pytest.mark.parametrize("extra, feature", [
-    ({"logprobs": True}, "logprobs"),
-    ({"response_format": {"type": "json_object"}}, "constrained output"),
-])
-def test_what_the_engine_lacks_is_refused_not_ignored(vsvc: Service, extra: dict[str, object],
-                                                      feature: str) -> None:
+def test_a_json_schema_is_enforced(vsvc: Service) -> None:
+    """The grammar aotx compiles, applied by vLLM's llguidance: a random model's output
+    parses and validates."""
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green"]},
+                                               "n": {"type": "boolean"}},
+              "required": ["color", "n"], "additionalProperties": False}
+    c = openai_client(vsvc)
+    for seed in (1, 2, 3):
+        r = c.chat.completions.create(
+            model="tiny", messages=HELLO, max_tokens=40, temperature=1.0, seed=seed,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "pick", "schema": schema}})
+        value = json.loads(r.choices[0].message.content or "")
+        assert set(value) == {"color", "n"} and value["color"] in ("red", "green")
+        assert isinstance(value["n"], bool)
+
+
+def test_a_required_tool_call_is_a_valid_call(vsvc: Service) -> None:
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"], "additionalProperties": False}}}]
+    c = openai_client(vsvc)
+    for seed in (3, 4):
+        r = c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=80,
+                                      temperature=1.0, seed=seed, tools=tools,  # type: ignore[arg-type]
+                                      tool_choice="required")
+        calls = r.choices[0].message.tool_calls
+        assert calls and calls[0].function.name == "get_weather"  # type: ignore[union-attr]
+        assert json.loads(calls[0].function.arguments)["city"] in ("Paris", "Rome")  # type: ignore[union-attr]
+
+
+def test_logprobs_annotate_every_token(vsvc: Service) -> None:
+    c = openai_client(vsvc)
+    r = c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=12,
+                                  temperature=0, logprobs=True, top_logprobs=3,
+                                  logit_bias={"1": -100})
+    content = r.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 12
+    assert b"".join(bytes(t.bytes or []) for t in content).decode(
+        "utf-8", errors="replace") == r.choices[0].message.content
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3
+        tops = [a.logprob for a in t.top_logprobs]
+        assert tops == sorted(tops, reverse=True)
+        assert t.logprob == pytest.approx(tops[0], abs=1e-4)  # greedy: the likeliest
+
+
+def test_what_the_engine_lacks_is_refused_not_ignored(vsvc: Service) -> None:
     with httpx.Client(base_url=vsvc.url, headers=vsvc.headers, timeout=60) as c:
         r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO,
-                                                  "max_tokens": 4, **extra})
+                                                  "max_tokens": 4, "repeat_last_n": 16,
+                                                  "presence_penalty": 0.5})
     assert r.status_code == 501
-    assert feature in r.json()["error"]["message"]
+    assert "repeat_last_n" in r.json()["error"]["message"]

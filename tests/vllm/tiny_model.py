@@ -1,5 +1,6 @@
 """Build a tiny random Llama and its BPE tokenizer (trained here) in a folder that vLLM
-loads: ``python tiny_model.py FOLDER``.  Runs in the vLLM venv (transformers, torch).
+loads, and random LoRA adapters for it: ``python tiny_model.py FOLDER [ADAPTER ...]``.
+Runs in the vLLM venv (transformers, torch, safetensors).
 
 Two layers, two heads of 64 (vLLM's CPU attention takes no head size under 32), a
 byte-level vocabulary of a few hundred tokens with ChatML specials and a ChatML template;
@@ -39,5 +40,33 @@ def build(folder: str) -> None:
     LlamaForCausalLM(config).save_pretrained(folder)
 
 
+def adapter(folder: str, base: str, seed: int, rank: int = 8) -> None:
+    """A LoRA adapter (PEFT's layout) on the attention's q and v projections of both
+    layers, with random A and B (B is zero in a fresh adapter: here it moves the output)."""
+    import json
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    tensors = {}
+    for layer in range(2):
+        for proj in ("q_proj", "v_proj"):
+            key = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, 128) * 0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(128, rank) * 0.5
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
+                   "lora_alpha": 2 * rank, "lora_dropout": 0.0, "bias": "none",
+                   "target_modules": ["q_proj", "v_proj"], "base_model_name_or_path": base,
+                   "fan_in_fan_out": False, "modules_to_save": None, "use_rslora": False,
+                   "use_dora": False}, f)
+
+
 if __name__ == "__main__":
     build(sys.argv[1])
+    for n, path in enumerate(sys.argv[2:]):
+        adapter(path, sys.argv[1], seed=100 + n)
