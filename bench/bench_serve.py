@@ -172,9 +172,10 @@ def fresh_conn_client(base: str) -> httpx.AsyncClient:
 
 
 async def stream_chat(base: str, headers: dict[str, str], model: str, i: int,
-                      max_tokens: int) -> dict[str, float]:
+                      max_tokens: int, extra: dict[str, object] | None = None
+                      ) -> dict[str, float]:
     body = {"model": model, "messages": prompt(i), "temperature": 0, "max_tokens": max_tokens,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     t0 = time.perf_counter()
     stamps: list[float] = []
     tokens = 0
@@ -195,13 +196,13 @@ async def stream_chat(base: str, headers: dict[str, str], model: str, i: int,
 
 
 async def run_load(base: str, headers: dict[str, str], model: str, n: int, per_client: int,
-                   max_tokens: int, offset: int) -> dict:
+                   max_tokens: int, offset: int, extra: dict[str, object] | None = None) -> dict:
     results: list[dict] = []
 
     async def client(k: int) -> None:
         for j in range(per_client):
             results.append(await stream_chat(base, headers, model, offset + k * per_client + j,
-                                             max_tokens))
+                                             max_tokens, extra))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(client(k) for k in range(n)))
@@ -344,19 +345,24 @@ def start_aotx(slots: int | None) -> tuple[subprocess.Popen[bytes], str, dict[st
                       + os.environ.get("AOTX_BENCH_MODEL_EXTRA", ""))
 
 
-def serve_aotx(models: str | None) -> tuple[subprocess.Popen[bytes], str, dict[str, str], str]:
+def serve_aotx(models: str | None, python: str = sys.executable, env: dict[str, str] | None = None,
+               prepare: object = None) -> tuple[subprocess.Popen[bytes], str, dict[str, str], str]:
     """aotx serving from a fresh state folder with ``models`` as its models file (None:
-    none, its defaults): (process, base URL, the admin's headers, the state folder)."""
+    none, its defaults), run by ``python`` with ``env`` added; ``prepare(state)`` runs
+    first (to put model files there): (process, base URL, the admin's headers, the state
+    folder)."""
     state = tempfile.mkdtemp(prefix="aotx-bench-", dir="/tmp")
     STATES.append(state)
     if models is not None:
         with open(os.path.join(state, "models.toml"), "w") as f:
             f.write(models)
+    if callable(prepare):
+        prepare(state)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "aotx", "--log-level", "WARNING", "serve",
+    proc = subprocess.Popen([python, "-m", "aotx", "--log-level", "WARNING", "serve",
                              "--state-dir", state, "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=open(os.environ.get("AOTX_BENCH_LOG", os.devnull), "ab"),
-                            start_new_session=True)
+                            start_new_session=True, env={**os.environ, **(env or {})})
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base + "/readyz", proc)

@@ -82,6 +82,7 @@ class VllmRunner:
         self._tasks: dict[bytes, asyncio.Task[None]] = {}
         self._pending: list[Request] = []  # submitted before the loop runs
         self.loras: dict[int, Any] = {}  # model role -> vLLM's LoRARequest (lora_request)
+        self._step_due = False  # an on_step call is scheduled (_stepped)
 
     @property
     def depth(self) -> int:
@@ -171,7 +172,7 @@ class VllmRunner:
                     ended = self._apply(req, list(completion.token_ids),
                                         completion.finish_reason, engine_done,
                                         completion.logprobs)
-                self.on_step()  # the device answers the WAITs the new bytes satisfy
+                self._stepped()
                 if ended:
                     break
             with self.lock:  # vLLM ended without saying why: the output is whole
@@ -185,9 +186,21 @@ class VllmRunner:
                 self._end_if_running(req, Phase.FAILED, failure=Failure.DECODE)
         finally:
             self._tasks.pop(req.identity, None)
-            self.on_step()
+            self._stepped()
         if not engine_done:
             await self.client.abort(rid)  # aotx ended it first: vLLM's work stops too
+
+    def _stepped(self) -> None:
+        """New bytes: the device answers the WAITs they satisfy, once for all the outputs
+        of one vLLM step (they wake their tasks in the same loop iteration; the call
+        runs after them)."""
+        if not self._step_due:
+            self._step_due = True
+            asyncio.get_running_loop().call_soon(self._step)
+
+    def _step(self) -> None:
+        self._step_due = False
+        self.on_step()
 
     def _apply(self, req: Request, tokens: list[int], reason: str | None,
                finished: bool, logprobs: Any = None) -> bool:

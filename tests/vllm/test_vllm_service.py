@@ -104,6 +104,36 @@ def test_a_seed_reproduces_a_sampled_answer(vsvc: Service) -> None:
     assert len(answers) == 2  # seed 7 twice alike, seed 8 otherwise
 
 
+def test_n_choices_stop_strings_completions_and_responses(vsvc: Service) -> None:
+    c = openai_client(vsvc)
+    two = c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=24,
+                                    temperature=1.0, seed=11, n=2, logit_bias={"1": -100})
+    texts = [ch.message.content or "" for ch in two.choices]
+    assert len(texts) == 2 and texts[0] != texts[1]
+    assert two.usage is not None and two.usage.completion_tokens == 48
+    whole = c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=24,
+                                      temperature=0, logit_bias={"1": -100})
+    text = whole.choices[0].message.content or ""
+    # a stop string from inside the greedy answer: two ASCII letters (a random model's
+    # output is also bytes that are not UTF-8, which the chat route shows as U+FFFD)
+    at = next(i for i in range(1, len(text) - 1) if text[i:i + 2].isascii()
+              and text[i:i + 2].isalpha())
+    cut = text[at:at + 2]
+    stopped = c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=24,
+                                        temperature=0, logit_bias={"1": -100}, stop=[cut])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].message.content == text[:text.index(cut)]
+    raw = c.completions.create(model="tiny", prompt="The quick brown", max_tokens=8,
+                               temperature=0)
+    assert raw.usage is not None and raw.usage.completion_tokens <= 8
+    again = c.completions.create(model="tiny", prompt="The quick brown", max_tokens=8,
+                                 temperature=0)
+    assert again.choices[0].text == raw.choices[0].text
+    resp = c.responses.create(model="tiny", input="Hello world", max_output_tokens=16,
+                              temperature=0)
+    assert resp.status in ("completed", "incomplete") and resp.output_text
+
+
 def test_native_windows_and_sse_resume_by_last_event_id(vsvc: Service) -> None:
     with vsvc.client() as c:
         r = c.post("/aotx/v1/requests", json={"model": "tiny", "messages": HELLO,

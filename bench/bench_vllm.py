@@ -1,0 +1,133 @@
+"""The vLLM engine's path: aotx in front of vLLM against vLLM's own OpenAI server on the
+same model, beside aotx on llama.cpp, A B C A B C.
+
+    .venv/bin/python bench/bench_vllm.py [--clients 1,4,8] [--max-tokens 64]
+        [--requests 2] [--rounds 2] [--model FOLDER]
+
+Both vLLM servers run from the vLLM Python (``scripts/setup-vllm``; AOTX_VLLM_PYTHON)
+with the same engine arguments; the model is ``--model`` (a Hugging Face folder) or the
+tests' tiny random Llama, built here.  Each round and N: N concurrent streaming chat
+clients (distinct prompts, temperature 0, the end token banned so that every answer is
+``--max-tokens`` long, a fresh connection per request) against aotx serving the vLLM
+model, then against ``vllm.entrypoints.openai.api_server``, then aotx on its embedded
+llama.cpp model.  It prints tok/s, TTFT p50 and inter-token p50 for each, and the ratio
+aotx / vLLM's server (the median of the rounds' ratios, each round's in brackets): on a
+CPU and a random model the figures say little about speed, the ratio what aotx's path
+costs around the same engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_serve import STATES, free_port, pct, run_load, serve_aotx, stop, wait_ready  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENGINE_ARGS = {"enforce_eager": True, "max_model_len": 1024, "dtype": "float32"}
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": ROOT}
+
+
+def vllm_python() -> str:
+    found = os.environ.get("AOTX_VLLM_PYTHON") or subprocess.run(
+        [os.path.join(ROOT, "scripts", "setup-vllm")], capture_output=True, text=True,
+        check=True).stdout.strip()
+    return found
+
+
+def tiny_model(python: str) -> str:
+    folder = tempfile.mkdtemp(prefix="aotx-bench-tiny-", dir="/tmp")
+    subprocess.run([python, os.path.join(ROOT, "tests", "vllm", "tiny_model.py"), folder],
+                   check=True, capture_output=True)
+    return folder
+
+
+def models_file(folder: str) -> str:
+    args = "\n".join(f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}"
+                     .replace("'", '"') for k, v in ENGINE_ARGS.items())
+    return (f'[default]\nslots = 8\ncontext = 1024\n\n[[model]]\nalias = "m"\nengine = "vllm"\n'
+            f'path = "{folder}"\n[model.vllm]\n{args}\n')
+
+
+def start_vllm_server(python: str, folder: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    flags = ["--enforce-eager", "--max-model-len", str(ENGINE_ARGS["max_model_len"]),
+             "--dtype", str(ENGINE_ARGS["dtype"]), "--served-model-name", "m",
+             "--disable-log-stats"]
+    proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                             folder, "--host", "127.0.0.1", "--port", str(port), *flags],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, env={**os.environ, **ENV})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base + "/health", proc, timeout=600)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, base
+
+
+def show(name: str, rounds: list[dict]) -> str:
+    tok = statistics.median(r["tok_s"] for r in rounds)
+    ttft = statistics.median(pct(r["ttft"], 50) for r in rounds) * 1e3
+    itl = statistics.median(pct(r["itl"], 50) for r in rounds) * 1e3
+    return f"{name}: {tok:6.1f} tok/s, TTFT p50 {ttft:6.1f} ms, ITL p50 {itl:5.1f} ms"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--clients", default="1,4,8")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--model", default="", help="a Hugging Face model folder (default: tiny)")
+    args = ap.parse_args()
+    python = vllm_python()
+    folder = args.model or tiny_model(python)
+    ban_end: dict[str, object] = {"logit_bias": {"1": -100}} if not args.model else {}
+    try:
+        for n in (int(x) for x in args.clients.split(",")):
+            got: dict[str, list[dict]] = {"aotx+vllm": [], "vllm serve": [], "aotx+llama": []}
+            for _ in range(args.rounds):
+                proc, base, headers, _ = serve_aotx(models_file(folder), python, ENV)
+                try:
+                    got["aotx+vllm"].append(asyncio.run(run_load(
+                        base, headers, "m", n, args.requests, args.max_tokens, 0, ban_end)))
+                finally:
+                    stop(proc)
+                vproc, vbase = start_vllm_server(python, folder)
+                try:
+                    got["vllm serve"].append(asyncio.run(run_load(
+                        vbase, {}, "m", n, args.requests, args.max_tokens, 0, ban_end)))
+                finally:
+                    stop(vproc)
+                proc, base, headers, _ = serve_aotx("[default]\nslots = 8\ncontext = 1024\n")
+                try:
+                    got["aotx+llama"].append(asyncio.run(run_load(
+                        base, headers, "smollm2", n, args.requests, args.max_tokens, 0)))
+                finally:
+                    stop(proc)
+            each = [a["tok_s"] / b["tok_s"] for a, b in zip(got["aotx+vllm"],
+                                                               got["vllm serve"], strict=True)]
+            print(f"{n} client(s):")
+            for name, rounds in got.items():
+                print("  " + show(name, rounds))
+            print(f"  aotx+vllm / vllm serve: {statistics.median(each):.2f} "
+                  f"[{'/'.join(f'{x:.2f}' for x in each)}]", flush=True)
+    finally:
+        if not args.model:
+            shutil.rmtree(folder, ignore_errors=True)
+        for state in STATES:
+            shutil.rmtree(state, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
