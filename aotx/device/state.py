@@ -172,7 +172,8 @@ class DeviceState:
             media_bytes=self.limits.media_bytes,
             retention_seconds=self.limits.retention_seconds,
             retention_requests=self.limits.retention_requests, mailboxes=mailboxes,
-            kv_cells=sum(m.engine.kv_cells for m in self.models.values()),
+            kv_cells=sum(m.engine.kv_cells for m in self.models.values()
+                         if not m.shares_engine),
             started_unix_ns=self.started_unix_ns)
 
     def telemetry(self) -> wire.Telemetry:

@@ -384,7 +384,10 @@ def start(path: str, settings: dict[str, Any]) -> VllmModel:
         AsyncEngineArgs(model=path, disable_log_stats=True, **settings),
         stat_loggers=[_recorder(figures)])
     context = int(client.model_config.max_model_len)
-    return VllmModel(from_hf(AutoTokenizer.from_pretrained(path)), context, client, figures)
+    model = VllmModel(from_hf(AutoTokenizer.from_pretrained(path)), context, client, figures)
+    cache = client.vllm_config.cache_config  # (its blocks, counted by the engine core at start)
+    model.kv_cells = int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0)
+    return model
 
 
 def structured_outputs(spec: GrammarSpec) -> Any:

@@ -188,6 +188,8 @@ def test_lora_adapters_are_models_of_their_own(vsvc: Service) -> None:
 def test_metrics_carry_vllm_names_for_a_router(vsvc: Service) -> None:
     with vsvc.client() as c:
         text = c.get("/metrics").text
+        limits = c.get("/aotx/v1/capabilities").json()["limits"]
+    assert int(limits["kv_cells"]) > 2 * 512  # SmolLM2's two streams and vLLM's blocks
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
                  "vllm:prefix_cache_hits_total"):
