@@ -132,6 +132,7 @@ class VllmRunner:
                 task.cancel()
             if tasks:
                 loop.run_until_complete(asyncio.wait(tasks))
+            loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
 
     def stop(self) -> None:
@@ -146,17 +147,29 @@ class VllmRunner:
     def _start(self, req: Request) -> None:
         if req.phase.terminal:
             return
-        self._tasks[req.identity] = asyncio.get_running_loop().create_task(self._generate(req))
+        if req.cancel_requested:  # cancelled before the loop reached it
+            self._ended_unstarted(req)
+            return
+        task = asyncio.get_running_loop().create_task(self._generate(req))
+        self._tasks[req.identity] = task
+        # A task cancelled before its first step never runs _generate's handlers: the
+        # request ends here then (vLLM never saw it, so there is nothing to abort).
+        task.add_done_callback(lambda _: self._ended_unstarted(req))
+
+    def _ended_unstarted(self, req: Request) -> None:
+        self._tasks.pop(req.identity, None)
+        with self.lock:
+            if req.phase.terminal:
+                return
+            self._end_if_running(req, Phase.CANCELLED)
+        self._stepped()
 
     def _cancel(self, req: Request) -> None:
         task = self._tasks.get(req.identity)
-        if task is None:  # not started: it ends here
-            with self.lock:
-                if not req.phase.terminal:
-                    self._drop(req)
-                    self._finish(req, Phase.CANCELLED)
-            return
-        task.cancel()
+        if task is not None:
+            task.cancel()
+        elif not req.phase.terminal:  # not started yet: _start ends it
+            req.cancel_requested = True
 
     async def _generate(self, req: Request) -> None:
         rid = req.identity.hex()
@@ -185,10 +198,12 @@ class VllmRunner:
             with self.lock:
                 self._end_if_running(req, Phase.FAILED, failure=Failure.DECODE)
         finally:
-            self._tasks.pop(req.identity, None)
             self._stepped()
-        if not engine_done:
-            await self.client.abort(rid)  # aotx ended it first: vLLM's work stops too
+        try:
+            if not engine_done:
+                await self.client.abort(rid)  # aotx ended it first: vLLM's work stops too
+        finally:
+            self._tasks.pop(req.identity, None)  # (after the abort: a shutdown waits for it)
 
     def _stepped(self) -> None:
         """New bytes: the device answers the WAITs they satisfy, once for all the outputs
@@ -217,6 +232,10 @@ class VllmRunner:
             if self._accept(req, token, now):
                 return True
         if finished:
+            if reason == "error":  # vLLM's own failure: the output is cut, not whole
+                return self._end_if_running(req, Phase.FAILED, failure=Failure.DECODE)
+            if reason == "abort":
+                return self._end_if_running(req, Phase.CANCELLED)
             length = reason == "length" or req.sampled >= req.max_tokens
             return self._end_if_running(req, Phase.COMPLETED,
                                         Finish.LENGTH if length else Finish.STOP)

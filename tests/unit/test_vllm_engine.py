@@ -205,6 +205,33 @@ def test_cancel_ends_it_and_aborts_vllm(running: Any) -> None:
     assert r.runner.depth == 0
 
 
+def test_a_cancel_right_after_the_submit_ends_it(running: Any) -> None:
+    """Submit and cancel in one pass of the control thread (one lock hold): the request
+    ends cancelled without vLLM seeing it, and nothing stays behind."""
+    client = ScriptedClient([out(tokens(b"x"))] * 50, pause=0.05)
+    r = running(client)
+    req = Request(identity=os.urandom(16), principal=1, revision=1, role=2,
+                  prompt=[BOS], max_tokens=100)
+    with r.lock:
+        r.runner.submit(req)
+        r.runner.cancel(req)
+    r.wait(lambda: req.phase.terminal)
+    assert req.phase is Phase.CANCELLED and r.ended == [req]
+    time.sleep(0.1)
+    assert client.prompts == [] and r.runner.depth == 0 and not r.runner._tasks
+
+
+def test_vllm_errors_and_aborts_are_not_reported_as_answers(running: Any) -> None:
+    r = running(ScriptedClient([out(tokens(b"cut"), "error")]))
+    failed = r.submit()
+    r.wait(lambda: failed.phase.terminal)
+    assert failed.phase is Phase.FAILED and failed.failure is Failure.DECODE
+    r = running(ScriptedClient([out(tokens(b"cut"), "abort")]))
+    aborted = r.submit()
+    r.wait(lambda: aborted.phase.terminal)
+    assert aborted.phase is Phase.CANCELLED
+
+
 def test_an_engine_error_fails_the_request_alone(running: Any) -> None:
     r = running(ScriptedClient([out(tokens(b"x"))], fail=RuntimeError("engine core died")))
     req = r.submit()
