@@ -9,6 +9,7 @@ projector that does not load or encodes other modalities than the models file sa
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -122,6 +123,9 @@ def _load_vllm(spec: ModelSpec, state_dir: str, lock: threading.Lock,
 
     t0 = time.monotonic()
     digest = folder_sha256(spec.path, os.path.join(state_dir, "model-hashes.json"))
+    if spec.sha256 and digest.hex() != spec.sha256:
+        raise SystemExit(f"model {spec.alias}: {spec.path} has SHA-256 {digest.hex()} "
+                         f"(models.folder_sha256), the models file pins {spec.sha256}")
     try:
         engine = vllm.start(spec.path, dict(spec.vllm))
     except EngineError as exc:
@@ -135,6 +139,7 @@ def _load_vllm(spec: ModelSpec, state_dir: str, lock: threading.Lock,
         engine.close()
         raise SystemExit(f"model {spec.alias} ({spec.path}) refused: {exc}") from None
     runner = VllmRunner(engine.client, engine, lock, sampling_params, on_step, on_terminal)
+    spec = dataclasses.replace(spec, context=engine.slot_context, slots=engine.max_sequences)
     log.info("event=model.ready alias=%s role=%d engine=vllm sha256=%s context=%d "
              "seconds=%.1f", spec.alias, spec.role, digest.hex(), engine.slot_context,
              time.monotonic() - t0)
@@ -152,6 +157,7 @@ def _load_lora(spec: ModelSpec, state_dir: str, base: LoadedModel) -> LoadedMode
     base.scheduler.loras[spec.role] = vllm.lora_request(spec.alias, spec.role, spec.path)
     log.info("event=model.ready alias=%s role=%d engine=vllm lora_of=%s sha256=%s",
              spec.alias, spec.role, spec.lora_of, digest.hex())
+    spec = dataclasses.replace(spec, context=base.spec.context, slots=base.spec.slots)
     return LoadedModel(spec, base.engine, base.template, base.scheduler, digest,
                        int(os.stat(spec.path).st_mtime), shares_engine=True)
 

@@ -259,10 +259,11 @@ def _engine(state_dir: str, entry: dict[str, object], what: str) -> dict[str, An
                                f"set {sorted(VLLM_SETTINGS)}")
     if entry.get("kind", "chat") != "chat":
         raise ModelConfigError(f"{what}: a vLLM model is a chat model (kind = \"chat\")")
-    for key in ("mmproj", "kv_budget", "kv_type", "kv_spill", "prompts_per_step", "poll"):
+    for key in ("mmproj", "kv_budget", "kv_type", "kv_spill", "prompts_per_step", "poll",
+                "slots", "context", "threads"):
         if key in entry:
             raise ModelConfigError(f"{what}: {key} is a llama.cpp setting; vLLM takes its "
-                                   "own in [model.vllm]")
+                                   "own in [model.vllm] (max_num_seqs, max_model_len)")
     if adapters := _adapters(state_dir, entry, what):
         settings = {"enable_lora": True, "max_loras": len(adapters), **settings}
     return {"path": _folder_in(state_dir, entry.get("path"), what), "engine": "vllm",
@@ -279,20 +280,28 @@ def _adapters(state_dir: str, entry: dict[str, object], what: str) -> list[tuple
     for n, adapter in enumerate(found):
         if set(adapter) - {"alias", "path"}:
             raise ModelConfigError(f"{what} lora {n}: takes alias and path only")
-        folder = _file_in(state_dir, os.path.join(str(adapter.get("path", "")),
-                                                  "adapter_config.json"), f"{what} lora {n}")
-        out.append((_check_alias(adapter.get("alias")), os.path.dirname(folder)))
+        folder = _folder_in(state_dir, adapter.get("path"), f"{what} lora {n}",
+                            "adapter_config.json")
+        out.append((_check_alias(adapter.get("alias")), folder))
     return out
 
 
-def _folder_in(state_dir: str, value: object, what: str) -> str:
-    """A vLLM model: a folder with a config.json (resolved as :func:`_file_in`)."""
-    if isinstance(value, str) and value and os.path.isdir(
-            os.path.join(state_dir, value) if not os.path.isabs(value) else value):
-        path = os.path.dirname(_file_in(state_dir, os.path.join(value, "config.json"), what))
-        return path
-    raise ModelConfigError(f"{what}: path must be a Hugging Face model folder "
-                           f"(with config.json), got {value!r}")
+def _folder_in(state_dir: str, value: object, what: str, marker: str = "config.json") -> str:
+    """A vLLM model (or LoRA adapter) folder holding ``marker``, with :func:`_file_in`'s
+    rules.  The folder itself is resolved, not the marker: in a Hugging Face cache a
+    snapshot's files are links into ``blobs``."""
+    if not isinstance(value, str) or not value:
+        raise ModelConfigError(f"{what}: path is required")
+    relative = not os.path.isabs(value)
+    folder = os.path.realpath(os.path.join(state_dir, value) if relative else value)
+    root = os.path.realpath(state_dir)
+    if relative and os.path.commonpath([root, folder]) != root:
+        raise ModelConfigError(f"{what}: {value!r} leaves the state folder")
+    if not os.path.isfile(os.path.join(folder, marker)):
+        kind = "Hugging Face model" if marker == "config.json" else "LoRA adapter"
+        raise ModelConfigError(f"{what}: path must be a {kind} folder (with {marker}), "
+                               f"got {value!r}")
+    return folder
 
 
 def _template_file(state_dir: str, entry: dict[str, object], what: str) -> str | None:

@@ -122,9 +122,12 @@ class Device:
         self._media_jobs: queue.Queue[MediaJob | None] | None = None  # the media worker's
         self._media_thread: threading.Thread | None = None
         self._stopping = False
-        for spec in specs:
+        # llama.cpp contexts first: they are created while no other thread runs
+        # (engine/residency.py), and vLLM's AsyncLLM starts threads of its own.
+        for spec in sorted(specs, key=lambda s: s.engine == "vllm"):
             st.models[spec.role] = load_model(spec, paths.state_dir, st.lock, self._after_step,
                                               self.on_terminal, list(st.models.values()))
+        st.models = dict(sorted(st.models.items()))  # in role order again
         st.policy = Policy(os.path.join(paths.state_dir, "memory"),
                            enabled=any(m.automatic_memory for m in st.models.values()))
 
@@ -383,7 +386,8 @@ class Device:
                 m.encoder.close()
             if m.embeddings is not None:  # its context, before the model it shares goes
                 m.embeddings.embedder.close()
-            m.engine.close()
+            if not m.shares_engine:  # (a LoRA adapter's engine is its base model's to close)
+                m.engine.close()
         if not media_busy:
             self.region.close()
         log.info("event=device.stopped epoch=%d", self.state.epoch)

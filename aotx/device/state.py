@@ -156,6 +156,10 @@ class DeviceState:
             raise DeviceError(409, Reason.CURSOR, fields=self.state_fields(req, notes))
         return body
 
+    def engines(self) -> list[LoadedModel]:
+        """The models with an engine of their own: a LoRA adapter shares its base's."""
+        return [m for m in self.models.values() if not m.shares_engine]
+
     def info(self, mailboxes: int) -> wire.Info:
         first = next(iter(self.models.values()))
         return wire.Info(
@@ -168,27 +172,26 @@ class DeviceState:
             window_bytes=self.limits.window_bytes, context_tokens=first.engine.slot_context,
             output_tokens=self.limits.max_output_tokens,
             active_requests=self.limits.max_active,
-            slots=sum(m.spec.slots for m in self.models.values()),
+            slots=sum(m.spec.slots for m in self.engines()),
             media_bytes=self.limits.media_bytes,
             retention_seconds=self.limits.retention_seconds,
             retention_requests=self.limits.retention_requests, mailboxes=mailboxes,
-            kv_cells=sum(m.engine.kv_cells for m in self.models.values()
-                         if not m.shares_engine),
+            kv_cells=sum(m.engine.kv_cells for m in self.engines()),
             started_unix_ns=self.started_unix_ns)
 
     def telemetry(self) -> wire.Telemetry:
-        alloc = sum(m.engine.model_bytes + m.engine.kv_bytes() for m in self.models.values())
+        alloc = sum(m.engine.model_bytes + m.engine.kv_bytes() for m in self.engines())
         alloc += sum(len(r.out) + 4 * len(r.prompt) + len(notes_of(r))
                      for r in self.requests.values())
         alloc += self.media.total_bytes
-        tick = sum(m.scheduler.tick for m in self.models.values())
+        tick = sum(m.scheduler.tick for m in self.engines())
         return wire.Telemetry(alloc, tick, time.monotonic_ns() - self.clock0)
 
     def metrics(self, parked_waits: int) -> dict[str, object]:
         by_phase: collections.Counter[str] = collections.Counter(
             r.phase.name.lower() for r in self.requests.values())
         models = {}
-        for m in self.models.values():
+        for m in self.engines():  # (a LoRA adapter's load is its base model's)
             sc = m.scheduler
             models[m.spec.alias] = {
                 "queue_depth": len(sc.queue), "active_slots": len(sc.active),

@@ -11,6 +11,7 @@ unit tests.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,8 +48,12 @@ class HfVocab:
         self.bos = vocab.bos
         self.eos = min(vocab.eog) if vocab.eog else -1
         self.slot_context = context
-        # longest first: "<|im_start|>" before "<|im"
-        self._specials = sorted(vocab.specials, key=lambda s: -len(s[0]))
+        # one pattern, longest first ("<|im_start|>" before "<|im"): a message is scanned
+        # once, however many special tokens the vocabulary has (Llama 3: 256)
+        ordered = sorted(vocab.specials, key=lambda s: -len(s[0]))
+        self._special_id = {text: token for text, token in reversed(ordered)}
+        self._pattern = (re.compile("|".join(re.escape(text) for text, _ in ordered))
+                         if ordered else None)
         self.special_ids = frozenset(t for _, t in vocab.specials)
         self._run = functools.lru_cache(maxsize=RUN_CACHE)(vocab.encode)
         self._pieces: dict[int, bytes] = {}
@@ -105,16 +110,13 @@ class HfVocab:
 
     def _split(self, text: str) -> list[str | int]:
         """``text`` as runs of text and special tokens (longest special text first)."""
+        if self._pattern is None:
+            return [text] if text else []
         out: list[str | int] = []
-        i = start = 0
-        while i < len(text):
-            for special, token in self._specials:
-                if text.startswith(special, i):
-                    out += (text[start:i], token)
-                    i = start = i + len(special)
-                    break
-            else:
-                i += 1
+        start = 0
+        for found in self._pattern.finditer(text):
+            out += (text[start:found.start()], self._special_id[found.group()])
+            start = found.end()
         out.append(text[start:])
         return [p for p in out if p != ""]
 

@@ -14,7 +14,8 @@ Only private anonymous memory mapped while the context was created (a new mappin
 kernel merged with an older one counts for its new part alone), and only whole pages of
 zeros, are released: for any owner of such a page that is no change of
 content, unless another thread writes it between the scan and the ``madvise``.  The
-device creates its contexts before it starts any thread (``aotx.device.runtime``).
+device creates its llama.cpp contexts first, before it starts any thread or a vLLM
+engine (``aotx.device.runtime``).
 """
 
 from __future__ import annotations

@@ -367,6 +367,7 @@ class VllmModel(HfVocab):
     kv_cells = 0
     model_bytes = 0
     threads = 0
+    max_sequences = 0  # vLLM's max_num_seqs (the capabilities' slots)
 
     def __init__(self, vocab: Any, context: int, client: EngineClient,
                  figures: SchedulerFigures | None = None) -> None:
@@ -406,6 +407,7 @@ def start(path: str, settings: dict[str, Any]) -> VllmModel:
     model = VllmModel(from_hf(AutoTokenizer.from_pretrained(path)), context, client, figures)
     cache = client.vllm_config.cache_config  # (its blocks, counted by the engine core at start)
     model.kv_cells = int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0)
+    model.max_sequences = int(client.vllm_config.scheduler_config.max_num_seqs)
     return model
 
 

@@ -333,7 +333,35 @@ def test_lora_adapters_become_aliases_after_their_base(tmp_path: Any) -> None:
     assert dict(base.vllm) == {"enable_lora": True, "max_loras": 2}
 
 
+def test_a_hugging_face_cache_snapshot_is_the_model_folder(tmp_path: Any) -> None:
+    """In a Hugging Face cache a snapshot's files are links into blobs/: the folder is
+    the snapshot, not where its config.json leads."""
+    blobs, snap = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "abc"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    (blobs / "f00d").write_text("{}")
+    (snap / "config.json").symlink_to(blobs / "f00d")
+    (tmp_path / "models.toml").write_text(
+        f'[default]\nenabled = false\n[[model]]\nalias = "x"\nengine = "vllm"\n'
+        f'path = "{snap}"\n')
+    (spec,) = load_specs(str(tmp_path))
+    assert spec.path == os.path.realpath(snap)
+
+
+def test_a_pinned_vllm_folder_that_differs_stops_the_load(tmp_path: Any) -> None:
+    import dataclasses
+
+    from aotx.device.loading import load_model
+
+    (spec,) = load_specs(write_models(tmp_path, '[[model]]\nalias = "x"\nengine = "vllm"\n'
+                                                'path = "m"\n'))
+    with pytest.raises(SystemExit, match="the models file pins"):
+        load_model(dataclasses.replace(spec, sha256="0" * 64), str(tmp_path),
+                   threading.Lock(), lambda: None, lambda r: None)
+
+
 @pytest.mark.parametrize("body, message", [
+    ('engine = "vllm"\npath = "m"\nslots = 4\n', "max_num_seqs"),
     ('path = "m/config.json"\n[[model.lora]]\nalias = "x"\npath = "m"\n',
      'need engine = "vllm"'),
     ('engine = "vllm"\npath = "m"\n[[model.lora]]\nalias = "x"\npath = "m"\n',

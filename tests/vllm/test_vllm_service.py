@@ -155,19 +155,29 @@ def test_native_windows_and_sse_resume_by_last_event_id(vsvc: Service) -> None:
 
 
 def test_cancel_stops_a_long_request(vsvc: Service) -> None:
+    """Cancelled while it streams: it ends cancelled, short of its budget.  (On 2 cores
+    vLLM's CPU threads can hold an admission's reply back for a second, as long as this
+    tiny model takes for the whole answer: so the cancel waits for the first bytes.)"""
     with vsvc.client() as c:
-        # the random model could sample its end token early: forbid it (token 1)
-        r = c.post("/aotx/v1/requests", json={"model": "tiny", "messages": HELLO,
-                                               "max_tokens": 480, "temperature": 1.0,
-                                               "logit_bias": {"1": -100}})
-        assert r.status_code == 202, r.text
-        rid = r.json()["id"]
+        for _ in range(3):
+            # the random model could sample its end token early: forbid it (token 1)
+            r = c.post("/aotx/v1/requests", json={"model": "tiny", "messages": HELLO,
+                                                   "max_tokens": 900, "temperature": 1.0,
+                                                   "logit_bias": {"1": -100}})
+            assert r.status_code == 202, r.text
+            rid = r.json()["id"]
+            while (state := c.get(f"/aotx/v1/requests/{rid}").json())["state"] == "queued":
+                time.sleep(0.005)
+            if state["state"] == "running":
+                break
+        assert state["state"] == "running", state
         assert c.post(f"/aotx/v1/requests/{rid}/cancel").status_code in (200, 202)
         deadline = time.monotonic() + 30
-        while (state := c.get(f"/aotx/v1/requests/{rid}").json())["state"] != "cancelled":
-            assert time.monotonic() < deadline and state["state"] != "completed", state
+        while (state := c.get(f"/aotx/v1/requests/{rid}").json())["state"] == "running":
+            assert time.monotonic() < deadline, state
             time.sleep(0.05)
-        assert int(state["output"]["total_bytes"]) < 480 * 4
+        assert state["state"] == "cancelled", state
+        assert state["usage"]["completion_tokens"] < 900
 
 
 def test_lora_adapters_are_models_of_their_own(vsvc: Service) -> None:
