@@ -33,7 +33,8 @@ from bench_serve import STATES, free_port, pct, run_load, serve_aotx, stop, wait
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE_ARGS = {"enforce_eager": True, "max_model_len": 1024, "dtype": "float32"}
-ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": ROOT}
+# (both vLLM servers unbound, as the device starts vLLM: engine/vllm.py)
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": ROOT, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
 def vllm_python() -> str:

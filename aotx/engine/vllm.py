@@ -26,6 +26,7 @@ import asyncio
 import collections
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -396,6 +397,11 @@ def start(path: str, settings: dict[str, Any]) -> VllmModel:
         raise EngineError("engine = \"vllm\" needs vLLM where the device runs: start "
                           "the service from a Python with vLLM (scripts/setup-vllm; "
                           f"docs/operations.md, \"Models served by vLLM\") ({exc})") from None
+    # vLLM's CPU build binds its OpenMP threads to the cores, and its busy threads then
+    # starve aotx's other processes: on 2 cores an admission's 202 waited in the
+    # gateway for the whole answer (~1 s) in 5 of 20 POSTs, none with "nobind"
+    # (docs/operations.md).  The environment still decides where it says otherwise.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     # Constraints are aotx's llguidance grammars (grammar.py), as on llama.cpp: vLLM's
     # guidance backend applies them as they are.
     settings = {"structured_outputs_config": {"backend": "guidance"}, **settings}
