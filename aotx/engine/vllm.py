@@ -78,7 +78,6 @@ class VllmRunner:
         self.itl = Histogram()
         self.side = None  # no embedding work on this engine thread
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._ready = threading.Event()
         self._stopping = False
         self._tasks: dict[bytes, asyncio.Task[None]] = {}
         self._pending: list[Request] = []  # submitted before the loop runs
@@ -105,8 +104,8 @@ class VllmRunner:
     def cancel(self, req: Request) -> None:
         if req.phase.terminal:
             return
-        req.cancel_requested = True
-        if self._loop is not None:
+        req.cancel_requested = True  # (before the loop runs: _start sees it)
+        if self._loop is not None and not self._stopping:
             self._loop.call_soon_threadsafe(self._cancel, req)
 
     def engine_metrics(self) -> dict[str, object]:
@@ -124,7 +123,8 @@ class VllmRunner:
             for req in self._pending:
                 loop.call_soon(self._start, req)
             self._pending.clear()
-        self._ready.set()
+            if self._stopping:  # stopped before this thread got here
+                loop.call_soon(loop.stop)
         try:
             loop.run_forever()
         finally:
