@@ -76,3 +76,14 @@ class Request:
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt)
+
+
+def settle(req: Request, phase: Phase, finish: Finish, failure: Failure) -> None:
+    """Make ``req`` terminal, as every engine does: the bytes its output buffer held back
+    (not for a failure), the end of its annotation stream, its terminal fields."""
+    if req.buffer is not None and phase is not Phase.FAILED:
+        req.out += req.buffer.flush()
+    if req.notes is not None:
+        req.notes.end(len(req.out))
+    req.phase, req.finish, req.failure = phase, finish, failure
+    req.finished_ns = time.monotonic_ns()

@@ -30,7 +30,7 @@ from .llama import BatchEntry
 from .logprobs import Annotations, annotate
 from .multimodal import MediaInputError, MediaSegment, release_all
 from .output import OutputBuffer
-from .request import Failure, Request
+from .request import Failure, Request, settle
 from .spill import SpillStore
 
 __all__ = ["Failure", "OutputBuffer", "Request", "Scheduler", "StepOutcome"]
@@ -140,14 +140,7 @@ class Scheduler:
     # -- engine thread -------------------------------------------------------
     def _finish(self, req: Request, phase: Phase, finish: Finish = Finish.NONE,
                 failure: Failure = Failure.NONE) -> None:
-        if req.buffer is not None and phase is not Phase.FAILED:
-            req.out += req.buffer.flush()
-        if req.notes is not None:
-            req.notes.end(len(req.out))
-        req.phase = phase
-        req.finish = finish
-        req.failure = failure
-        req.finished_ns = time.monotonic_ns()
+        settle(req, phase, finish, failure)
         if not req.background:  # policy work is not a request anybody admitted
             self.finished[phase.name.lower()] += 1
         if req.seq >= 0:

@@ -39,7 +39,7 @@ from .histogram import Histogram
 from .llama import EngineError
 from .logprobs import Annotations, Entry, line
 from .output import OutputBuffer
-from .request import Failure, Request
+from .request import Failure, Request, settle
 
 log = logging.getLogger("aotx.engine")
 
@@ -289,12 +289,7 @@ class VllmRunner:
 
     def _finish(self, req: Request, phase: Phase, finish: Finish = Finish.NONE,
                 failure: Failure = Failure.NONE) -> None:
-        if req.buffer is not None and phase is not Phase.FAILED:
-            req.out += req.buffer.flush()
-        if req.notes is not None:
-            req.notes.end(len(req.out))
-        req.phase, req.finish, req.failure = phase, finish, failure
-        req.finished_ns = time.monotonic_ns()
+        settle(req, phase, finish, failure)
         if not req.background:
             self.finished[phase.name.lower()] += 1
         self.on_terminal(req)
