@@ -394,8 +394,9 @@ def start(path: str, settings: dict[str, Any]) -> VllmModel:
                           f"docs/operations.md, \"Models served by vLLM\") ({exc})") from None
     # vLLM's CPU build binds its OpenMP threads to the cores, and its busy threads then
     # starve aotx's other processes: on 2 cores an admission's 202 waited in the
-    # gateway for the whole answer (~1 s) in 5 of 20 POSTs, none with "nobind"
-    # (docs/operations.md).  The environment still decides where it says otherwise.
+    # gateway for the whole answer (~1 s) in 5 of 20 POSTs; "nobind" narrows that (0 of
+    # 20 alone, 1 of 12 during the test suite), it does not end it (docs/operations.md).
+    # The environment still decides where it says otherwise.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     # Constraints are aotx's llguidance grammars (grammar.py), as on llama.cpp: vLLM's
     # guidance backend applies them as they are.
