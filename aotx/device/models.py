@@ -155,8 +155,8 @@ def _poll(table: dict[str, object]) -> int:
     return v
 
 
-def _file_in(state_dir: str, value: object, what: str) -> str:
-    """Resolve a model or projector path; a relative one must stay inside the state folder."""
+def _resolved_in(state_dir: str, value: object, what: str) -> str:
+    """Resolve a models-file path; a relative one must stay inside the state folder."""
     if not isinstance(value, str) or not value:
         raise ModelConfigError(f"{what}: path is required")
     relative = not os.path.isabs(value)
@@ -167,6 +167,12 @@ def _file_in(state_dir: str, value: object, what: str) -> str:
         # symlink) leading out of it is refused. Absolute paths are the
         # operator's explicit choice.
         raise ModelConfigError(f"{what}: {value!r} leaves the state folder")
+    return path
+
+
+def _file_in(state_dir: str, value: object, what: str) -> str:
+    """A model, projector or template file (:func:`_resolved_in`'s rules)."""
+    path = _resolved_in(state_dir, value, what)
     if not os.path.isfile(path):
         raise ModelConfigError(f"{what}: {path} is not a file")
     return path
@@ -287,16 +293,10 @@ def _adapters(state_dir: str, entry: dict[str, object], what: str) -> list[tuple
 
 
 def _folder_in(state_dir: str, value: object, what: str, marker: str = "config.json") -> str:
-    """A vLLM model (or LoRA adapter) folder holding ``marker``, with :func:`_file_in`'s
+    """A vLLM model (or LoRA adapter) folder holding ``marker``, with :func:`_resolved_in`'s
     rules.  The folder itself is resolved, not the marker: in a Hugging Face cache a
     snapshot's files are links into ``blobs``."""
-    if not isinstance(value, str) or not value:
-        raise ModelConfigError(f"{what}: path is required")
-    relative = not os.path.isabs(value)
-    folder = os.path.realpath(os.path.join(state_dir, value) if relative else value)
-    root = os.path.realpath(state_dir)
-    if relative and os.path.commonpath([root, folder]) != root:
-        raise ModelConfigError(f"{what}: {value!r} leaves the state folder")
+    folder = _resolved_in(state_dir, value, what)
     if not os.path.isfile(os.path.join(folder, marker)):
         kind = "Hugging Face model" if marker == "config.json" else "LoRA adapter"
         raise ModelConfigError(f"{what}: path must be a {kind} folder (with {marker}), "
