@@ -117,22 +117,20 @@ class Scheduler:
         return len(self.queue) + len(self.active)
 
     def engine_metrics(self) -> dict[str, object]:
-        """The grammar masks' and the KV cache's figures (the device's /metrics)."""
+        """The grammar masks' and the KV cache's figures (the device's /metrics), and the
+        ones a router's scorers read from vLLM (docs/scale-out.md): running and waiting
+        requests, the share of KV cells held, prompt tokens looked up in and found in
+        cached prefixes."""
+        used = self.pool.in_use(self.active, self.cached, self.free_seqs)
         return {"grammar_steps": self.masks.steps, "grammar_masks": self.masks.masks,
                 "grammar_fill_seconds": self.masks.fill_ns / 1e9,
                 "grammar_wait_seconds": self.masks.wait_ns / 1e9,
                 "kv_budget_bytes": self.engine.kv_bytes(), "kv_cells": self.engine.kv_cells,
-                "kv_cells_used": self.pool.in_use(self.active, self.cached, self.free_seqs),
+                "kv_cells_used": used,
                 "kv_preemptions": self.pool.preemptions, "kv_evictions": self.pool.evictions,
                 "kv_spilled_bytes": self.spill.bytes, "kv_spills": self.spill.spills,
-                "kv_restores": self.spill.restores, **self.router_metrics()}
-
-    def router_metrics(self) -> dict[str, object]:
-        """The figures a router's scorers read from vLLM (docs/scale-out.md), from this
-        scheduler: running and waiting requests, the share of KV cells held, prompt
-        tokens looked up in and found in cached prefixes."""
-        used = self.pool.in_use(self.active, self.cached, self.free_seqs)
-        return {"num_requests_running": len(self.active), "num_requests_waiting": len(self.queue),
+                "kv_restores": self.spill.restores,
+                "num_requests_running": len(self.active), "num_requests_waiting": len(self.queue),
                 "kv_cache_usage_perc": min(1.0, used / max(1, self.engine.kv_cells)),
                 "prefix_cache_queries": self.prompt_tokens_in,
                 "prefix_cache_hits": self.reused_tokens}

@@ -167,10 +167,8 @@ class VllmRunner:
 
     def _cancel(self, req: Request) -> None:
         task = self._tasks.get(req.identity)
-        if task is not None:
+        if task is not None:  # (not started yet: _start sees cancel_requested)
             task.cancel()
-        elif not req.phase.terminal:  # not started yet: _start ends it
-            req.cancel_requested = True
 
     async def _generate(self, req: Request) -> None:
         rid = req.identity.hex()
