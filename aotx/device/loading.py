@@ -27,7 +27,8 @@ from ..engine.multimodal import MARKER, MediaEncoder, MediaInputError
 from ..engine.sampling import Sampler
 from ..engine.scheduler import Request, Scheduler
 from ..engine.spill import default_budget
-from ..engine.vllm import VllmModel, VllmRunner, sampling_params
+from ..engine.vllm import VllmModel, VllmRunner, lora_request, sampling_params
+from ..engine.vllm import start as vllm_start
 from .memory import qualified
 from .models import ModelSpec, file_sha256, folder_sha256
 from .prompt import TextRefused, split, text_tokens
@@ -75,9 +76,7 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
     t0 = time.monotonic()
     hashes = os.path.join(state_dir, "model-hashes.json")
     digest = file_sha256(spec.path, hashes)
-    if spec.sha256 and digest.hex() != spec.sha256:
-        raise SystemExit(f"model {spec.alias}: {spec.path} has SHA-256 {digest.hex()}, "
-                         f"the models file pins {spec.sha256}")
+    _check_pin(spec, digest)
     chat = spec.kind == "chat"
     # An embedding model decodes no stream: one slot (models.py), of its embedding context.
     context = spec.context if chat else spec.embedding_context
@@ -87,7 +86,9 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
                                       unified=chat and spec.kv_budget != 0,
                                       kv_type=spec.kv_type,
                                       batch=batch, threads=spec.threads, poll=spec.poll))
-    template = _template(spec, engine) if chat else ChatTemplate(NO_CHAT)
+    template = (_template(spec, engine, int(engine.metadata("tokenizer.ggml.bos_token_id") or 0),
+                          int(engine.metadata("tokenizer.ggml.eos_token_id") or 0))
+                if chat else ChatTemplate(NO_CHAT))
     encoder, mods = _projector(spec, engine, engine.n_batch)
     projector = file_sha256(spec.mmproj, hashes) if spec.mmproj else None
     scheduler = Scheduler(
@@ -119,25 +120,14 @@ def _load_vllm(spec: ModelSpec, state_dir: str, lock: threading.Lock,
                on_terminal: Callable[[Request], None]) -> LoadedModel:
     """A model vLLM serves (engine/vllm.py): its tokenizer and template here, its
     batching and KV there.  No embeddings, projector or automatic memory on it yet."""
-    from ..engine import vllm
-
     t0 = time.monotonic()
     digest = folder_sha256(spec.path, os.path.join(state_dir, "model-hashes.json"))
-    if spec.sha256 and digest.hex() != spec.sha256:
-        raise SystemExit(f"model {spec.alias}: {spec.path} has SHA-256 {digest.hex()} "
-                         f"(models.folder_sha256), the models file pins {spec.sha256}")
+    _check_pin(spec, digest)
     try:
-        engine = vllm.start(spec.path, dict(spec.vllm))
+        engine = vllm_start(spec.path, dict(spec.vllm))
     except EngineError as exc:
         raise SystemExit(f"model {spec.alias}: {exc}") from None
-    try:
-        source = _read_template(spec.chat_template) if spec.chat_template else (
-            engine.metadata("tokenizer.chat_template"))
-        template = ChatTemplate(source, bos_token=engine.token_text(engine.bos),
-                                eos_token=engine.token_text(engine.eos))
-    except TemplateError as exc:
-        engine.close()
-        raise SystemExit(f"model {spec.alias} ({spec.path}) refused: {exc}") from None
+    template = _template(spec, engine, engine.bos, engine.eos)
     runner = VllmRunner(engine.client, engine, lock, sampling_params, on_step, on_terminal)
     spec = dataclasses.replace(spec, context=engine.slot_context, slots=engine.max_sequences)
     log.info("event=model.ready alias=%s role=%d engine=vllm sha256=%s context=%d "
@@ -149,12 +139,10 @@ def _load_vllm(spec: ModelSpec, state_dir: str, lock: threading.Lock,
 def _load_lora(spec: ModelSpec, state_dir: str, base: LoadedModel) -> LoadedModel:
     """A LoRA adapter as a model of its own alias: its base's engine, runner and template;
     its requests name the adapter to vLLM (VllmRunner.loras)."""
-    from ..engine import vllm
-
     assert isinstance(base.scheduler, VllmRunner)
     digest = hashlib.sha256(base.sha256 + folder_sha256(
         spec.path, os.path.join(state_dir, "model-hashes.json"))).digest()
-    base.scheduler.loras[spec.role] = vllm.lora_request(spec.alias, spec.role, spec.path)
+    base.scheduler.loras[spec.role] = lora_request(spec.alias, spec.role, spec.path)
     log.info("event=model.ready alias=%s role=%d engine=vllm lora_of=%s sha256=%s",
              spec.alias, spec.role, spec.lora_of, digest.hex())
     spec = dataclasses.replace(spec, context=base.spec.context, slots=base.spec.slots)
@@ -184,16 +172,23 @@ def _embeddings(spec: ModelSpec, engine: LlamaEngine, scheduler: Scheduler,
     return queue
 
 
-def _template(spec: ModelSpec, engine: LlamaEngine) -> ChatTemplate:
-    def token(key: str) -> str:
-        return engine.token_text(int(engine.metadata(key) or 0))
+def _check_pin(spec: ModelSpec, digest: bytes) -> None:
+    """A models file's ``sha256`` pin: a model (file or folder) that differs stops the load."""
+    if spec.sha256 and digest.hex() != spec.sha256:
+        raise SystemExit(f"model {spec.alias}: {spec.path} has SHA-256 {digest.hex()}, "
+                         f"the models file pins {spec.sha256}")
 
+
+def _template(spec: ModelSpec, engine: LlamaEngine | VllmModel, bos: int,
+              eos: int) -> ChatTemplate:
+    """The model's chat template (the models file's, else its own), with the texts of its
+    ``bos`` and ``eos`` tokens; a template refused at load stops the load."""
     try:
         source = engine.metadata("tokenizer.chat_template")
         if spec.chat_template:
             source = _read_template(spec.chat_template)
-        return ChatTemplate(source, bos_token=token("tokenizer.ggml.bos_token_id"),
-                            eos_token=token("tokenizer.ggml.eos_token_id"))
+        return ChatTemplate(source, bos_token=engine.token_text(bos),
+                            eos_token=engine.token_text(eos))
     except TemplateError as exc:
         engine.close()
         raise SystemExit(f"model {spec.alias} ({spec.path}) refused: {exc}") from None
