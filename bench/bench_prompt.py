@@ -16,7 +16,7 @@ import argparse
 import time
 from collections.abc import Callable
 
-from aotx.device.loading import _template
+from aotx.device.loading import llama_template
 from aotx.device.models import ModelSpec, default_model_path
 from aotx.device.prompt import split, text_tokens
 from aotx.engine.llama import EngineConfig, LlamaEngine
@@ -43,7 +43,7 @@ def main() -> None:
     args = ap.parse_args()
     engine = LlamaEngine(EngineConfig(path=default_model_path(), slots=1, slot_context=256,
                                       batch=32, threads=1, poll=-1))
-    template = _template(ModelSpec(alias="bench", path="", role=1), engine)
+    template = llama_template(ModelSpec(alias="bench", path="", role=1), engine)
 
     def whole(msgs: Messages) -> list[int]:
         return engine.tokenize(template.render(msgs), False)

@@ -86,9 +86,7 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
                                       unified=chat and spec.kv_budget != 0,
                                       kv_type=spec.kv_type,
                                       batch=batch, threads=spec.threads, poll=spec.poll))
-    template = (_template(spec, engine, int(engine.metadata("tokenizer.ggml.bos_token_id") or 0),
-                          int(engine.metadata("tokenizer.ggml.eos_token_id") or 0))
-                if chat else ChatTemplate(NO_CHAT))
+    template = llama_template(spec, engine) if chat else ChatTemplate(NO_CHAT)
     encoder, mods = _projector(spec, engine, engine.n_batch)
     projector = file_sha256(spec.mmproj, hashes) if spec.mmproj else None
     scheduler = Scheduler(
@@ -177,6 +175,12 @@ def _check_pin(spec: ModelSpec, digest: bytes) -> None:
     if spec.sha256 and digest.hex() != spec.sha256:
         raise SystemExit(f"model {spec.alias}: {spec.path} has SHA-256 {digest.hex()}, "
                          f"the models file pins {spec.sha256}")
+
+
+def llama_template(spec: ModelSpec, engine: LlamaEngine) -> ChatTemplate:
+    """A GGUF model's chat template (:func:`_template`), its BOS and EOS from the GGUF."""
+    return _template(spec, engine, int(engine.metadata("tokenizer.ggml.bos_token_id") or 0),
+                     int(engine.metadata("tokenizer.ggml.eos_token_id") or 0))
 
 
 def _template(spec: ModelSpec, engine: LlamaEngine | VllmModel, bos: int,
