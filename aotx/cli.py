@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from . import ids
 from .config import ConfigError, Settings
 from .mailbox import DEFAULT_MAILBOXES
 from .paths import PathError, RuntimePaths, for_state_dir
@@ -31,6 +32,17 @@ def _device_limits(p: argparse.ArgumentParser) -> None:
     p.add_argument("--principal-share", type=float, default=0.5,
                    help="the part of the active requests and of the media pool one "
                         "principal may hold unless its grant says (default 0.5)")
+    p.add_argument("--device-id", type=_device_id, default=0,
+                   help="this device's number among several behind one router, 0 to "
+                        "65535: the first four digits of its request ids (default 0; "
+                        "docs/scale-out.md)")
+
+
+def _device_id(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= ids.MAX_DEVICE_ID:
+        raise argparse.ArgumentTypeError(f"must be 0 to {ids.MAX_DEVICE_ID}")
+    return value
 
 
 def build_parser(settings: Settings | None = None) -> argparse.ArgumentParser:
@@ -382,7 +394,8 @@ def _component(args: argparse.Namespace, paths: RuntimePaths, settings: Settings
                        "--max-active", str(args.max_active),
                        "--window-bytes", str(args.window_bytes),
                        "--media-pool-bytes", str(args.media_pool_bytes),
-                       "--principal-share", str(args.principal_share)]
+                       "--principal-share", str(args.principal_share),
+                       "--device-id", str(args.device_id)]
         return serve(paths, args.host, args.port, args.models, args.mailboxes, device_args,
                      log_level=args.log_level, settings=settings)
     if args.command == "device":
@@ -394,7 +407,8 @@ def _component(args: argparse.Namespace, paths: RuntimePaths, settings: Settings
                               max_active=args.max_active,
                               window_bytes=max(1, min(args.window_bytes, 65408)),
                               media_total_bytes=args.media_pool_bytes,
-                              principal_share=min(1.0, max(0.01, args.principal_share)))
+                              principal_share=min(1.0, max(0.01, args.principal_share)),
+                              device_id=args.device_id)
         runtime.run(paths, args.mailboxes, args.models, limits, settings)
     elif args.command == "broker":
         from .broker import server

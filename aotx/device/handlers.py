@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from .. import wire
+from .. import ids, wire
 from ..engine.scheduler import Request
 from ..wire import Action, Header, MemoryOp, Op, Reason
 from .admission import Admission, MediaJob
@@ -111,7 +111,7 @@ class Handlers:
         st.grant_for(h, Action.ADMIN)
         req = st.requests.get(h.identity) if h.epoch == st.epoch else None
         if req is None:
-            if 0 < h.epoch < st.epoch:
+            if ids.ended(h.epoch, st.epoch):
                 raise DeviceError(410, Reason.EPOCH_ENDED)
             raise DeviceError(404, Reason.NO_REQUEST)
         log.info("event=request.admin_cancel id=%s principal=%d by=%d",
@@ -197,7 +197,7 @@ class Handlers:
         control = wire.decode_policy_control(payload)
         st.grant_for(h, Action.POLICY_CONTROL)
         if h.epoch != st.epoch:  # the seed: the frame epoch must match for mutations
-            if 0 < h.epoch < st.epoch:
+            if ids.ended(h.epoch, st.epoch):
                 raise DeviceError(410, Reason.EPOCH_ENDED)
             raise DeviceError(400, Reason.EPOCH_MISMATCH)
         st.policy.control(control.action, control.expected_revision)

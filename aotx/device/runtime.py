@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .. import wire
+from .. import ids, wire
 from ..config import Settings
 from ..cpuslice import request_short_slice
 from ..engine.embedding import EmbedJob
@@ -68,8 +68,9 @@ class Parked:
     deadline: float
 
 
-def next_epoch(paths: RuntimePaths) -> int:
-    """Hand out the next runtime epoch for this state folder, durably, never twice."""
+def next_epoch(paths: RuntimePaths, device_id: int = 0) -> int:
+    """Hand out the next runtime epoch for this state folder, durably, never twice: the
+    folder's activation count, under ``device_id`` (ids.py)."""
     last = 0
     try:
         with open(paths.epoch_file) as f:
@@ -92,7 +93,7 @@ def next_epoch(paths: RuntimePaths) -> int:
         os.fsync(dfd)
     finally:
         os.close(dfd)
-    return epoch
+    return ids.make_epoch(device_id, epoch)
 
 
 class Device:
@@ -108,7 +109,8 @@ class Device:
             fcntl.flock(self._lockfile, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise SystemExit(f"another device is running on {paths.state_dir}") from None
-        self.state = st = DeviceState(next_epoch(paths), limits or DeviceLimits(),
+        limits = limits or DeviceLimits()
+        self.state = st = DeviceState(next_epoch(paths, limits.device_id), limits,
                                       Policy(os.path.join(paths.state_dir, "memory"), False),
                                       log_prompts)
         self.region = Region(paths.region, mailboxes)

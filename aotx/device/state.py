@@ -46,6 +46,9 @@ class DeviceLimits:
     #: What one principal may hold of a device-wide limit (active requests, media bytes)
     #: unless its grant says otherwise: whatever it does, the rest stays for the others.
     principal_share: float = 0.5
+    #: The high 16 bits of every epoch (ids.py): which device of several behind a router
+    #: this is (docs/scale-out.md).  Not a limit; it travels with the device's settings.
+    device_id: int = 0
 
     def share(self, total: int) -> int:
         return max(1, int(total * self.principal_share))
@@ -120,7 +123,7 @@ class DeviceState:
     def lookup(self, h: Header, action: int) -> Request:
         """The request ``h`` names, if the caller may act on it (the module's access rule)."""
         if h.epoch != self.epoch:
-            if 0 < h.epoch < self.epoch:
+            if ids.ended(h.epoch, self.epoch):
                 raise DeviceError(410, Reason.EPOCH_ENDED)
             raise DeviceError(404, Reason.NO_REQUEST)
         grant = self.grant_for(h, action)

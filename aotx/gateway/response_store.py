@@ -103,7 +103,9 @@ class ResponseStore:
         """Drop what an ended epoch leaves; (principal, epoch, identity) of the rows to
         check with the device now (older than its retention, not checked lately)."""
         now = time.time()
-        self.db.execute("DELETE FROM responses WHERE epoch < ? AND (deleted_at IS NULL OR "
+        # (Every other epoch is an ended one: a gateway's store holds its device's rows
+        # only, and a device id changed between activations changes the epoch's order.)
+        self.db.execute("DELETE FROM responses WHERE epoch != ? AND (deleted_at IS NULL OR "
                         "deleted_at < ?)", (epoch, now - retention_s))
         rows = self.db.execute("SELECT principal, epoch, identity FROM responses "
                                "WHERE epoch = ? AND created_at < ? AND checked_at < ? "

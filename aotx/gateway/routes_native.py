@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from .. import wire
+from .. import ids, wire
 from . import calls
 from . import schemas as S
 from .errors import ApiError
@@ -29,6 +29,7 @@ async def capabilities(principal: Principal = Caller, g: Gateway = Service) -> R
     return json_response({
         "schema": "aotx.capabilities.v1",
         "runtime_epoch": str(info.epoch),
+        "device_id": str(ids.device_of(info.epoch)),
         "limits": {
             "max_packet_bytes": str(info.max_packet), "max_payload_bytes": str(info.max_payload),
             "window_bytes": str(info.window_bytes), "context_tokens": str(info.context_tokens),

@@ -245,6 +245,7 @@ class Lineage(_Doc):
 class Capabilities(_Doc):
     schema_: Literal["aotx.capabilities.v1"] = Field(alias="schema")
     runtime_epoch: Decimal = _DEC
+    device_id: Decimal = _DEC
     limits: Limits
     models: list[ModelEntry]
     features: Features

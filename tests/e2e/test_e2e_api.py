@@ -372,9 +372,14 @@ def test_openapi_document(service: Service) -> None:
 # -- restarts and retention --------------------------------------------------------
 
 def test_old_epoch_ids_answer_410_after_restart(fresh_service: Service) -> None:
+    """Device 3 of several (docs/scale-out.md): its ids start with its number; after a
+    restart its older ids are 410, and another device's ids are 404, never 410."""
+    fresh_service.extra_args = ["--device-id", "3"]
     fresh_service.start()
     with fresh_service.client() as c:
+        assert c.get("/aotx/v1/capabilities").json()["device_id"] == "3"
         rid = submit(c, max_tokens=4)
+        assert rid.startswith("req-0003")
         poll_until_terminal(c, rid)
     fresh_service.stop()
     fresh_service.start()
@@ -387,6 +392,8 @@ def test_old_epoch_ids_answer_410_after_restart(fresh_service: Service) -> None:
             assert r.json()["error"]["type"] == "gone_error"
         new = submit(c, max_tokens=4)
         assert int(new[4:20], 16) == int(rid[4:20], 16) + 1
+        foreign = "req-0002" + rid[8:]  # device 2's id of the same activation count
+        assert c.get(f"/aotx/v1/requests/{foreign}").status_code == 404
 
 
 def test_terminal_results_are_reclaimed_oldest_first(fresh_service: Service) -> None:

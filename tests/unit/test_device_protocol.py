@@ -12,7 +12,7 @@ import struct
 
 import pytest
 
-from aotx import wire
+from aotx import ids, wire
 from aotx.device.runtime import Device
 from aotx.device.template import ChatTemplate
 from aotx.engine.scheduler import Scheduler
@@ -145,6 +145,12 @@ def test_policy_reads_and_mutations_follow_the_seed(device: Pair) -> None:
     # (the scripted model is not qualified, so the policy is off: 409 at the right epoch)
     h, _ = call(dev, read._replace(epoch=5), control)
     assert (h.status, h.reason) == (409, wire.Reason.POLICY_OFF)
+    # Behind a router (device 3 here) only the device's own earlier epochs are ended:
+    # another device's, older or newer, is a mismatch like any foreign epoch.
+    st.epoch = ids.make_epoch(3, 5)
+    for epoch, status in ((ids.make_epoch(3, 4), 410), (ids.make_epoch(2, 4), 400),
+                          (ids.make_epoch(4, 1), 400), (4, 400)):
+        assert call(dev, read._replace(epoch=epoch), control)[0].status == status, epoch
 
 
 def test_a_grant_that_stops_covering_a_model_hides_its_requests(device: Pair) -> None:

@@ -396,6 +396,22 @@ def test_request_id_roundtrip(epoch: int, ident: bytes) -> None:
     assert ids.parse_request_id(rid) == (epoch, ident)
 
 
+@given(st.integers(0, ids.MAX_DEVICE_ID), st.integers(1, (1 << 48) - 1),
+       st.integers(0, ids.MAX_DEVICE_ID), st.integers(1, (1 << 48) - 1))
+def test_an_epoch_is_ended_only_for_its_own_device(d1: int, n1: int, d2: int, n2: int) -> None:
+    old, now = ids.make_epoch(d1, n1), ids.make_epoch(d2, n2)
+    assert ids.device_of(old) == d1
+    assert ids.format_request_id(old, bytes(16)).startswith(f"req-{d1:04x}")
+    assert ids.ended(old, now) == (d1 == d2 and n1 < n2)
+
+
+def test_epochs_outside_the_device_and_count_ranges_are_refused() -> None:
+    for device, count in ((-1, 1), (1 << 16, 1), (0, 0), (0, 1 << 48)):
+        with pytest.raises(ValueError):
+            ids.make_epoch(device, count)
+    assert ids.make_epoch(0, 7) == 7  # device 0: the epochs of a single device, as before
+
+
 @pytest.mark.parametrize("bad", [
     "", "req-", "req-0000000000000001-0000000000000000000000000000000",
     "req-0000000000000001-000000000000000000000000000000001",
