@@ -3,6 +3,7 @@ same model, beside aotx on llama.cpp, A B C A B C.
 
     .venv/bin/python bench/bench_vllm.py [--clients 1,4,8] [--max-tokens 64]
         [--requests 2] [--rounds 2] [--model FOLDER]
+    .venv/bin/python bench/bench_vllm.py --admissions 20 [--bind auto]
 
 Both vLLM servers run from the vLLM Python (``scripts/setup-vllm``; AOTX_VLLM_PYTHON)
 with the same engine arguments; the model is ``--model`` (a Hugging Face folder) or the
@@ -14,6 +15,12 @@ llama.cpp model.  It prints tok/s, TTFT p50 and inter-token p50 for each, and th
 aotx / vLLM's server (the median of the rounds' ratios, each round's in brackets): on a
 CPU and a random model the figures say little about speed, the ratio what aotx's path
 costs around the same engine.
+
+``--admissions N`` times N native admissions one after the other instead (each waits for
+the previous answer to end, 480 tokens): how many took over 100 ms, and the run-queue
+wait of this client's thread during the slowest (``/proc/self/schedstat``), with vLLM's
+threads bound as ``--bind`` says (``VLLM_CPU_OMP_THREADS_BIND``; the device's default is
+``nobind``).  docs/operations.md, "Models served by vLLM", says what it showed.
 """
 
 from __future__ import annotations
@@ -26,6 +33,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+
+import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -76,6 +87,39 @@ def start_vllm_server(python: str, folder: str) -> tuple[subprocess.Popen[bytes]
     return proc, base
 
 
+def runq_wait_ns() -> int:
+    """Nanoseconds this thread has waited on a run queue (the kernel's schedstat)."""
+    with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+        return int(f.read().split()[1])
+
+
+def admissions(folder: str, python: str, n: int, bind: str) -> None:
+    env = {**ENV, "VLLM_CPU_OMP_THREADS_BIND": bind}
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hello world"}],
+            "max_tokens": 480, "temperature": 1, "logit_bias": {"1": -100}}
+    proc, base, headers, _ = serve_aotx(models_file(folder), python, env)
+    took: list[tuple[float, float]] = []  # (seconds, of which waiting for a CPU)
+    try:
+        with httpx.Client(base_url=base, headers=headers, timeout=60) as c:
+            for _ in range(n):
+                t, w = time.monotonic(), runq_wait_ns()
+                rid = c.post("/aotx/v1/requests", json=body).raise_for_status().json()["id"]
+                took.append((time.monotonic() - t, (runq_wait_ns() - w) / 1e9))
+                while c.get(f"/aotx/v1/requests/{rid}").json()["state"] not in ENDED:
+                    time.sleep(0.05)
+    finally:
+        stop(proc)
+    slow = max(took)
+    print(f"{n} admissions, VLLM_CPU_OMP_THREADS_BIND={bind}: "
+          f"{sum(t > 0.1 for t, _ in took)} over 100 ms; median "
+          f"{statistics.median(t for t, _ in took) * 1e3:.1f} ms; slowest "
+          f"{slow[0] * 1e3:.0f} ms, of which this client waited {slow[1] * 1e3:.0f} ms "
+          "on a run queue")
+
+
+ENDED = ("completed", "failed", "cancelled")
+
+
 def show(name: str, rounds: list[dict]) -> str:
     tok = statistics.median(r["tok_s"] for r in rounds)
     ttft = statistics.median(pct(r["ttft"], 50) for r in rounds) * 1e3
@@ -90,11 +134,16 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--model", default="", help="a Hugging Face model folder (default: tiny)")
+    ap.add_argument("--admissions", type=int, default=0, help="time N admissions instead")
+    ap.add_argument("--bind", default="nobind", help="VLLM_CPU_OMP_THREADS_BIND, --admissions")
     args = ap.parse_args()
     python = vllm_python()
     folder = args.model or tiny_model(python)
     ban_end: dict[str, object] = {"logit_bias": {"1": -100}} if not args.model else {}
     try:
+        if args.admissions:
+            admissions(folder, python, args.admissions, args.bind)
+            return
         for n in (int(x) for x in args.clients.split(",")):
             got: dict[str, list[dict]] = {"aotx+vllm": [], "vllm serve": [], "aotx+llama": []}
             for _ in range(args.rounds):

@@ -390,11 +390,10 @@ def start(path: str, settings: dict[str, Any]) -> VllmModel:
         raise EngineError("engine = \"vllm\" needs vLLM where the device runs: start "
                           "the service from a Python with vLLM (scripts/setup-vllm; "
                           f"docs/operations.md, \"Models served by vLLM\") ({exc})") from None
-    # vLLM's CPU build binds its OpenMP threads to the cores, and its busy threads then
-    # starve aotx's other processes: on 2 cores an admission's 202 waited in the
-    # gateway for the whole answer (~1 s) in 5 of 20 POSTs; "nobind" narrows that (0 of
-    # 20 alone, 1 of 12 during the test suite), it does not end it (docs/operations.md).
-    # The environment still decides where it says otherwise.
+    # vLLM's CPU build binds its worker to cores, and with its queues' sched_yield polling
+    # the other processes of the machine then wait: on 2 cores an HTTP client of the
+    # service waited up to 1 s on a run queue in 8 of 20 admissions; unbound, 0 of 20
+    # (docs/operations.md has the counters).  The environment decides where it says.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     # Constraints are aotx's llguidance grammars (grammar.py), as on llama.cpp: vLLM's
     # guidance backend applies them as they are.
