@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import wire
-from ..engine.embedding import EmbedJob, EmbedQueue
+from ..engine.embedding import Embeddings, EmbedJob
 from ..wire import Header, Reason
 from .admission import Admission
 from .errors import DeviceError
@@ -24,7 +24,7 @@ class EmbedCall:
 
     mailbox: int
     header: Header
-    queue: EmbedQueue
+    queue: Embeddings
     inputs: list[list[int]]  # tokens, in order
 
 

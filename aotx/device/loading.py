@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .. import wire
-from ..engine.embedding import Embedder, EmbedQueue
+from ..engine.embedding import Embedder, Embeddings, EmbedQueue
 from ..engine.fair import common_prefix
 from ..engine.grammar import GrammarCompiler
 from ..engine.llama import EngineConfig, EngineError, LlamaEngine
@@ -27,7 +27,14 @@ from ..engine.multimodal import MARKER, MediaEncoder, MediaInputError
 from ..engine.sampling import Sampler
 from ..engine.scheduler import Request, Scheduler
 from ..engine.spill import default_budget
-from ..engine.vllm import VllmModel, VllmRunner, lora_request, sampling_params
+from ..engine.vllm import (
+    VllmEmbeddings,
+    VllmModel,
+    VllmRunner,
+    lora_request,
+    pooling_params,
+    sampling_params,
+)
 from ..engine.vllm import start as vllm_start
 from .memory import qualified
 from .models import ModelSpec, file_sha256, folder_sha256
@@ -51,7 +58,7 @@ class LoadedModel:
     encoder: MediaEncoder | None = None  # the projector, for image/audio input
     automatic_memory: bool = False  # model, template, projector and source profile qualified
     grammars: GrammarCompiler | None = None  # built on the first constrained request
-    embeddings: EmbedQueue | None = None  # /v1/embeddings, run by the engine thread
+    embeddings: Embeddings | None = None  # /v1/embeddings (engine thread)
     chat: bool = True  # False: an embedding model (kind = "embedding"), no SUBMIT
     shares_engine: bool = False  # a LoRA adapter: its base model's thread runs the engine
 
@@ -117,7 +124,8 @@ def _load_vllm(spec: ModelSpec, state_dir: str, lock: threading.Lock,
                on_step: Callable[[], None],
                on_terminal: Callable[[Request], None]) -> LoadedModel:
     """A model vLLM serves (engine/vllm.py): its tokenizer and template here, its
-    batching and KV there.  No embeddings, projector or automatic memory on it yet."""
+    batching and KV there; an embedding model is vLLM's pooling runner.  No projector or
+    automatic memory on it yet."""
     t0 = time.monotonic()
     digest = folder_sha256(spec.path, os.path.join(state_dir, "model-hashes.json"))
     _check_pin(spec, digest)
@@ -125,13 +133,22 @@ def _load_vllm(spec: ModelSpec, state_dir: str, lock: threading.Lock,
         engine = vllm_start(spec.path, dict(spec.vllm))
     except EngineError as exc:
         raise SystemExit(f"model {spec.alias}: {exc}") from None
-    template = _template(spec, engine, engine.bos, engine.eos)
+    chat = spec.kind == "chat"
+    template = (_template(spec, engine, engine.bos, engine.eos) if chat
+                else ChatTemplate(NO_CHAT))
     runner = VllmRunner(engine.client, engine, lock, sampling_params, on_step, on_terminal)
-    spec = dataclasses.replace(spec, context=engine.slot_context, slots=engine.max_sequences)
-    log.info("event=model.ready alias=%s role=%d engine=vllm sha256=%s context=%d "
-             "seconds=%.1f", spec.alias, spec.role, digest.hex(), engine.slot_context,
+    embeddings = None if chat else VllmEmbeddings(
+        runner, engine.client, engine.embedding_dims, engine.slot_context, engine.pooling,
+        pooling_params)
+    # (an embedding model decodes no stream: one slot, as on llama.cpp)
+    spec = dataclasses.replace(spec, context=engine.slot_context,
+                               slots=engine.max_sequences if chat else 1)
+    log.info("event=model.ready alias=%s role=%d engine=vllm kind=%s sha256=%s context=%d "
+             "embedding_dims=%d pooling=%s seconds=%.1f", spec.alias, spec.role, spec.kind,
+             digest.hex(), engine.slot_context, engine.embedding_dims, engine.pooling or "-",
              time.monotonic() - t0)
-    return LoadedModel(spec, engine, template, runner, digest, int(os.stat(spec.path).st_mtime))
+    return LoadedModel(spec, engine, template, runner, digest, int(os.stat(spec.path).st_mtime),
+                       embeddings=embeddings, chat=chat)
 
 
 def _load_lora(spec: ModelSpec, state_dir: str, base: LoadedModel) -> LoadedModel:

@@ -37,7 +37,7 @@ installed package, never by a fixed path.
     mmproj = "models/mmproj-some-vlm.gguf"  # llama.cpp multimodal projector
 
     [[model]]
-    alias = "big"                       # served by vLLM (pip install aotx[vllm])
+    alias = "big"                       # served by vLLM (scripts/setup-vllm)
     engine = "vllm"
     path = "models/Qwen2.5-7B-Instruct" # a Hugging Face model folder
     [model.vllm]                        # vLLM's engine arguments, passed by name
@@ -64,7 +64,9 @@ too (a projector built for SmolLM2's 576-wide embeddings).
 Every chat model also answers ``/v1/embeddings`` with mean pooling over its last hidden
 states, in a llama.cpp context of its own of ``embedding_context`` tokens (engine/
 embedding.py).  A ``kind = "embedding"`` model takes no chat requests; its pooling is
-the GGUF's own (``<arch>.pooling_type``), mean where the file declares none.
+the GGUF's own (``<arch>.pooling_type``), mean where the file declares none.  A vLLM
+model answers ``/v1/embeddings`` only as ``kind = "embedding"`` (vLLM's pooling runner:
+one runner per engine), with vLLM's pooling for the model, or ``pooler_config``'s.
 
 Roles are assigned in order: the default model is role 1, the models file's
 entries follow (2, 3, ...).  A role is the small number the wire protocol uses
@@ -242,7 +244,8 @@ VLLM_SETTINGS = frozenset({
     "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "kv_cache_dtype",
     "dtype", "quantization", "enforce_eager", "seed", "enable_lora", "max_loras",
     "max_lora_rank", "max_cpu_loras", "block_size", "swap_space", "cpu_offload_gb",
-    "enable_chunked_prefill", "structured_outputs_config", "trust_remote_code"})
+    "enable_chunked_prefill", "structured_outputs_config", "trust_remote_code",
+    "pooler_config"})
 
 
 def _engine(state_dir: str, entry: dict[str, object], what: str) -> dict[str, Any]:
@@ -263,13 +266,18 @@ def _engine(state_dir: str, entry: dict[str, object], what: str) -> dict[str, An
     if unknown:
         raise ModelConfigError(f"{what}: unknown vLLM settings {unknown}; a models file may "
                                f"set {sorted(VLLM_SETTINGS)}")
-    if entry.get("kind", "chat") != "chat":
-        raise ModelConfigError(f"{what}: a vLLM model is a chat model (kind = \"chat\")")
     for key in ("mmproj", "kv_budget", "kv_type", "kv_spill", "prompts_per_step", "poll",
-                "slots", "context", "threads"):
+                "slots", "context", "threads", "embedding_context"):
         if key in entry:
             raise ModelConfigError(f"{what}: {key} is a llama.cpp setting; vLLM takes its "
                                    "own in [model.vllm] (max_num_seqs, max_model_len)")
+    if entry.get("kind") == "embedding":
+        if "lora" in entry:
+            raise ModelConfigError(f"{what}: [[model.lora]] adapters need a chat model")
+        # vLLM's pooling runner (its own pooling and normalization, or pooler_config's)
+        settings = {"runner": "pooling", **settings}
+    elif "pooler_config" in settings:
+        raise ModelConfigError(f"{what}: pooler_config is for kind = \"embedding\"")
     if adapters := _adapters(state_dir, entry, what):
         settings = {"enable_lora": True, "max_loras": len(adapters), **settings}
     return {"path": _folder_in(state_dir, entry.get("path"), what), "engine": "vllm",

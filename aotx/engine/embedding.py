@@ -28,7 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import llama_cpp
 import numpy as np
@@ -145,6 +145,23 @@ class EmbedJob:
 
     def __post_init__(self) -> None:
         self.tokens = sum(map(len, self.inputs))
+
+
+class EmbedderInfo(Protocol):
+    dims: int  # floats per vector
+    context: int  # the most tokens of one input
+    pooling: str
+
+    def close(self) -> None: ...
+
+
+class Embeddings(Protocol):
+    """What the device needs of a model's embeddings: :class:`EmbedQueue` on llama.cpp,
+    ``VllmEmbeddings`` on vLLM (engine/vllm.py)."""
+
+    @property
+    def embedder(self) -> EmbedderInfo: ...
+    def submit(self, job: EmbedJob) -> None: ...
 
 
 class EmbedQueue:

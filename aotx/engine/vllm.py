@@ -29,10 +29,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Protocol
 
+import numpy as np
+
 from ..wire import EngineFeature, Finish, Phase
+from .embedding import EmbedJob, Vectors
 from .grammar import JSON_OPTIONS, GrammarSpec
 from .hfvocab import HfVocab, from_hf
 from .histogram import Histogram
@@ -49,6 +52,8 @@ class EngineClient(Protocol):
 
     def generate(self, prompt: Any, sampling_params: Any, request_id: str, *,
                  lora_request: Any = None) -> AsyncIterator[Any]: ...
+    def encode(self, prompt: Any, pooling_params: Any,
+               request_id: str) -> AsyncIterator[Any]: ...
     async def abort(self, request_id: str) -> None: ...
     async def check_health(self) -> None: ...
     def shutdown(self) -> None: ...
@@ -80,7 +85,8 @@ class VllmRunner:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._tasks: dict[bytes, asyncio.Task[None]] = {}
-        self._pending: list[Request] = []  # submitted before the loop runs
+        self._calls: set[asyncio.Task[None]] = set()  # other work (embeddings)
+        self._pending: list[Callable[[], None]] = []  # asked for before the loop runs
         self.loras: dict[int, Any] = {}  # model role -> vLLM's LoRARequest (lora_request)
         self._step_due = False  # an on_step call is scheduled (_stepped)
 
@@ -96,10 +102,22 @@ class VllmRunner:
             req.notes = Annotations(req.sampling.logprobs - 1)
         self.queue.append(req)
         self.prompt_tokens_in += len(req.prompt)
+        self.call_soon(lambda: self._start(req))
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the engine thread's loop (lock held: from any thread)."""
         if self._loop is None:
-            self._pending.append(req)
+            self._pending.append(fn)
         else:
-            self._loop.call_soon_threadsafe(self._start, req)
+            self._loop.call_soon_threadsafe(fn)
+
+    def spawn(self, work: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run ``work()`` as a task of the loop, cancelled when it stops (lock held)."""
+        def start() -> None:
+            task = asyncio.get_running_loop().create_task(work())
+            self._calls.add(task)
+            task.add_done_callback(self._calls.discard)
+        self.call_soon(start)
 
     def cancel(self, req: Request) -> None:
         if req.phase.terminal:
@@ -120,15 +138,15 @@ class VllmRunner:
         asyncio.set_event_loop(loop)
         with self.lock:
             self._loop = loop
-            for req in self._pending:
-                loop.call_soon(self._start, req)
+            for fn in self._pending:
+                loop.call_soon(fn)
             self._pending.clear()
             if self._stopping:  # stopped before this thread got here
                 loop.call_soon(loop.stop)
         try:
             loop.run_forever()
         finally:
-            tasks = list(self._tasks.values())
+            tasks = [*self._tasks.values(), *self._calls]
             for task in tasks:
                 task.cancel()
             if tasks:
@@ -293,6 +311,71 @@ class VllmRunner:
         self.on_terminal(req)
 
 
+class VllmEmbeddings:
+    """``/v1/embeddings`` on a vLLM pooling model (``kind = "embedding"``): each EMBED
+    call's inputs go to vLLM's ``encode`` together, on the runner's loop, and vLLM batches
+    them with whatever else runs; the vectors come back unit length, as llama.cpp's.  It
+    stands where :class:`~aotx.engine.embedding.EmbedQueue` stands for llama.cpp (the
+    device reads ``embedder.dims`` and ``embedder.context``)."""
+
+    def __init__(self, runner: VllmRunner, client: EngineClient, dims: int, context: int,
+                 pooling: str, make_params: Callable[[], Any]) -> None:
+        self.runner = runner
+        self.client = client
+        self.embedder = self  # (one object: no context of its own to close)
+        self.dims = dims
+        self.context = context
+        self.pooling = pooling
+        self.make_params = make_params
+        self.calls = self.inputs = self.tokens = 0
+
+    def submit(self, job: EmbedJob) -> None:
+        """Embed ``job``'s inputs; ``job.done`` is called on the engine thread, with the
+        lock held, once all are embedded or one failed (lock held)."""
+        job.vectors = np.empty((len(job.inputs), self.dims), dtype=np.float32)
+        self.runner.spawn(lambda: self._embed(job))
+
+    async def _embed(self, job: EmbedJob) -> None:
+        error = ""
+        try:
+            rows = await asyncio.gather(*(self._one(tokens) for tokens in job.inputs))
+        except Exception as exc:  # vLLM's failure: the call fails, the device goes on
+            log.exception("event=embed.failed inputs=%d", len(job.inputs))
+            error, rows = str(exc) or type(exc).__name__, []
+        with self.runner.lock:
+            for i, row in enumerate(rows):
+                if row.shape != (self.dims,):
+                    error = f"vLLM gave {row.shape[0]} floats, not {self.dims}"
+                    break
+                norm = float(np.linalg.norm(row))
+                job.vectors[i] = row / norm if norm > 0 else row
+            job.error, job.next = error, len(job.inputs)
+            self.calls += 1
+            self.inputs += len(job.inputs)
+            self.tokens += job.tokens
+            job.done(job)
+
+    async def _one(self, tokens: list[int]) -> Vectors:
+        rid = "embed-" + os.urandom(16).hex()
+        last = None
+        async for out in self.client.encode({"prompt_token_ids": tokens}, self.make_params(),
+                                            rid):
+            last = out
+        if last is None:
+            raise EngineError("vLLM ended an embedding without output")
+        return np.asarray(last.outputs.data, dtype=np.float32).reshape(-1)
+
+    def close(self) -> None:
+        return None  # the engine is the model's, closed with it
+
+
+def pooling_params() -> Any:
+    """vLLM's ``PoolingParams`` for one embedding input."""
+    from vllm import PoolingParams
+
+    return PoolingParams(task="embed")
+
+
 def unsupported(sampling: Any) -> EngineFeature | None:
     """What a submission asks that this engine does not do (the device refuses it):
     vLLM's penalties count every token generated, with no window."""
@@ -362,6 +445,8 @@ class VllmModel(HfVocab):
     model_bytes = 0
     threads = 0
     max_sequences = 0  # vLLM's max_num_seqs (the capabilities' slots)
+    embedding_dims = 0  # a pooling model's: floats per vector (else 0)
+    pooling = ""  # a pooling model's sequence pooling ("mean", "last", "cls")
 
     def __init__(self, vocab: Any, context: int, client: EngineClient,
                  figures: SchedulerFigures | None = None) -> None:
@@ -397,7 +482,9 @@ def start(path: str, settings: dict[str, Any]) -> VllmModel:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     # Constraints are aotx's llguidance grammars (grammar.py), as on llama.cpp: vLLM's
     # guidance backend applies them as they are.
-    settings = {"structured_outputs_config": {"backend": "guidance"}, **settings}
+    pooling = settings.get("runner") == "pooling"  # an embedding model (models.py)
+    if not pooling:
+        settings = {"structured_outputs_config": {"backend": "guidance"}, **settings}
     figures = SchedulerFigures()
     client = AsyncLLM.from_engine_args(
         AsyncEngineArgs(model=path, disable_log_stats=True, **settings),
@@ -407,6 +494,10 @@ def start(path: str, settings: dict[str, Any]) -> VllmModel:
     cache = client.vllm_config.cache_config  # (its blocks, counted by the engine core at start)
     model.kv_cells = int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0)
     model.max_sequences = int(client.vllm_config.scheduler_config.max_num_seqs)
+    if pooling:
+        model.embedding_dims = int(client.model_config.embedding_size)
+        pooler = client.model_config.pooler_config
+        model.pooling = str(getattr(pooler, "seq_pooling_type", None) or "").lower()
     return model
 
 

@@ -330,6 +330,15 @@ def test_models_file_declares_the_engine_and_passes_vllm_settings(tmp_path: Any)
                                "distributed_executor_backend": "ray"}
 
 
+def test_a_vllm_embedding_model_runs_vllms_pooling_runner(tmp_path: Any) -> None:
+    state = write_models(tmp_path, '[[model]]\nalias = "e"\nengine = "vllm"\npath = "m"\n'
+                         'kind = "embedding"\n[model.vllm]\n'
+                         'pooler_config = {pooling_type = "MEAN"}\n')
+    (spec,) = load_specs(state)
+    assert spec.kind == "embedding"
+    assert dict(spec.vllm) == {"runner": "pooling", "pooler_config": {"pooling_type": "MEAN"}}
+
+
 def test_lora_adapters_become_aliases_after_their_base(tmp_path: Any) -> None:
     for name in ("sql", "chat"):
         (tmp_path / name).mkdir()
@@ -380,7 +389,12 @@ def test_a_pinned_vllm_folder_that_differs_stops_the_load(tmp_path: Any) -> None
     ('engine = "vllm"\npath = "m"\n[model.vllm]\nmodel = "other"\n', "unknown vLLM settings"),
     ('engine = "vllm"\npath = "m"\nkv_budget = "1GiB"\n', "kv_budget is a llama.cpp setting"),
     ('engine = "vllm"\npath = "m/config.json"\n', "Hugging Face model folder"),
-    ('engine = "vllm"\npath = "m"\nkind = "embedding"\n', "a vLLM model is a chat model"),
+    ('engine = "vllm"\npath = "m"\nkind = "embedding"\nembedding_context = 64\n',
+     "embedding_context is a llama.cpp setting"),
+    ('engine = "vllm"\npath = "m"\n[model.vllm]\npooler_config = {}\n',
+     'pooler_config is for kind = "embedding"'),
+    ('engine = "vllm"\npath = "m"\nkind = "embedding"\n[[model.lora]]\nalias = "x"\n'
+     'path = "m"\n', "adapters need a chat model"),
     ('engine = "tgi"\npath = "m"\n', 'engine is "llama" or "vllm"'),
     ('path = "m/config.json"\n[model.vllm]\nmax_model_len = 8\n', 'need engine = "vllm"'),
 ])
@@ -389,3 +403,61 @@ def test_models_file_refuses_what_vllm_cannot_take(tmp_path: Any, body: str,
     state = write_models(tmp_path, '[[model]]\nalias = "big"\n' + body)
     with pytest.raises(ModelConfigError, match=message):
         load_specs(state)
+
+
+class EncodingClient(ScriptedClient):
+    """``encode`` answers each input with a vector of its tokens' sum and count (vLLM's
+    PoolingRequestOutput shape), after ``pause``; an input of ``bad`` fails."""
+
+    def __init__(self, pause: float = 0.0, bad: int = -1, dims: int = 3) -> None:
+        super().__init__([])
+        self.pause, self.bad, self.dims = pause, bad, dims
+        self.encoded: list[list[int]] = []
+
+    async def encode(self, prompt: Any, pooling_params: Any,
+                     request_id: str) -> AsyncIterator[Any]:
+        ids = prompt["prompt_token_ids"]
+        self.encoded.append(ids)
+        await asyncio.sleep(self.pause)
+        if self.bad in ids:
+            raise RuntimeError("the engine failed")
+        row = [float(sum(ids)), float(len(ids)), 0.0][:self.dims]
+        yield SimpleNamespace(outputs=SimpleNamespace(data=row), finished=True)
+
+
+def embed_all(client: EncodingClient, inputs: list[list[int]]) -> Any:
+    import numpy as np
+
+    from aotx.engine.embedding import EmbedJob
+    from aotx.engine.vllm import VllmEmbeddings
+
+    run = Running(client)
+    try:
+        emb = VllmEmbeddings(run.runner, client, 3, 64, "mean", lambda: None)
+        done: list[EmbedJob] = []
+        job = EmbedJob(inputs, done.append)
+        with run.lock:
+            emb.submit(job)
+        run.wait(lambda: bool(done))
+        assert done == [job] and emb.embedder is emb
+        return job, np
+    finally:
+        run.close()
+
+
+def test_embeddings_go_to_vllms_encode_together_and_come_back_unit_length() -> None:
+    client = EncodingClient(pause=0.05)
+    t0 = time.monotonic()
+    job, np = embed_all(client, [[3, 4], [6], [1, 1, 1]])
+    assert time.monotonic() - t0 < 0.15 * 2  # concurrently, not one pause per input
+    assert sorted(map(tuple, client.encoded)) == [(1, 1, 1), (3, 4), (6,)]
+    assert job.error == "" and job.tokens == 6 and job.next == 3
+    for row, (total, count) in zip(job.vectors, [(7, 2), (6, 1), (3, 3)], strict=True):
+        assert np.allclose(row, np.array([total, count, 0]) / np.hypot(total, count))
+
+
+def test_a_failed_embedding_input_fails_the_call_not_the_runner() -> None:
+    job, _ = embed_all(EncodingClient(bad=9), [[1], [9]])
+    assert job.error == "the engine failed"
+    job, _ = embed_all(EncodingClient(dims=2), [[1]])  # vLLM's width is not the model's
+    assert "2 floats, not 3" in job.error

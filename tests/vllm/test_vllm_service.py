@@ -1,6 +1,7 @@
 """A model served by vLLM (engine = "vllm") through the whole service, on the CPU build of
 vLLM (``scripts/setup-vllm``) and a tiny random Llama built here: the standard and native
-routes, cancel, SSE resume, a grant's model mask, the refusals of what the engine lacks.
+routes, cancel, SSE resume, a grant's model mask, the refusals of what the engine lacks,
+and an embedding model on vLLM's pooling runner.
 
 The service runs from the vLLM Python (with PYTHONPATH at this checkout); the test
 itself, its HTTP clients and the official ``openai`` package run from .venv.  Skipped
@@ -52,6 +53,17 @@ path = "lora-a"
 [[model.lora]]
 alias = "tiny-b"
 path = "lora-b"
+
+[[model]]
+alias = "tiny-embed"
+engine = "vllm"
+path = "tiny"
+kind = "embedding"
+[model.vllm]
+enforce_eager = true
+max_model_len = 1024
+dtype = "float32"
+pooler_config = {pooling_type = "MEAN"}
 """
 HELLO = [{"role": "user", "content": "Hello world"}]
 
@@ -81,7 +93,8 @@ def openai_client(svc: Service, token: str | None = None) -> openai.OpenAI:
 
 def test_chat_whole_and_streamed_are_the_same_bytes(vsvc: Service) -> None:
     c = openai_client(vsvc)
-    assert {m.id for m in c.models.list().data} == {"smollm2", "tiny", "tiny-a", "tiny-b"}
+    assert {m.id for m in c.models.list().data} == {"smollm2", "tiny", "tiny-a", "tiny-b",
+                                                    "tiny-embed"}
     whole = c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=16,
                                       temperature=0)
     assert whole.choices[0].finish_reason == "length"
@@ -275,3 +288,43 @@ def test_what_the_engine_lacks_is_refused_not_ignored(vsvc: Service) -> None:
                                                   "presence_penalty": 0.5})
     assert r.status_code == 501
     assert "repeat_last_n" in r.json()["error"]["message"]
+
+
+REFERENCE = """
+import json, sys, torch
+from transformers import AutoModel
+model = AutoModel.from_pretrained(sys.argv[1], torch_dtype=torch.float32)
+with torch.no_grad():
+    rows = [model(torch.tensor([ids])).last_hidden_state.mean(1)[0]
+            for ids in json.loads(sys.argv[2])]
+print(json.dumps([torch.nn.functional.normalize(r, dim=0).tolist() for r in rows]))
+"""
+
+
+def test_an_embedding_model_on_vllms_pooling_runner(vsvc: Service) -> None:
+    """/v1/embeddings on kind = "embedding": vLLM's mean-pooled vectors (its pooler_config
+    passed through), unit length, equal to the model's own mean hidden state computed
+    by transformers; the model takes no chat request, and a vLLM chat model no
+    embeddings."""
+    inputs = [[5, 6, 7, 8], [40, 41], [5, 6, 7, 8], list(range(10, 60))]
+    c = openai_client(vsvc)
+    got = c.embeddings.create(model="tiny-embed", input=inputs)
+    vectors = [d.embedding for d in got.data]
+    assert [d.index for d in got.data] == [0, 1, 2, 3]
+    assert got.usage.prompt_tokens == sum(map(len, inputs))
+    ref = subprocess.run([VENV, "-c", REFERENCE, os.path.join(vsvc.state_dir, "tiny"),
+                          json.dumps(inputs)], capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    for v, r in zip(vectors, json.loads(ref.stdout), strict=True):
+        assert len(v) == len(r) == 128
+        assert sum(x * x for x in v) == pytest.approx(1.0, abs=1e-5)
+        assert v == pytest.approx(r, abs=2e-4)
+    assert vectors[0] == pytest.approx(vectors[2], abs=1e-5) and vectors[0] != vectors[1]
+    with vsvc.client() as h:
+        caps = {m["alias"]: m for m in h.get("/aotx/v1/capabilities").json()["models"]}
+    assert caps["tiny-embed"]["embeddings"]["dimensions"] == 128
+    assert caps["tiny-embed"]["chat"] is False and caps["tiny"]["embeddings"] is None
+    with pytest.raises(openai.NotFoundError, match="embedding model"):
+        c.chat.completions.create(model="tiny-embed", messages=HELLO, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="does not provide embeddings"):
+        c.embeddings.create(model="tiny", input="Hello")
