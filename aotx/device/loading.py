@@ -10,8 +10,10 @@ projector that does not load or encodes other modalities than the models file sa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
+import operator
 import os
 import threading
 import time
@@ -23,12 +25,13 @@ from ..engine.embedding import Embedder, Embeddings, EmbedQueue
 from ..engine.fair import common_prefix
 from ..engine.grammar import GrammarCompiler
 from ..engine.llama import EngineConfig, EngineError, LlamaEngine
-from ..engine.multimodal import MARKER, MediaEncoder, MediaInputError
+from ..engine.multimodal import MARKER, MediaEncoder, MediaInputError, MediaTokenizer
 from ..engine.sampling import Sampler
 from ..engine.scheduler import Request, Scheduler
 from ..engine.spill import default_budget
 from ..engine.vllm import (
     VllmEmbeddings,
+    VllmMedia,
     VllmModel,
     VllmRunner,
     lora_request,
@@ -55,7 +58,7 @@ class LoadedModel:
     thread: threading.Thread | None = None
     modalities: int = wire.MOD_TEXT
     media_marker: str = MARKER  # where a media part sits in the rendered prompt
-    encoder: MediaEncoder | None = None  # the projector, for image/audio input
+    encoder: MediaTokenizer | None = None  # image/audio input: a projector, or vLLM's
     automatic_memory: bool = False  # model, template, projector and source profile qualified
     grammars: GrammarCompiler | None = None  # built on the first constrained request
     embeddings: Embeddings | None = None  # /v1/embeddings (engine thread)
@@ -140,6 +143,15 @@ def _load_vllm(spec: ModelSpec, state_dir: str, lock: threading.Lock,
     embeddings = None if chat else VllmEmbeddings(
         runner, engine.client, engine.embedding_dims, engine.slot_context, engine.pooling,
         pooling_params)
+    media = VllmMedia(engine.image_token) if chat and engine.image_marker else None
+    mods = wire.MOD_TEXT | (wire.MOD_IMAGE if media is not None else 0)
+    declared = functools.reduce(operator.or_, (wire.MODALITY_BITS[m] for m in spec.modalities),
+                                0)
+    if spec.modalities and declared != mods:
+        engine.close()
+        raise SystemExit(f"model {spec.alias}: the models file declares modalities "
+                         f"{list(spec.modalities)}, but vLLM's model takes "
+                         f"{wire.modality_names(mods)}")
     # (an embedding model decodes no stream: one slot, as on llama.cpp)
     spec = dataclasses.replace(spec, context=engine.slot_context,
                                slots=engine.max_sequences if chat else 1)
@@ -148,6 +160,8 @@ def _load_vllm(spec: ModelSpec, state_dir: str, lock: threading.Lock,
              digest.hex(), engine.slot_context, engine.embedding_dims, engine.pooling or "-",
              time.monotonic() - t0)
     return LoadedModel(spec, engine, template, runner, digest, int(os.stat(spec.path).st_mtime),
+                       modalities=mods, encoder=media,
+                       media_marker=engine.image_marker or MARKER,
                        embeddings=embeddings, chat=chat)
 
 

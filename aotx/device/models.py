@@ -57,7 +57,8 @@ if more, at most ``slots`` x ``context`` and a quarter of the memory available a
 (engine/llama.py ``pool_cells``).
 
 A model with ``mmproj`` accepts what its projector encodes (image, audio or
-both, as libmtmd reports at load); ``modalities``, when given, must match.
+both, as libmtmd reports at load); a vLLM model, images when its processor names an
+image token; ``modalities``, when given, must match.
 Image or audio without a projector is refused.  ``[default]`` takes ``mmproj``
 too (a projector built for SmolLM2's 576-wide embeddings).
 
@@ -180,14 +181,17 @@ def _file_in(state_dir: str, value: object, what: str) -> str:
     return path
 
 
-def _modalities(entry: dict[str, object], what: str, mmproj: str | None) -> tuple[str, ...]:
-    mods = entry.get("modalities", ["text"] if mmproj is None else None)
+def _modalities(entry: dict[str, object], what: str, mmproj: str | None,
+                vllm: bool = False) -> tuple[str, ...]:
+    """The input modalities a models file declares; () where the load decides them (a
+    projector's, or a vLLM model's own: checked against the declared ones at load)."""
+    mods = entry.get("modalities", ["text"] if mmproj is None and not vllm else None)
     if mods is None:
-        return ()  # decided at load from what the projector supports
+        return ()
     if (not isinstance(mods, list) or not mods or "text" not in mods
             or not set(mods) <= {"text", "image", "audio"}):
         raise ModelConfigError(f"{what}: modalities must list text and optionally image, audio")
-    if set(mods) - {"text"} and mmproj is None:
+    if set(mods) - {"text"} and mmproj is None and not vllm:
         raise ModelConfigError(f"{what}: {'/'.join(sorted(set(mods) - {'text'}))} input needs "
                                "a multimodal projector: set mmproj = \"path/to/mmproj.gguf\"")
     return tuple(mods)
@@ -367,7 +371,7 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
         engine = _engine(state_dir, entry, f"model {n}")
         mmproj = (_file_in(state_dir, entry["mmproj"], f"model {n} mmproj")
                   if "mmproj" in entry else None)
-        mods = _modalities(entry, f"model {n}", mmproj)
+        mods = _modalities(entry, f"model {n}", mmproj, engine.get("engine") == "vllm")
         sha = entry.get("sha256")
         if sha is not None and (not isinstance(sha, str) or len(sha) != 64):
             raise ModelConfigError(f"model {n}: sha256 must be 64 hex digits")

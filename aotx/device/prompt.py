@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
-from ..engine.multimodal import MediaEncoder, MediaInputError, MediaSegment, release_all
+from ..engine.multimodal import MediaInputError, MediaSegment, MediaTokenizer, release_all
 from .template import ChatTemplate, TemplateError
 
 #: The special tokens that special parsing finds in a text (``LlamaEngine.specials``).
@@ -247,7 +247,7 @@ def text_tokens(engine: Pieces, prompt: Prompt, add_special: bool) -> list[int]:
                                   add_special)
 
 
-def media_tokens(engine: Pieces, encoder: MediaEncoder, prompt: Prompt,
+def media_tokens(engine: Pieces, encoder: MediaTokenizer, prompt: Prompt,
                  media: Sequence[tuple[str, bytes]],
                  add_special: bool) -> tuple[list[int], list[MediaSegment]]:
     """The tokens (with placeholders) and segments of a prompt with media: the text

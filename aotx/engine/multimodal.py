@@ -38,7 +38,7 @@ import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ..wire import AUDIO_RATES, MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS
 
@@ -122,6 +122,29 @@ def audio_header(data: bytes) -> tuple[int, float | None] | None:
         rate, total = x >> 44, x & ((1 << 36) - 1)
         return rate, (total / rate if total and rate else None)
     return None
+
+
+class MediaTokenizer(Protocol):
+    """What the device needs of a model's media input: :class:`MediaEncoder` (llama.cpp's
+    projector) or ``VllmMedia`` (engine/vllm.py)."""
+
+    vision: bool
+    audio: bool
+
+    def check(self, media: Sequence[tuple[str, bytes]]) -> None: ...
+    def tokenize_media(self, kind: str, data: bytes,
+                       n: int) -> tuple[list[int], list[MediaSegment]]: ...
+    def close(self) -> None: ...
+
+
+def check_parts(media: Sequence[tuple[str, bytes]], vision: bool, audio: bool) -> None:
+    """Refuse, before any is decoded, a part of a kind the model does not take or that
+    the bundled decoders cannot read."""
+    for n, (kind, data) in enumerate(media):
+        if (kind == "image" and not vision) or (kind == "audio" and not audio):
+            raise MediaInputError(f"the projector does not accept {kind} input",
+                                  MediaProblem.MODALITY, n)
+        check_media(kind, data, n)
 
 
 def check_media(kind: str, data: bytes, n: int) -> None:
@@ -215,6 +238,7 @@ class MediaSegment:
     n_tokens: int  # positions it occupies (embeddings rows)
     kind: str  # "image" or "audio"
     chunk: Any = None  # owned mtmd_input_chunk copy until encoded or released
+    decoded: Any = None  # the decoded media, for an engine that takes it whole (vLLM)
     non_causal: bool = False
 
     def release(self) -> None:
@@ -259,13 +283,7 @@ class MediaEncoder:
         self.lock = threading.Lock()
 
     def check(self, media: Sequence[tuple[str, bytes]]) -> None:
-        """Refuse, before any is decoded, a part of a kind the projector does not encode
-        or that the bundled decoders cannot read."""
-        for n, (kind, data) in enumerate(media):
-            if (kind == "image" and not self.vision) or (kind == "audio" and not self.audio):
-                raise MediaInputError(f"the projector does not accept {kind} input",
-                                      MediaProblem.MODALITY, n)
-            check_media(kind, data, n)
+        check_parts(media, self.vision, self.audio)
 
     def tokenize_media(self, kind: str, data: bytes,
                        n: int) -> tuple[list[int], list[MediaSegment]]:

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import io
 import json
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -41,6 +42,7 @@ from .hfvocab import HfVocab, from_hf
 from .histogram import Histogram
 from .llama import EngineError
 from .logprobs import Annotations, Entry, line
+from .multimodal import MediaInputError, MediaProblem, MediaSegment, check_parts
 from .output import OutputBuffer
 from .request import Failure, Request, settle
 
@@ -192,13 +194,17 @@ class VllmRunner:
         rid = req.identity.hex()
         engine_done = False  # vLLM has ended the request itself
         try:
-            stream = self.client.generate({"prompt_token_ids": list(req.prompt)},
-                                          self.make_params(req), rid,
+            prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt)}
+            if req.segments:
+                prompt["multi_modal_data"] = multi_modal_data(req.segments)
+            stream = self.client.generate(prompt, self.make_params(req), rid,
                                           lora_request=self.loras.get(req.role))
             async for out in stream:
                 completion = out.outputs[0]
                 engine_done = bool(out.finished)
                 with self.lock:
+                    if req.segments and out.prompt_token_ids:
+                        self._expanded(req, out.prompt_token_ids)
                     ended = self._apply(req, list(completion.token_ids),
                                         completion.finish_reason, engine_done,
                                         completion.logprobs)
@@ -221,6 +227,13 @@ class VllmRunner:
                 await self.client.abort(rid)  # aotx ended it first: vLLM's work stops too
         finally:
             self._tasks.pop(req.identity, None)  # (after the abort: a shutdown waits for it)
+
+    def _expanded(self, req: Request, prompt: list[int]) -> None:
+        """The prompt as vLLM's processor made it (each image token expanded to the
+        image's positions): its length is what the usage counts (lock held)."""
+        self.prompt_tokens_in += len(prompt) - len(req.prompt)
+        req.prompt = list(prompt)
+        req.segments = []  # (vLLM has the decoded media now)
 
     def _stepped(self) -> None:
         """New bytes: the device answers the WAITs they satisfy, once for all the outputs
@@ -306,6 +319,7 @@ class VllmRunner:
     def _finish(self, req: Request, phase: Phase, finish: Finish = Finish.NONE,
                 failure: Failure = Failure.NONE) -> None:
         settle(req, phase, finish, failure)
+        req.segments = []  # its decoded media (vLLM has its own copy)
         if not req.background:
             self.finished[phase.name.lower()] += 1
         self.on_terminal(req)
@@ -367,6 +381,46 @@ class VllmEmbeddings:
 
     def close(self) -> None:
         return None  # the engine is the model's, closed with it
+
+
+class VllmMedia:
+    """Image input on a vLLM multimodal model.  A part is checked as for llama.cpp
+    (multimodal.py: PNG, JPEG or GIF, a bounded size) and decoded here; in the prompt it
+    is the processor's image token, once, which vLLM's processor expands to the image's
+    feature positions when the decoded image comes with the prompt (``multi_modal_data``,
+    :meth:`VllmRunner._generate`)."""
+
+    audio = False  # (vLLM's audio models: not wired yet)
+
+    def __init__(self, image_token: int) -> None:
+        self.image_token = image_token
+        self.vision = True
+
+    def check(self, media: Sequence[tuple[str, bytes]]) -> None:
+        check_parts(media, self.vision, self.audio)
+
+    def tokenize_media(self, kind: str, data: bytes,
+                       n: int) -> tuple[list[int], list[MediaSegment]]:
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(io.BytesIO(data)) as img:
+                decoded = img.convert("RGB")  # (its first frame: a GIF's too)
+        except (UnidentifiedImageError, OSError, ValueError) as exc:
+            raise MediaInputError(f"media part {n} ({kind}) could not be decoded: {exc}",
+                                  MediaProblem.IMAGE_UNREADABLE, n) from None
+        return [self.image_token], [MediaSegment(0, 1, kind, decoded=decoded)]
+
+    def close(self) -> None:
+        return None
+
+
+def multi_modal_data(segments: Sequence[MediaSegment]) -> dict[str, list[Any]]:
+    """The decoded media of a prompt, in order, as vLLM takes them with the prompt."""
+    data: dict[str, list[Any]] = {}
+    for seg in segments:
+        data.setdefault(seg.kind, []).append(seg.decoded)
+    return data
 
 
 def pooling_params() -> Any:
@@ -445,6 +499,8 @@ class VllmModel(HfVocab):
     model_bytes = 0
     threads = 0
     max_sequences = 0  # vLLM's max_num_seqs (the capabilities' slots)
+    image_marker = ""  # a multimodal model's image token text (its processor's), else ""
+    image_token = -1
     embedding_dims = 0  # a pooling model's: floats per vector (else 0)
     pooling = ""  # a pooling model's sequence pooling ("mean", "last", "cls")
 
@@ -494,11 +550,28 @@ def start(path: str, settings: dict[str, Any]) -> VllmModel:
     cache = client.vllm_config.cache_config  # (its blocks, counted by the engine core at start)
     model.kv_cells = int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0)
     model.max_sequences = int(client.vllm_config.scheduler_config.max_num_seqs)
+    if client.model_config.is_multimodal_model:
+        _media_tokens(model, path)
     if pooling:
         model.embedding_dims = int(client.model_config.embedding_size)
         pooler = client.model_config.pooler_config
         model.pooling = str(getattr(pooler, "seq_pooling_type", None) or "").lower()
     return model
+
+
+def _media_tokens(model: VllmModel, path: str) -> None:
+    """A multimodal model's image token, from its processor (``image_token``): where the
+    chat template puts an image part, and the token vLLM's processor expands."""
+    from transformers import AutoProcessor
+
+    marker = getattr(AutoProcessor.from_pretrained(path), "image_token", None)
+    marker = getattr(marker, "content", marker)  # (an AddedToken in some processors)
+    token = model.specials(marker) if isinstance(marker, str) else []
+    if len(token) == 1:
+        model.image_marker, model.image_token = str(marker), token[0]
+    else:
+        log.warning("event=vllm.no_image_token path=%s marker=%r: image input is off", path,
+                    marker)
 
 
 def structured_outputs(spec: GrammarSpec) -> Any:

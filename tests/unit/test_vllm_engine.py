@@ -461,3 +461,34 @@ def test_a_failed_embedding_input_fails_the_call_not_the_runner() -> None:
     assert job.error == "the engine failed"
     job, _ = embed_all(EncodingClient(dims=2), [[1]])  # vLLM's width is not the model's
     assert "2 floats, not 3" in job.error
+
+
+def test_media_go_to_vllm_with_the_prompt_and_its_expansion_is_counted() -> None:
+    """A request with decoded media: vLLM gets them as ``multi_modal_data`` beside the
+    token ids, and the prompt vLLM's processor expanded is the one the usage counts."""
+    from aotx.engine.multimodal import MediaSegment
+
+    seen: list[Any] = []
+
+    class MediaClient(ScriptedClient):
+        async def generate(self, prompt: Any, sampling_params: Any, request_id: str, *,
+                           lora_request: Any = None) -> AsyncIterator[Any]:
+            seen.append(prompt)
+            first = out(tokens(b"x"))
+            first.prompt_token_ids = [BOS, 9, 9, 9, 9, *tokens(b"hi")]
+            yield first
+            yield out(tokens(b"y"), "stop")
+
+    run = Running(MediaClient([]))
+    try:
+        segs = [MediaSegment(0, 1, "image", decoded="red"),
+                MediaSegment(0, 1, "audio", decoded="beep"),
+                MediaSegment(0, 1, "image", decoded="blue")]
+        req = run.submit(segments=segs)
+        run.wait(lambda: req.phase.terminal)
+    finally:
+        run.close()
+    assert seen[0]["multi_modal_data"] == {"image": ["red", "blue"], "audio": ["beep"]}
+    assert seen[0]["prompt_token_ids"] == [BOS, *tokens(b"hi")]
+    assert len(req.prompt) == 7 and run.runner.prompt_tokens_in == 7
+    assert bytes(req.out) == b"xy" and req.segments == []

@@ -1,7 +1,7 @@
 """A model served by vLLM (engine = "vllm") through the whole service, on the CPU build of
 vLLM (``scripts/setup-vllm``) and a tiny random Llama built here: the standard and native
 routes, cancel, SSE resume, a grant's model mask, the refusals of what the engine lacks,
-and an embedding model on vLLM's pooling runner.
+an embedding model on vLLM's pooling runner, and images on a tiny Idefics3.
 
 The service runs from the vLLM Python (with PYTHONPATH at this checkout); the test
 itself, its HTTP clients and the official ``openai`` package run from .venv.  Skipped
@@ -19,13 +19,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
 from ..e2e.test_e2e_api import emissions, follow
-from ..helpers import Service, free_port, short_tmpdir
+from ..e2e.test_e2e_media import upload
+from ..e2e.test_e2e_vision import ask, finish
+from ..helpers import Service, free_port, png, short_tmpdir
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VENV = os.environ.get("AOTX_VLLM_PYTHON") or os.path.expanduser(
@@ -64,6 +67,16 @@ enforce_eager = true
 max_model_len = 1024
 dtype = "float32"
 pooler_config = {pooling_type = "MEAN"}
+
+[[model]]
+alias = "tiny-vl"
+engine = "vllm"
+path = "tiny-vl"
+modalities = ["text", "image"]
+[model.vllm]
+enforce_eager = true
+max_model_len = 1024
+dtype = "float32"
 """
 HELLO = [{"role": "user", "content": "Hello world"}]
 
@@ -73,6 +86,10 @@ def vsvc() -> Iterator[Service]:
     state = short_tmpdir()
     built = subprocess.run([VENV, str(pathlib.Path(__file__).with_name("tiny_model.py")),
                             *(os.path.join(state, d) for d in ("tiny", "lora-a", "lora-b"))],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-4000:]
+    built = subprocess.run([VENV, str(pathlib.Path(__file__).with_name("tiny_model.py")),
+                            "--vision", os.path.join(state, "tiny-vl")],
                            capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-4000:]
     with open(os.path.join(state, "models.toml"), "w") as f:
@@ -94,7 +111,7 @@ def openai_client(svc: Service, token: str | None = None) -> openai.OpenAI:
 def test_chat_whole_and_streamed_are_the_same_bytes(vsvc: Service) -> None:
     c = openai_client(vsvc)
     assert {m.id for m in c.models.list().data} == {"smollm2", "tiny", "tiny-a", "tiny-b",
-                                                    "tiny-embed"}
+                                                    "tiny-embed", "tiny-vl"}
     whole = c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=16,
                                       temperature=0)
     assert whole.choices[0].finish_reason == "length"
@@ -328,3 +345,43 @@ def test_an_embedding_model_on_vllms_pooling_runner(vsvc: Service) -> None:
         c.chat.completions.create(model="tiny-embed", messages=HELLO, max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="does not provide embeddings"):
         c.embeddings.create(model="tiny", input="Hello")
+
+
+def test_an_image_reaches_a_vllm_multimodal_model(vsvc: Service) -> None:
+    """An image part on a vLLM Idefics3, inline on the standard route and as a source on
+    the native one: the processor's image token in the prompt, expanded by vLLM to the
+    image's 4 positions and 3 markers (the usage counts them); the same image gives the
+    same greedy answer, another image another one; a text-only vLLM model refuses
+    images."""
+    c = openai_client(vsvc)
+
+    def chat(image: bytes | None) -> Any:
+        parts: list[dict[str, Any]] = [{"type": "text", "text": "Hello"}]
+        if image is not None:
+            url = "data:image/png;base64," + base64.b64encode(image).decode()
+            parts.insert(0, {"type": "image_url", "image_url": {"url": url}})
+        return c.chat.completions.create(model="tiny-vl", temperature=0, max_tokens=16,
+                                         logit_bias={"1": -100},
+                                         messages=[{"role": "user", "content": parts}])
+
+    plain, red, blue, red_again = chat(None), chat(png(1, 20)), chat(png(120, 20)), chat(
+        png(1, 20))
+    assert red.usage.prompt_tokens == plain.usage.prompt_tokens + 7
+    assert red.choices[0].message.content == red_again.choices[0].message.content
+    assert red.choices[0].message.content != blue.choices[0].message.content
+    with vsvc.client() as h:
+        caps = {m["alias"]: m for m in h.get("/aotx/v1/capabilities").json()["models"]}
+        assert caps["tiny-vl"]["input_modalities"] == ["text", "image"]
+        assert caps["tiny"]["input_modalities"] == ["text"]
+        src = upload(h, png(1, 20))
+        assert src.status_code == 201, src.text
+        r = ask(h, [{"type": "input_image", "digest": src.json()["digest"]},
+                    {"type": "text", "text": "Hello"}], model="tiny-vl", max_tokens=16)
+        assert r.status_code == 202, r.text
+        doc = finish(h, r.json()["id"])
+        assert doc["state"] == "completed"
+        assert int(doc["usage"]["prompt_tokens"]) == red.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="does not accept image input"):
+        c.chat.completions.create(model="tiny", max_tokens=4, messages=[{
+            "role": "user", "content": [{"type": "image_url", "image_url": {
+                "url": "data:image/png;base64," + base64.b64encode(png(1)).decode()}}]}])

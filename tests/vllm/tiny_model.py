@@ -1,5 +1,7 @@
 """Build a tiny random Llama and its BPE tokenizer (trained here) in a folder that vLLM
-loads, and random LoRA adapters for it: ``python tiny_model.py FOLDER [ADAPTER ...]``.
+loads, and random LoRA adapters for it: ``python tiny_model.py FOLDER [ADAPTER ...]``;
+or a tiny random Idefics3 (a SigLIP vision tower of 32x32 pixels, 4 image positions, on
+the same kind of Llama) with its processor: ``python tiny_model.py --vision FOLDER``.
 Runs in the vLLM venv (transformers, torch, safetensors).
 
 Two layers, two heads of 64 (vLLM's CPU attention takes no head size under 32), a
@@ -9,35 +11,79 @@ float32, fixed seed: the same weights every time."""
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
                  "{% endif %}")
 
 
-def build(folder: str) -> None:
-    import torch
+def tokenizer(extra: tuple[str, ...] = ()) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=["<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"],
+        vocab_size=512,
+        special_tokens=["<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", *extra],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(["The quick brown fox jumps over the lazy dog. Hello, world: "
                              "héllo wörld, 你好 🙂 {\"a\": 1}."] * 50, trainer)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>",
                                  eos_token="<|eos|>")
     hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def llama_config(hf: Any) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=len(hf), hidden_size=128, intermediate_size=256,
+                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                       max_position_embeddings=1024, bos_token_id=hf.bos_token_id,
+                       eos_token_id=hf.eos_token_id, tie_word_embeddings=False)
+
+
+def build(folder: str) -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    hf = tokenizer()
     hf.save_pretrained(folder)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(hf), hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                         max_position_embeddings=1024, bos_token_id=hf.bos_token_id,
-                         eos_token_id=hf.eos_token_id, tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(folder)
+    LlamaForCausalLM(llama_config(hf)).save_pretrained(folder)
+
+
+def build_vision(folder: str) -> None:
+    """Idefics3 (SigLIP, pixel shuffle, Llama): one 32x32 image without splitting is 4
+    image positions between its markers.  (vLLM's LLaVA needs torchvision, which the
+    CPU venv cannot have: scripts/setup-vllm.)"""
+    import torch
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+        Idefics3VisionConfig,
+    )
+
+    hf = tokenizer(("<image>", "<fake_token_around_image>", "<global-img>",
+                    "<end_of_utterance>"))
+    torch.manual_seed(0)
+    vision = Idefics3VisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=2, image_size=32, patch_size=8)
+    config = Idefics3Config(vision_config=vision.to_dict(),
+                            text_config=llama_config(hf).to_dict(), scale_factor=2,
+                            image_token_id=hf.convert_tokens_to_ids("<image>"),
+                            tie_word_embeddings=False, pad_token_id=None)
+    Idefics3ForConditionalGeneration(config).save_pretrained(folder)
+    images = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 32},
+                                       max_image_size={"longest_edge": 32})
+    Idefics3Processor(image_processor=images, tokenizer=hf, image_seq_len=4,
+                      chat_template=CHAT_TEMPLATE).save_pretrained(folder)
+    hf.save_pretrained(folder)
 
 
 def adapter(folder: str, base: str, seed: int, rank: int = 8) -> None:
@@ -67,6 +113,9 @@ def adapter(folder: str, base: str, seed: int, rank: int = 8) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--vision":
+        build_vision(sys.argv[2])
+        sys.exit()
     build(sys.argv[1])
     for n, path in enumerate(sys.argv[2:]):
         adapter(path, sys.argv[1], seed=100 + n)
