@@ -42,6 +42,7 @@ from ..config import Settings
 from ..cpuslice import request_short_slice
 from ..engine.embedding import EmbedJob
 from ..engine.scheduler import Request
+from ..engine.vllm import VllmRunner
 from ..mailbox import REQUEST, SCAN_ALL, WAKE, Bell, Region
 from ..paths import RuntimePaths
 from ..wire import Action, Header, Op, Reason, WireError
@@ -124,6 +125,7 @@ class Device:
         self._media_jobs: queue.Queue[MediaJob | None] | None = None  # the media worker's
         self._media_thread: threading.Thread | None = None
         self._stopping = False
+        self.failed = ""  # why the device stops on its own (engine_dead)
         # llama.cpp contexts first: they are created while no other thread runs
         # (engine/residency.py), and vLLM's AsyncLLM starts threads of its own.
         for spec in sorted(specs, key=lambda s: s.engine == "vllm"):
@@ -301,6 +303,8 @@ class Device:
         for m in self.state.models.values():
             if m.shares_engine:
                 continue  # a LoRA adapter: its base model's thread runs the engine
+            if isinstance(m.scheduler, VllmRunner):
+                m.scheduler.on_dead = functools.partial(self.engine_dead, m.spec.alias)
             m.thread = threading.Thread(target=m.scheduler.run, name=f"engine-{m.spec.alias}",
                                         daemon=True)
             m.thread.start()
@@ -398,6 +402,12 @@ class Device:
         self._stopping = True
         self.bell.ring_self()
 
+    def engine_dead(self, alias: str, why: str) -> None:
+        """A model's engine is gone for good (vLLM's engine core died): stop, and exit
+        with the reason, so that the supervisor starts a new device (a new epoch)."""
+        self.failed = f"the engine of model {alias} died: {why}"
+        self.stop()
+
 
 def run(paths: RuntimePaths, mailboxes: int, models_file: str | None = None,
         limits: DeviceLimits | None = None, settings: Settings | None = None) -> None:
@@ -408,3 +418,5 @@ def run(paths: RuntimePaths, mailboxes: int, models_file: str | None = None,
     signal.signal(signal.SIGTERM, lambda *_: device.stop())
     signal.signal(signal.SIGINT, lambda *_: device.stop())
     device.serve()
+    if device.failed:
+        raise SystemExit(f"device: {device.failed}")

@@ -62,6 +62,9 @@ class EngineClient(Protocol):
 
 
 ParamsFactory = Callable[[Request], Any]
+#: Seconds between two health checks of vLLM's engine (``EngineClient.check_health``:
+#: a flag vLLM sets when its engine core process has gone, so the check costs nothing).
+HEALTH_S = 1.0
 
 
 class VllmRunner:
@@ -91,6 +94,10 @@ class VllmRunner:
         self._pending: list[Callable[[], None]] = []  # asked for before the loop runs
         self.loras: dict[int, Any] = {}  # model role -> vLLM's LoRARequest (lora_request)
         self._step_due = False  # an on_step call is scheduled (_stepped)
+        # vLLM's engine core is a process of its own: when it dies, every request fails
+        # until the device is restarted (the device's exit does that: a new epoch).
+        self.on_dead: Callable[[str], None] = lambda why: None
+        self.health_s = HEALTH_S
 
     @property
     def depth(self) -> int:
@@ -145,10 +152,11 @@ class VllmRunner:
             self._pending.clear()
             if self._stopping:  # stopped before this thread got here
                 loop.call_soon(loop.stop)
+        watch = loop.create_task(self._watch())
         try:
             loop.run_forever()
         finally:
-            tasks = [*self._tasks.values(), *self._calls]
+            tasks = [*self._tasks.values(), *self._calls, watch]
             for task in tasks:
                 task.cancel()
             if tasks:
@@ -164,6 +172,19 @@ class VllmRunner:
             loop = self._loop
         if loop is not None:
             loop.call_soon_threadsafe(loop.stop)
+
+    async def _watch(self) -> None:
+        """vLLM's ``check_health`` every ``health_s``: the first failure calls ``on_dead``
+        (vLLM's own server exits then too)."""
+        while True:
+            await asyncio.sleep(self.health_s)
+            try:
+                await self.client.check_health()
+            except Exception as exc:
+                why = str(exc) or type(exc).__name__
+                log.error("event=vllm.engine_dead error=%s", why)
+                self.on_dead(why)
+                return
 
     def _start(self, req: Request) -> None:
         if req.phase.terminal:

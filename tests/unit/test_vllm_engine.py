@@ -492,3 +492,36 @@ def test_media_go_to_vllm_with_the_prompt_and_its_expansion_is_counted() -> None
     assert seen[0]["prompt_token_ids"] == [BOS, *tokens(b"hi")]
     assert len(req.prompt) == 7 and run.runner.prompt_tokens_in == 7
     assert bytes(req.out) == b"xy" and req.segments == []
+
+
+def test_a_dead_engine_is_reported_once_by_the_health_check() -> None:
+    """vLLM's ``check_health`` raises once its engine core is gone: the runner calls
+    ``on_dead`` with the reason, once, and its loop goes on (the device stops it)."""
+    class Dying(ScriptedClient):
+        dead = False
+
+        async def check_health(self) -> None:
+            if self.dead:
+                raise RuntimeError("EngineCore encountered an issue")
+
+    client = Dying([])
+    reports: list[str] = []
+    lock = threading.Lock()
+    runner = VllmRunner(client, vocab(), lock, make_params=lambda r: r)
+    runner.on_dead, runner.health_s = reports.append, 0.01
+    thread = threading.Thread(target=runner.run, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.1)
+        assert reports == []  # healthy: checked, nothing said
+        client.dead = True
+        deadline = time.monotonic() + 5
+        while not reports:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert reports == ["EngineCore encountered an issue"]
+    finally:
+        runner.stop()
+        thread.join(5)
+    assert not thread.is_alive()

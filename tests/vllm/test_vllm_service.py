@@ -385,3 +385,48 @@ def test_an_image_reaches_a_vllm_multimodal_model(vsvc: Service) -> None:
         c.chat.completions.create(model="tiny", max_tokens=4, messages=[{
             "role": "user", "content": [{"type": "image_url", "image_url": {
                 "url": "data:image/png;base64," + base64.b64encode(png(1)).decode()}}]}])
+
+
+def children(parent: int, word: str) -> list[int]:
+    """The pids of ``parent``'s children whose command line holds ``word``."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and word in cmdline.split():
+            found.append(int(entry))
+    return found
+
+
+def test_zz_a_dead_vllm_engine_restarts_the_device(vsvc: Service) -> None:
+    """Last in this module (it restarts the service's device): vLLM's engine core killed,
+    the device notices through check_health and exits with the reason; the supervisor
+    starts a new device, a new epoch, and the model answers again."""
+    with vsvc.client() as c:
+        before = c.get("/aotx/v1/capabilities").json()["runtime_epoch"]
+        assert vsvc.proc is not None
+        (device,) = children(vsvc.proc.pid, "device")
+        cores = children(device, "VLLM::EngineCore")
+        assert len(cores) == 3, cores  # tiny (and its adapters), tiny-embed, tiny-vl
+        os.kill(cores[0], 9)
+        deadline = time.monotonic() + 240
+        while True:
+            assert time.monotonic() < deadline, vsvc.read_log()
+            try:
+                caps = c.get("/aotx/v1/capabilities")
+                if caps.status_code == 200 and caps.json()["runtime_epoch"] != before:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+    with open(vsvc.log_path, errors="replace") as f:
+        log = f.read()
+    assert "event=vllm.engine_dead" in log and "device: the engine of model" in log
+    r = openai_client(vsvc).chat.completions.create(model="tiny", messages=HELLO, max_tokens=4,
+                                                     logit_bias={"1": -100})
+    assert r.usage is not None and r.usage.completion_tokens == 4
