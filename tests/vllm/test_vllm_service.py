@@ -3,8 +3,8 @@ vLLM (``scripts/setup-vllm``) and a tiny random Llama built here: the standard a
 routes, cancel, SSE resume, a grant's model mask, the refusals of what the engine lacks,
 an embedding model on vLLM's pooling runner, and images on a tiny Idefics3.
 
-The service runs from the vLLM Python (with PYTHONPATH at this checkout); the test
-itself, its HTTP clients and the official ``openai`` package run from .venv.  Skipped
+The service runs from the vLLM Python (PYTHONPATH names this checkout, whichever one its
+editable aotx came from); the test itself, its HTTP clients and the official ``openai`` package run from .venv.  Skipped
 unless that Python exists (``scripts/setup-vllm`` prints it; AOTX_VLLM_PYTHON names it).
 """
 
