@@ -30,15 +30,13 @@ from ..engine.sampling import Sampler
 from ..engine.scheduler import Request, Scheduler
 from ..engine.spill import default_budget
 from ..engine.vllm import (
-    VllmEmbeddings,
-    VllmMedia,
     VllmModel,
     VllmRunner,
     lora_request,
-    pooling_params,
     sampling_params,
 )
 from ..engine.vllm import start as vllm_start
+from ..engine.vllm_inputs import VllmEmbeddings, VllmMedia, pooling_params
 from .memory import qualified
 from .models import ModelSpec, file_sha256, folder_sha256
 from .prompt import TextRefused, split, text_tokens

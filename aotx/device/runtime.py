@@ -125,7 +125,7 @@ class Device:
         self._media_jobs: queue.Queue[MediaJob | None] | None = None  # the media worker's
         self._media_thread: threading.Thread | None = None
         self._stopping = False
-        self.failed = ""  # why the device stops on its own (engine_dead)
+        self.failed = ""  # why the device stops on its own (engine_failed)
         # llama.cpp contexts first: they are created while no other thread runs
         # (engine/residency.py), and vLLM's AsyncLLM starts threads of its own.
         for spec in sorted(specs, key=lambda s: s.engine == "vllm"):
@@ -304,7 +304,7 @@ class Device:
             if m.shares_engine:
                 continue  # a LoRA adapter: its base model's thread runs the engine
             if isinstance(m.scheduler, VllmRunner):
-                m.scheduler.on_dead = functools.partial(self.engine_dead, m.spec.alias)
+                m.scheduler.on_fatal = functools.partial(self.engine_failed, m.spec.alias)
             m.thread = threading.Thread(target=m.scheduler.run, name=f"engine-{m.spec.alias}",
                                         daemon=True)
             m.thread.start()
@@ -402,10 +402,11 @@ class Device:
         self._stopping = True
         self.bell.ring_self()
 
-    def engine_dead(self, alias: str, why: str) -> None:
-        """A model's engine is gone for good (vLLM's engine core died): stop, and exit
-        with the reason, so that the supervisor starts a new device (a new epoch)."""
-        self.failed = f"the engine of model {alias} died: {why}"
+    def engine_failed(self, alias: str, why: str) -> None:
+        """A model's engine cannot serve (vLLM's engine core died, an adapter did not
+        load): stop, and exit with the reason, so that the supervisor starts a new device
+        (a new epoch)."""
+        self.failed = f"model {alias}: {why}"
         self.stop()
 
 

@@ -24,27 +24,23 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import io
 import json
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Protocol
 
-import numpy as np
-
 from ..wire import EngineFeature, Finish, Phase
-from .embedding import EmbedJob, Vectors
 from .grammar import JSON_OPTIONS, GrammarSpec
 from .hfvocab import HfVocab, from_hf
 from .histogram import Histogram
 from .llama import EngineError
 from .logprobs import Annotations, Entry, line
-from .multimodal import MediaInputError, MediaProblem, MediaSegment, check_parts
 from .output import OutputBuffer
 from .request import Failure, Request, settle
+from .vllm_inputs import multi_modal_data
 
 log = logging.getLogger("aotx.engine")
 
@@ -57,6 +53,7 @@ class EngineClient(Protocol):
     def encode(self, prompt: Any, pooling_params: Any,
                request_id: str) -> AsyncIterator[Any]: ...
     async def abort(self, request_id: str) -> None: ...
+    async def add_lora(self, lora_request: Any) -> bool: ...
     async def check_health(self) -> None: ...
     def shutdown(self) -> None: ...
 
@@ -94,10 +91,12 @@ class VllmRunner:
         self._pending: list[Callable[[], None]] = []  # asked for before the loop runs
         self.loras: dict[int, Any] = {}  # model role -> vLLM's LoRARequest (lora_request)
         self._step_due = False  # an on_step call is scheduled (_stepped)
-        # vLLM's engine core is a process of its own: when it dies, every request fails
-        # until the device is restarted (the device's exit does that: a new epoch).
-        self.on_dead: Callable[[str], None] = lambda why: None
+        # The engine cannot serve (vLLM's engine core died, an adapter did not load):
+        # every request would fail until the device is restarted, and the device's
+        # exit does that (a new epoch).
+        self.on_fatal: Callable[[str], None] = lambda why: None
         self.health_s = HEALTH_S
+        self._ready = asyncio.Event()  # set once the adapters are loaded (_add_loras)
 
     @property
     def depth(self) -> int:
@@ -153,10 +152,11 @@ class VllmRunner:
             if self._stopping:  # stopped before this thread got here
                 loop.call_soon(loop.stop)
         watch = loop.create_task(self._watch())
+        boot = loop.create_task(self._add_loras())
         try:
             loop.run_forever()
         finally:
-            tasks = [*self._tasks.values(), *self._calls, watch]
+            tasks = [*self._tasks.values(), *self._calls, watch, boot]
             for task in tasks:
                 task.cancel()
             if tasks:
@@ -174,7 +174,7 @@ class VllmRunner:
             loop.call_soon_threadsafe(loop.stop)
 
     async def _watch(self) -> None:
-        """vLLM's ``check_health`` every ``health_s``: the first failure calls ``on_dead``
+        """vLLM's ``check_health`` every ``health_s``: the first failure calls ``on_fatal``
         (vLLM's own server exits then too)."""
         while True:
             await asyncio.sleep(self.health_s)
@@ -183,8 +183,26 @@ class VllmRunner:
             except Exception as exc:
                 why = str(exc) or type(exc).__name__
                 log.error("event=vllm.engine_dead error=%s", why)
-                self.on_dead(why)
+                self.on_fatal(f"its vLLM engine died: {why}")
                 return
+
+    async def _add_loras(self) -> None:
+        """Load every adapter into vLLM before the first request starts (``add_lora``):
+        an adapter that does not load stops the device at start, with the reason, rather
+        than failing each of its requests."""
+        try:
+            for role, lora in self.loras.items():
+                try:
+                    if await self.client.add_lora(lora) is False:
+                        raise EngineError("vLLM refused it")
+                except Exception as exc:
+                    why = str(exc) or type(exc).__name__
+                    log.error("event=vllm.lora_failed role=%d error=%s", role, why)
+                    self.on_fatal(f"LoRA adapter {lora.lora_name!r} did not load: {why}")
+                    return
+                log.info("event=vllm.lora_loaded role=%d alias=%s", role, lora.lora_name)
+        finally:
+            self._ready.set()
 
     def _start(self, req: Request) -> None:
         if req.phase.terminal:
@@ -215,6 +233,7 @@ class VllmRunner:
         rid = req.identity.hex()
         engine_done = False  # vLLM has ended the request itself
         try:
+            await self._ready.wait()  # the adapters are loaded (_add_loras)
             prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt)}
             if req.segments:
                 prompt["multi_modal_data"] = multi_modal_data(req.segments)
@@ -344,111 +363,6 @@ class VllmRunner:
         if not req.background:
             self.finished[phase.name.lower()] += 1
         self.on_terminal(req)
-
-
-class VllmEmbeddings:
-    """``/v1/embeddings`` on a vLLM pooling model (``kind = "embedding"``): each EMBED
-    call's inputs go to vLLM's ``encode`` together, on the runner's loop, and vLLM batches
-    them with whatever else runs; the vectors come back unit length, as llama.cpp's.  It
-    stands where :class:`~aotx.engine.embedding.EmbedQueue` stands for llama.cpp (the
-    device reads ``embedder.dims`` and ``embedder.context``)."""
-
-    def __init__(self, runner: VllmRunner, client: EngineClient, dims: int, context: int,
-                 pooling: str, make_params: Callable[[], Any]) -> None:
-        self.runner = runner
-        self.client = client
-        self.embedder = self  # (one object: no context of its own to close)
-        self.dims = dims
-        self.context = context
-        self.pooling = pooling
-        self.make_params = make_params
-        self.calls = self.inputs = self.tokens = 0
-
-    def submit(self, job: EmbedJob) -> None:
-        """Embed ``job``'s inputs; ``job.done`` is called on the engine thread, with the
-        lock held, once all are embedded or one failed (lock held)."""
-        job.vectors = np.empty((len(job.inputs), self.dims), dtype=np.float32)
-        self.runner.spawn(lambda: self._embed(job))
-
-    async def _embed(self, job: EmbedJob) -> None:
-        error = ""
-        try:
-            rows = await asyncio.gather(*(self._one(tokens) for tokens in job.inputs))
-        except Exception as exc:  # vLLM's failure: the call fails, the device goes on
-            log.exception("event=embed.failed inputs=%d", len(job.inputs))
-            error, rows = str(exc) or type(exc).__name__, []
-        with self.runner.lock:
-            for i, row in enumerate(rows):
-                if row.shape != (self.dims,):
-                    error = f"vLLM gave {row.shape[0]} floats, not {self.dims}"
-                    break
-                norm = float(np.linalg.norm(row))
-                job.vectors[i] = row / norm if norm > 0 else row
-            job.error, job.next = error, len(job.inputs)
-            self.calls += 1
-            self.inputs += len(job.inputs)
-            self.tokens += job.tokens
-            job.done(job)
-
-    async def _one(self, tokens: list[int]) -> Vectors:
-        rid = "embed-" + os.urandom(16).hex()
-        last = None
-        async for out in self.client.encode({"prompt_token_ids": tokens}, self.make_params(),
-                                            rid):
-            last = out
-        if last is None:
-            raise EngineError("vLLM ended an embedding without output")
-        return np.asarray(last.outputs.data, dtype=np.float32).reshape(-1)
-
-    def close(self) -> None:
-        return None  # the engine is the model's, closed with it
-
-
-class VllmMedia:
-    """Image input on a vLLM multimodal model.  A part is checked as for llama.cpp
-    (multimodal.py: PNG, JPEG or GIF, a bounded size) and decoded here; in the prompt it
-    is the processor's image token, once, which vLLM's processor expands to the image's
-    feature positions when the decoded image comes with the prompt (``multi_modal_data``,
-    :meth:`VllmRunner._generate`)."""
-
-    audio = False  # (vLLM's audio models: not wired yet)
-
-    def __init__(self, image_token: int) -> None:
-        self.image_token = image_token
-        self.vision = True
-
-    def check(self, media: Sequence[tuple[str, bytes]]) -> None:
-        check_parts(media, self.vision, self.audio)
-
-    def tokenize_media(self, kind: str, data: bytes,
-                       n: int) -> tuple[list[int], list[MediaSegment]]:
-        from PIL import Image, UnidentifiedImageError
-
-        try:
-            with Image.open(io.BytesIO(data)) as img:
-                decoded = img.convert("RGB")  # (its first frame: a GIF's too)
-        except (UnidentifiedImageError, OSError, ValueError) as exc:
-            raise MediaInputError(f"media part {n} ({kind}) could not be decoded: {exc}",
-                                  MediaProblem.IMAGE_UNREADABLE, n) from None
-        return [self.image_token], [MediaSegment(0, 1, kind, decoded=decoded)]
-
-    def close(self) -> None:
-        return None
-
-
-def multi_modal_data(segments: Sequence[MediaSegment]) -> dict[str, list[Any]]:
-    """The decoded media of a prompt, in order, as vLLM takes them with the prompt."""
-    data: dict[str, list[Any]] = {}
-    for seg in segments:
-        data.setdefault(seg.kind, []).append(seg.decoded)
-    return data
-
-
-def pooling_params() -> Any:
-    """vLLM's ``PoolingParams`` for one embedding input."""
-    from vllm import PoolingParams
-
-    return PoolingParams(task="embed")
 
 
 def unsupported(sampling: Any) -> EngineFeature | None:

@@ -63,6 +63,7 @@ class ScriptedClient:
         self.prompts: list[list[int]] = []
         self.aborted: list[str] = []
         self.loras: list[Any] = []
+        self.added: list[Any] = []
 
     async def generate(self, prompt: Any, sampling_params: Any, request_id: str, *,
                        lora_request: Any = None) -> AsyncIterator[Any]:
@@ -76,6 +77,10 @@ class ScriptedClient:
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        self.added.append(lora_request)
+        return lora_request.lora_name != "broken"
 
     async def check_health(self) -> None:
         return None
@@ -177,12 +182,13 @@ def test_a_stop_string_or_max_tokens_ends_it_here_and_aborts_vllm(running: Any) 
 def test_a_lora_alias_names_its_adapter_to_vllm(running: Any) -> None:
     client = ScriptedClient([out(tokens(b"ok"), "stop")])
     r = running(client)
-    r.runner.loras[3] = "adapter-of-role-3"
+    adapter = SimpleNamespace(lora_name="adapter-of-role-3")
+    r.runner.loras[3] = adapter
     plain = r.submit()
     r.wait(lambda: plain.phase.terminal)
     adapted = r.submit(role=3)
     r.wait(lambda: adapted.phase.terminal)
-    assert client.loras == [None, "adapter-of-role-3"]
+    assert client.loras == [None, adapter]
 
 
 def test_end_of_generation_token_completes_it(running: Any) -> None:
@@ -429,7 +435,7 @@ def embed_all(client: EncodingClient, inputs: list[list[int]]) -> Any:
     import numpy as np
 
     from aotx.engine.embedding import EmbedJob
-    from aotx.engine.vllm import VllmEmbeddings
+    from aotx.engine.vllm_inputs import VllmEmbeddings
 
     run = Running(client)
     try:
@@ -496,7 +502,7 @@ def test_media_go_to_vllm_with_the_prompt_and_its_expansion_is_counted() -> None
 
 def test_a_dead_engine_is_reported_once_by_the_health_check() -> None:
     """vLLM's ``check_health`` raises once its engine core is gone: the runner calls
-    ``on_dead`` with the reason, once, and its loop goes on (the device stops it)."""
+    ``on_fatal`` with the reason, once, and its loop goes on (the device stops it)."""
     class Dying(ScriptedClient):
         dead = False
 
@@ -508,7 +514,7 @@ def test_a_dead_engine_is_reported_once_by_the_health_check() -> None:
     reports: list[str] = []
     lock = threading.Lock()
     runner = VllmRunner(client, vocab(), lock, make_params=lambda r: r)
-    runner.on_dead, runner.health_s = reports.append, 0.01
+    runner.on_fatal, runner.health_s = reports.append, 0.01
     thread = threading.Thread(target=runner.run, daemon=True)
     thread.start()
     try:
@@ -520,8 +526,37 @@ def test_a_dead_engine_is_reported_once_by_the_health_check() -> None:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         time.sleep(0.1)
-        assert reports == ["EngineCore encountered an issue"]
+        assert reports == ["its vLLM engine died: EngineCore encountered an issue"]
     finally:
         runner.stop()
         thread.join(5)
     assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("names, fatal", [(["sql", "chat"], []),
+                                          (["sql", "broken"], ["'broken' did not load"])])
+def test_adapters_are_loaded_before_the_first_request(names: list[str],
+                                                     fatal: list[str]) -> None:
+    client = ScriptedClient([out(tokens(b"ok"), "stop")])
+    reports: list[str] = []
+    lock = threading.Lock()
+    runner = VllmRunner(client, vocab(), lock, make_params=lambda r: r)
+    runner.on_fatal = reports.append
+    runner.loras = {2 + i: SimpleNamespace(lora_name=n) for i, n in enumerate(names)}
+    req = Request(identity=os.urandom(16), principal=1, revision=1, role=3,
+                  prompt=[BOS, *tokens(b"hi")], max_tokens=8)
+    with lock:
+        runner.submit(req)  # before the loop: it waits for the adapters
+    thread = threading.Thread(target=runner.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not req.phase.terminal:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        runner.stop()
+        thread.join(5)
+    assert [a.lora_name for a in client.added] == names[:2]
+    assert [f for f in fatal if not any(f in r for r in reports)] == [] and len(reports) == len(fatal)
+    assert client.loras == [runner.loras[3]]

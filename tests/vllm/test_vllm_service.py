@@ -219,6 +219,10 @@ def test_lora_adapters_are_models_of_their_own(vsvc: Service) -> None:
                                       temperature=0, logit_bias={"1": -100})
         return r.choices[0].message.content or ""
 
+    with open(vsvc.log_path, errors="replace") as f:  # loaded at start (add_lora)
+        log = f.read()
+    assert "event=vllm.lora_loaded role=3 alias=tiny-a" in log
+    assert "event=vllm.lora_loaded role=4 alias=tiny-b" in log
     first = {m: answer(m) for m in ("tiny", "tiny-a", "tiny-b")}
     assert len(set(first.values())) == 3
     assert {m: answer(m) for m in ("tiny-b", "tiny", "tiny-a")} == first
@@ -426,7 +430,7 @@ def test_zz_a_dead_vllm_engine_restarts_the_device(vsvc: Service) -> None:
             time.sleep(0.5)
     with open(vsvc.log_path, errors="replace") as f:
         log = f.read()
-    assert "event=vllm.engine_dead" in log and "device: the engine of model" in log
+    assert "event=vllm.engine_dead" in log and "its vLLM engine died" in log
     r = openai_client(vsvc).chat.completions.create(model="tiny", messages=HELLO, max_tokens=4,
                                                      logit_bias={"1": -100})
     assert r.usage is not None and r.usage.completion_tokens == 4

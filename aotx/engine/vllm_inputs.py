@@ -1,0 +1,128 @@
+"""What a vLLM model takes beside chat prompts: embedding inputs on a pooling model
+(:class:`VllmEmbeddings`, ``kind = "embedding"``) and decoded images on a multimodal
+one (:class:`VllmMedia`), both on the runner's loop (engine/vllm.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .embedding import EmbedJob, Vectors
+from .llama import EngineError
+from .multimodal import MediaInputError, MediaProblem, MediaSegment, check_parts
+
+if TYPE_CHECKING:
+    from .vllm import EngineClient, VllmRunner
+
+log = logging.getLogger("aotx.engine")
+
+
+class VllmEmbeddings:
+    """``/v1/embeddings`` on a vLLM pooling model (``kind = "embedding"``): each EMBED
+    call's inputs go to vLLM's ``encode`` together, on the runner's loop, and vLLM batches
+    them with whatever else runs; the vectors come back unit length, as llama.cpp's.  It
+    stands where :class:`~aotx.engine.embedding.EmbedQueue` stands for llama.cpp (the
+    device reads ``embedder.dims`` and ``embedder.context``)."""
+
+    def __init__(self, runner: VllmRunner, client: EngineClient, dims: int, context: int,
+                 pooling: str, make_params: Callable[[], Any]) -> None:
+        self.runner = runner
+        self.client = client
+        self.embedder = self  # (one object: no context of its own to close)
+        self.dims = dims
+        self.context = context
+        self.pooling = pooling
+        self.make_params = make_params
+        self.calls = self.inputs = self.tokens = 0
+
+    def submit(self, job: EmbedJob) -> None:
+        """Embed ``job``'s inputs; ``job.done`` is called on the engine thread, with the
+        lock held, once all are embedded or one failed (lock held)."""
+        job.vectors = np.empty((len(job.inputs), self.dims), dtype=np.float32)
+        self.runner.spawn(lambda: self._embed(job))
+
+    async def _embed(self, job: EmbedJob) -> None:
+        error = ""
+        try:
+            rows = await asyncio.gather(*(self._one(tokens) for tokens in job.inputs))
+        except Exception as exc:  # vLLM's failure: the call fails, the device goes on
+            log.exception("event=embed.failed inputs=%d", len(job.inputs))
+            error, rows = str(exc) or type(exc).__name__, []
+        with self.runner.lock:
+            for i, row in enumerate(rows):
+                if row.shape != (self.dims,):
+                    error = f"vLLM gave {row.shape[0]} floats, not {self.dims}"
+                    break
+                norm = float(np.linalg.norm(row))
+                job.vectors[i] = row / norm if norm > 0 else row
+            job.error, job.next = error, len(job.inputs)
+            self.calls += 1
+            self.inputs += len(job.inputs)
+            self.tokens += job.tokens
+            job.done(job)
+
+    async def _one(self, tokens: list[int]) -> Vectors:
+        rid = "embed-" + os.urandom(16).hex()
+        last = None
+        async for out in self.client.encode({"prompt_token_ids": tokens}, self.make_params(),
+                                            rid):
+            last = out
+        if last is None:
+            raise EngineError("vLLM ended an embedding without output")
+        return np.asarray(last.outputs.data, dtype=np.float32).reshape(-1)
+
+    def close(self) -> None:
+        return None  # the engine is the model's, closed with it
+
+
+class VllmMedia:
+    """Image input on a vLLM multimodal model.  A part is checked as for llama.cpp
+    (multimodal.py: PNG, JPEG or GIF, a bounded size) and decoded here; in the prompt it
+    is the processor's image token, once, which vLLM's processor expands to the image's
+    feature positions when the decoded image comes with the prompt (``multi_modal_data``,
+    :meth:`VllmRunner._generate`)."""
+
+    audio = False  # (vLLM's audio models: not wired yet)
+
+    def __init__(self, image_token: int) -> None:
+        self.image_token = image_token
+        self.vision = True
+
+    def check(self, media: Sequence[tuple[str, bytes]]) -> None:
+        check_parts(media, self.vision, self.audio)
+
+    def tokenize_media(self, kind: str, data: bytes,
+                       n: int) -> tuple[list[int], list[MediaSegment]]:
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(io.BytesIO(data)) as img:
+                decoded = img.convert("RGB")  # (its first frame: a GIF's too)
+        except (UnidentifiedImageError, OSError, ValueError) as exc:
+            raise MediaInputError(f"media part {n} ({kind}) could not be decoded: {exc}",
+                                  MediaProblem.IMAGE_UNREADABLE, n) from None
+        return [self.image_token], [MediaSegment(0, 1, kind, decoded=decoded)]
+
+    def close(self) -> None:
+        return None
+
+
+def multi_modal_data(segments: Sequence[MediaSegment]) -> dict[str, list[Any]]:
+    """The decoded media of a prompt, in order, as vLLM takes them with the prompt."""
+    data: dict[str, list[Any]] = {}
+    for seg in segments:
+        data.setdefault(seg.kind, []).append(seg.decoded)
+    return data
+
+
+def pooling_params() -> Any:
+    """vLLM's ``PoolingParams`` for one embedding input."""
+    from vllm import PoolingParams
+
+    return PoolingParams(task="embed")
