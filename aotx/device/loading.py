@@ -141,8 +141,12 @@ def _load_vllm(spec: ModelSpec, state_dir: str, lock: threading.Lock,
     embeddings = None if chat else VllmEmbeddings(
         runner, engine.client, engine.embedding_dims, engine.slot_context, engine.pooling,
         pooling_params)
-    media = VllmMedia(engine.image_token) if chat and engine.image_marker else None
-    mods = wire.MOD_TEXT | (wire.MOD_IMAGE if media is not None else 0)
+    # (a part's place in the rendering is aotx's marker, as for llama.cpp; its token is
+    # the processor's for its kind: VllmMedia.tokenize_media)
+    media = (VllmMedia(engine.media.get("image", -1), engine.media.get("audio", -1),
+                       engine.sampling_rate) if chat and engine.media else None)
+    mods = (wire.MOD_TEXT | (wire.MOD_IMAGE if media is not None and media.vision else 0)
+            | (wire.MOD_AUDIO if media is not None and media.audio else 0))
     declared = functools.reduce(operator.or_, (wire.MODALITY_BITS[m] for m in spec.modalities),
                                 0)
     if spec.modalities and declared != mods:
@@ -159,7 +163,6 @@ def _load_vllm(spec: ModelSpec, state_dir: str, lock: threading.Lock,
              time.monotonic() - t0)
     return LoadedModel(spec, engine, template, runner, digest, int(os.stat(spec.path).st_mtime),
                        modalities=mods, encoder=media,
-                       media_marker=engine.image_marker or MARKER,
                        embeddings=embeddings, chat=chat)
 
 

@@ -57,8 +57,8 @@ if more, at most ``slots`` x ``context`` and a quarter of the memory available a
 (engine/llama.py ``pool_cells``).
 
 A model with ``mmproj`` accepts what its projector encodes (image, audio or
-both, as libmtmd reports at load); a vLLM model, images when its processor names an
-image token; ``modalities``, when given, must match.
+both, as libmtmd reports at load); a vLLM model, images or audio when its processor
+names an image or audio token; ``modalities``, when given, must match.
 Image or audio without a projector is refused.  ``[default]`` takes ``mmproj``
 too (a projector built for SmolLM2's 576-wide embeddings).
 

@@ -434,14 +434,14 @@ class VllmModel(HfVocab):
     model_bytes = 0
     threads = 0
     max_sequences = 0  # vLLM's max_num_seqs (the capabilities' slots)
-    image_marker = ""  # a multimodal model's image token text (its processor's), else ""
-    image_token = -1
+    sampling_rate = 16000  # an audio model's (its feature extractor's)
     embedding_dims = 0  # a pooling model's: floats per vector (else 0)
     pooling = ""  # a pooling model's sequence pooling ("mean", "last", "cls")
 
     def __init__(self, vocab: Any, context: int, client: EngineClient,
                  figures: SchedulerFigures | None = None) -> None:
         super().__init__(vocab, context)
+        self.media: dict[str, int] = {}  # a multimodal model's image or audio token id
         self.client = client
         self.figures = figures or SchedulerFigures()
         self._closed = False
@@ -496,18 +496,23 @@ def start(path: str, settings: dict[str, Any]) -> VllmModel:
 
 
 def _media_tokens(model: VllmModel, path: str) -> None:
-    """A multimodal model's image token, from its processor (``image_token``): where the
-    chat template puts an image part, and the token vLLM's processor expands."""
+    """A multimodal model's image and audio tokens, from its processor (``image_token``,
+    ``audio_token``): where the chat template puts a part of that kind, and the token
+    vLLM's processor expands; and the sampling rate its audio features take."""
     from transformers import AutoProcessor
 
-    marker = getattr(AutoProcessor.from_pretrained(path), "image_token", None)
-    marker = getattr(marker, "content", marker)  # (an AddedToken in some processors)
-    token = model.specials(marker) if isinstance(marker, str) else []
-    if len(token) == 1:
-        model.image_marker, model.image_token = str(marker), token[0]
-    else:
-        log.warning("event=vllm.no_image_token path=%s marker=%r: image input is off", path,
-                    marker)
+    processor = AutoProcessor.from_pretrained(path)
+    for kind in ("image", "audio"):
+        marker = getattr(processor, f"{kind}_token", None)
+        marker = getattr(marker, "content", marker)  # (an AddedToken in some processors)
+        token = model.specials(marker) if isinstance(marker, str) else []
+        if len(token) == 1:
+            model.media[kind] = token[0]
+        elif marker is not None:
+            log.warning("event=vllm.no_media_token kind=%s path=%s marker=%r: %s input is off",
+                        kind, path, marker, kind)
+    extractor = getattr(processor, "feature_extractor", None)
+    model.sampling_rate = int(getattr(extractor, "sampling_rate", 0) or 16000)
 
 
 def structured_outputs(spec: GrammarSpec) -> Any:

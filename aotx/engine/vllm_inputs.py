@@ -82,35 +82,55 @@ class VllmEmbeddings:
 
 
 class VllmMedia:
-    """Image input on a vLLM multimodal model.  A part is checked as for llama.cpp
-    (multimodal.py: PNG, JPEG or GIF, a bounded size) and decoded here; in the prompt it
-    is the processor's image token, once, which vLLM's processor expands to the image's
-    feature positions when the decoded image comes with the prompt (``multi_modal_data``,
-    :meth:`VllmRunner._generate`)."""
+    """Image and audio input on a vLLM multimodal model.  A part is checked as for
+    llama.cpp (multimodal.py: PNG, JPEG or GIF images of bounded size; WAV, MP3 or FLAC
+    audio of bounded length) and decoded here: an image with PIL, audio with soundfile
+    to mono at the processor's sampling rate (soxr: vLLM's own resampler needs
+    torchaudio).  In the prompt a part is the processor's image or audio token, once,
+    which vLLM's processor expands to the part's positions when the decoded media come
+    with the prompt (``multi_modal_data``, :meth:`VllmRunner._generate`)."""
 
-    audio = False  # (vLLM's audio models: not wired yet)
-
-    def __init__(self, image_token: int) -> None:
-        self.image_token = image_token
-        self.vision = True
+    def __init__(self, image_token: int = -1, audio_token: int = -1,
+                 sampling_rate: int = 16000) -> None:
+        self.tokens = {"image": image_token, "audio": audio_token}
+        self.vision, self.audio = image_token >= 0, audio_token >= 0
+        self.sampling_rate = sampling_rate
 
     def check(self, media: Sequence[tuple[str, bytes]]) -> None:
         check_parts(media, self.vision, self.audio)
 
     def tokenize_media(self, kind: str, data: bytes,
                        n: int) -> tuple[list[int], list[MediaSegment]]:
-        from PIL import Image, UnidentifiedImageError
-
         try:
-            with Image.open(io.BytesIO(data)) as img:
-                decoded = img.convert("RGB")  # (its first frame: a GIF's too)
-        except (UnidentifiedImageError, OSError, ValueError) as exc:
+            decoded = _image(data) if kind == "image" else _audio(data, self.sampling_rate)
+        except Exception as exc:  # what the decoders raise on bytes they cannot read
+            problem = (MediaProblem.IMAGE_UNREADABLE if kind == "image"
+                       else MediaProblem.AUDIO_UNREADABLE)
             raise MediaInputError(f"media part {n} ({kind}) could not be decoded: {exc}",
-                                  MediaProblem.IMAGE_UNREADABLE, n) from None
-        return [self.image_token], [MediaSegment(0, 1, kind, decoded=decoded)]
+                                  problem, n) from None
+        return [self.tokens[kind]], [MediaSegment(0, 1, kind, decoded=decoded)]
 
     def close(self) -> None:
         return None
+
+
+def _image(data: bytes) -> Any:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        return img.convert("RGB")  # (its first frame: a GIF's too)
+
+
+def _audio(data: bytes, rate: int) -> tuple[Any, int]:
+    """Mono float32 samples at ``rate``, and the rate (vLLM's audio item)."""
+    import soundfile
+    import soxr
+
+    samples, found = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    mono = samples.mean(axis=1)
+    if found != rate:
+        mono = soxr.resample(mono, found, rate)
+    return np.ascontiguousarray(mono, dtype=np.float32), rate
 
 
 def multi_modal_data(segments: Sequence[MediaSegment]) -> dict[str, list[Any]]:

@@ -1,7 +1,8 @@
 """A model served by vLLM (engine = "vllm") through the whole service, on the CPU build of
 vLLM (``scripts/setup-vllm``) and a tiny random Llama built here: the standard and native
 routes, cancel, SSE resume, a grant's model mask, the refusals of what the engine lacks,
-an embedding model on vLLM's pooling runner, and images on a tiny Idefics3.
+an embedding model on vLLM's pooling runner, images on a tiny Idefics3 and audio on a
+tiny Qwen2-Audio.
 
 The service runs from the vLLM Python (PYTHONPATH names this checkout, whichever one its
 editable aotx came from); the test itself, its HTTP clients and the official ``openai`` package run from .venv.  Skipped
@@ -77,6 +78,16 @@ modalities = ["text", "image"]
 enforce_eager = true
 max_model_len = 1024
 dtype = "float32"
+
+[[model]]
+alias = "tiny-audio"
+engine = "vllm"
+path = "tiny-audio"
+modalities = ["text", "audio"]
+[model.vllm]
+enforce_eager = true
+max_model_len = 1024
+dtype = "float32"
 """
 HELLO = [{"role": "user", "content": "Hello world"}]
 
@@ -88,10 +99,12 @@ def vsvc() -> Iterator[Service]:
                             *(os.path.join(state, d) for d in ("tiny", "lora-a", "lora-b"))],
                            capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-4000:]
-    built = subprocess.run([VENV, str(pathlib.Path(__file__).with_name("tiny_model.py")),
-                            "--vision", os.path.join(state, "tiny-vl")],
-                           capture_output=True, text=True, timeout=300)
-    assert built.returncode == 0, built.stderr[-4000:]
+    for kind in ("vision", "audio"):
+        built = subprocess.run([VENV, str(pathlib.Path(__file__).with_name("tiny_model.py")),
+                                f"--{kind}", os.path.join(state, {"vision": "tiny-vl"}.get(
+                                    kind, "tiny-audio"))],
+                               capture_output=True, text=True, timeout=300)
+        assert built.returncode == 0, built.stderr[-4000:]
     with open(os.path.join(state, "models.toml"), "w") as f:
         f.write(MODELS)
     svc = Service(state_dir=state, port=free_port(), python=VENV,
@@ -111,7 +124,7 @@ def openai_client(svc: Service, token: str | None = None) -> openai.OpenAI:
 def test_chat_whole_and_streamed_are_the_same_bytes(vsvc: Service) -> None:
     c = openai_client(vsvc)
     assert {m.id for m in c.models.list().data} == {"smollm2", "tiny", "tiny-a", "tiny-b",
-                                                    "tiny-embed", "tiny-vl"}
+                                                    "tiny-embed", "tiny-vl", "tiny-audio"}
     whole = c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=16,
                                       temperature=0)
     assert whole.choices[0].finish_reason == "length"
@@ -391,6 +404,54 @@ def test_an_image_reaches_a_vllm_multimodal_model(vsvc: Service) -> None:
                 "url": "data:image/png;base64," + base64.b64encode(png(1)).decode()}}]}])
 
 
+def wav(freq: float, rate: int = 16000, seconds: float = 1.0) -> bytes:
+    """A sine of ``freq`` Hz as 16-bit mono WAV at ``rate``."""
+    import io
+    import math
+    import struct
+    import wave
+
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(b"".join(struct.pack("<h", int(12000 * math.sin(2 * math.pi * freq * i
+                                                                        / rate)))
+                               for i in range(int(rate * seconds))))
+    return out.getvalue()
+
+
+def test_audio_reaches_a_vllm_audio_model(vsvc: Service) -> None:
+    """An audio part on a vLLM Qwen2-Audio: decoded and made 16 kHz mono by the device
+    (an 8 kHz file too), its token expanded by vLLM to 25 positions a second (the usage
+    counts them); the same sound gives the same greedy answer, another sound another."""
+    c = openai_client(vsvc)
+
+    def chat(sound: bytes | None) -> Any:
+        parts: list[dict[str, Any]] = [{"type": "text", "text": "Hello"}]
+        if sound is not None:
+            parts.insert(0, {"type": "input_audio", "input_audio": {
+                "data": base64.b64encode(sound).decode(), "format": "wav"}})
+        return c.chat.completions.create(model="tiny-audio", temperature=0, max_tokens=16,
+                                         logit_bias={"1": -100},
+                                         messages=[{"role": "user", "content": parts}])
+
+    plain, low, high, low_again = chat(None), chat(wav(440)), chat(wav(1000)), chat(wav(440))
+    assert low.usage.prompt_tokens == plain.usage.prompt_tokens + 25
+    assert low.choices[0].message.content == low_again.choices[0].message.content
+    assert low.choices[0].message.content != high.choices[0].message.content
+    resampled = chat(wav(440, rate=8000))
+    assert resampled.usage.prompt_tokens == low.usage.prompt_tokens
+    with vsvc.client() as h:
+        caps = {m["alias"]: m for m in h.get("/aotx/v1/capabilities").json()["models"]}
+    assert caps["tiny-audio"]["input_modalities"] == ["text", "audio"]
+    with pytest.raises(openai.BadRequestError, match="does not accept audio input"):
+        c.chat.completions.create(model="tiny-vl", max_tokens=4, messages=[{
+            "role": "user", "content": [{"type": "input_audio", "input_audio": {
+                "data": base64.b64encode(wav(440)).decode(), "format": "wav"}}]}])
+
+
 def children(parent: int, word: str) -> list[int]:
     """The pids of ``parent``'s children whose command line holds ``word``."""
     found = []
@@ -416,7 +477,7 @@ def test_zz_a_dead_vllm_engine_restarts_the_device(vsvc: Service) -> None:
         assert vsvc.proc is not None
         (device,) = children(vsvc.proc.pid, "device")
         cores = children(device, "VLLM::EngineCore")
-        assert len(cores) == 3, cores  # tiny (and its adapters), tiny-embed, tiny-vl
+        assert len(cores) == 4, cores  # tiny (and its adapters), -embed, -vl, -audio
         os.kill(cores[0], 9)
         deadline = time.monotonic() + 240
         while True:

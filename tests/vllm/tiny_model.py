@@ -1,7 +1,8 @@
 """Build a tiny random Llama and its BPE tokenizer (trained here) in a folder that vLLM
 loads, and random LoRA adapters for it: ``python tiny_model.py FOLDER [ADAPTER ...]``;
 or a tiny random Idefics3 (a SigLIP vision tower of 32x32 pixels, 4 image positions, on
-the same kind of Llama) with its processor: ``python tiny_model.py --vision FOLDER``.
+the same kind of Llama) with its processor: ``python tiny_model.py --vision FOLDER``; or
+a tiny random Qwen2-Audio: ``python tiny_model.py --audio FOLDER``.
 Runs in the vLLM venv (transformers, torch, safetensors).
 
 Two layers, two heads of 64 (vLLM's CPU attention takes no head size under 32), a
@@ -86,6 +87,46 @@ def build_vision(folder: str) -> None:
     hf.save_pretrained(folder)
 
 
+def build_audio(folder: str) -> None:
+    """Qwen2-Audio (a one-layer Whisper-style encoder, Qwen2): a second of 16 kHz audio
+    is 25 audio positions."""
+    import os
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import (
+        Qwen2AudioConfig,
+        Qwen2AudioEncoderConfig,
+        Qwen2AudioForConditionalGeneration,
+        Qwen2AudioProcessor,
+        Qwen2Config,
+        WhisperFeatureExtractor,
+    )
+
+    hf = tokenizer(("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"))
+    torch.manual_seed(0)
+    encoder = Qwen2AudioEncoderConfig(d_model=64, encoder_layers=1, encoder_attention_heads=2,
+                                      encoder_ffn_dim=128, num_mel_bins=128)
+    text = Qwen2Config(vocab_size=len(hf), hidden_size=128, intermediate_size=256,
+                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                       max_position_embeddings=2048, bos_token_id=hf.bos_token_id,
+                       eos_token_id=hf.eos_token_id, tie_word_embeddings=False)
+    config = Qwen2AudioConfig(audio_config=encoder.to_dict(), text_config=text.to_dict(),
+                              audio_token_index=hf.convert_tokens_to_ids("<|AUDIO|>"))
+    Qwen2AudioForConditionalGeneration(config).save_pretrained(folder)
+    # transformers 5 writes the language model as language_model.model.model.*, which
+    # vLLM 0.32 does not map: the names it reads
+    path = os.path.join(folder, "model.safetensors")
+    tensors = {k.replace("language_model.model.model.", "language_model.model."): v
+               for k, v in load_file(path).items()}
+    save_file(tensors, path, metadata={"format": "pt"})
+    Qwen2AudioProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=128),
+                        tokenizer=hf, chat_template=CHAT_TEMPLATE, audio_token="<|AUDIO|>",
+                        audio_bos_token="<|audio_bos|>",
+                        audio_eos_token="<|audio_eos|>").save_pretrained(folder)
+    hf.save_pretrained(folder)
+
+
 def adapter(folder: str, base: str, seed: int, rank: int = 8) -> None:
     """A LoRA adapter (PEFT's layout) on the attention's q and v projections of both
     layers, with random A and B (B is zero in a fresh adapter: here it moves the output)."""
@@ -113,8 +154,8 @@ def adapter(folder: str, base: str, seed: int, rank: int = 8) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--vision":
-        build_vision(sys.argv[2])
+    if sys.argv[1] in ("--vision", "--audio"):
+        (build_vision if sys.argv[1] == "--vision" else build_audio)(sys.argv[2])
         sys.exit()
     build(sys.argv[1])
     for n, path in enumerate(sys.argv[2:]):
