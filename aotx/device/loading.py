@@ -29,12 +29,7 @@ from ..engine.multimodal import MARKER, MediaEncoder, MediaInputError, MediaToke
 from ..engine.sampling import Sampler
 from ..engine.scheduler import Request, Scheduler
 from ..engine.spill import default_budget
-from ..engine.vllm import (
-    VllmModel,
-    VllmRunner,
-    lora_request,
-    sampling_params,
-)
+from ..engine.vllm import VllmModel, VllmRunner, lora_request, sampling_params
 from ..engine.vllm import start as vllm_start
 from ..engine.vllm_inputs import VllmEmbeddings, VllmMedia, pooling_params
 from .memory import qualified
@@ -125,8 +120,8 @@ def _load_vllm(spec: ModelSpec, state_dir: str, lock: threading.Lock,
                on_step: Callable[[], None],
                on_terminal: Callable[[Request], None]) -> LoadedModel:
     """A model vLLM serves (engine/vllm.py): its tokenizer and template here, its
-    batching and KV there; an embedding model is vLLM's pooling runner.  No projector or
-    automatic memory on it yet."""
+    batching and KV there; an embedding model is vLLM's pooling runner, image and audio
+    parts are decoded here (engine/vllm_inputs.py).  No automatic memory on it."""
     t0 = time.monotonic()
     digest = folder_sha256(spec.path, os.path.join(state_dir, "model-hashes.json"))
     _check_pin(spec, digest)
@@ -141,19 +136,7 @@ def _load_vllm(spec: ModelSpec, state_dir: str, lock: threading.Lock,
     embeddings = None if chat else VllmEmbeddings(
         runner, engine.client, engine.embedding_dims, engine.slot_context, engine.pooling,
         pooling_params)
-    # (a part's place in the rendering is aotx's marker, as for llama.cpp; its token is
-    # the processor's for its kind: VllmMedia.tokenize_media)
-    media = (VllmMedia(engine.media.get("image", -1), engine.media.get("audio", -1),
-                       engine.sampling_rate) if chat and engine.media else None)
-    mods = (wire.MOD_TEXT | (wire.MOD_IMAGE if media is not None and media.vision else 0)
-            | (wire.MOD_AUDIO if media is not None and media.audio else 0))
-    declared = functools.reduce(operator.or_, (wire.MODALITY_BITS[m] for m in spec.modalities),
-                                0)
-    if spec.modalities and declared != mods:
-        engine.close()
-        raise SystemExit(f"model {spec.alias}: the models file declares modalities "
-                         f"{list(spec.modalities)}, but vLLM's model takes "
-                         f"{wire.modality_names(mods)}")
+    media, mods = _vllm_media(spec, engine) if chat else (None, wire.MOD_TEXT)
     # (an embedding model decodes no stream: one slot, as on llama.cpp)
     spec = dataclasses.replace(spec, context=engine.slot_context,
                                slots=engine.max_sequences if chat else 1)
@@ -164,6 +147,25 @@ def _load_vllm(spec: ModelSpec, state_dir: str, lock: threading.Lock,
     return LoadedModel(spec, engine, template, runner, digest, int(os.stat(spec.path).st_mtime),
                        modalities=mods, encoder=media,
                        embeddings=embeddings, chat=chat)
+
+
+def _vllm_media(spec: ModelSpec, engine: VllmModel) -> tuple[VllmMedia | None, int]:
+    """A vLLM chat model's media input (its processor's image and audio tokens) and its
+    modality bits, which the models file's ``modalities``, when given, must match.  A
+    part's place in the rendering is aotx's marker, as for llama.cpp; its token is the
+    processor's for its kind (VllmMedia.tokenize_media)."""
+    media = (VllmMedia(engine.media.get("image", -1), engine.media.get("audio", -1),
+                       engine.sampling_rate) if engine.media else None)
+    mods = (wire.MOD_TEXT | (wire.MOD_IMAGE if media is not None and media.vision else 0)
+            | (wire.MOD_AUDIO if media is not None and media.audio else 0))
+    declared = functools.reduce(operator.or_, (wire.MODALITY_BITS[m] for m in spec.modalities),
+                                0)
+    if spec.modalities and declared != mods:
+        engine.close()
+        raise SystemExit(f"model {spec.alias}: the models file declares modalities "
+                         f"{list(spec.modalities)}, but vLLM's model takes "
+                         f"{wire.modality_names(mods)}")
+    return media, mods
 
 
 def _load_lora(spec: ModelSpec, state_dir: str, base: LoadedModel) -> LoadedModel:
@@ -177,7 +179,8 @@ def _load_lora(spec: ModelSpec, state_dir: str, base: LoadedModel) -> LoadedMode
              spec.alias, spec.role, spec.lora_of, digest.hex())
     spec = dataclasses.replace(spec, context=base.spec.context, slots=base.spec.slots)
     return LoadedModel(spec, base.engine, base.template, base.scheduler, digest,
-                       int(os.stat(spec.path).st_mtime), shares_engine=True)
+                       int(os.stat(spec.path).st_mtime), modalities=base.modalities,
+                       encoder=base.encoder, shares_engine=True)
 
 
 def _embeddings(spec: ModelSpec, engine: LlamaEngine, scheduler: Scheduler,
