@@ -381,6 +381,7 @@ class Device:
         if self._media_thread is not None:
             self._media_thread.join(timeout=30)
             media_busy = self._media_thread.is_alive()
+        vllm: list[threading.Thread] = []
         for m in models:
             if m.thread:
                 m.thread.join(timeout=30)
@@ -392,8 +393,19 @@ class Device:
                 m.encoder.close()
             if m.embeddings is not None:  # its context, before the model it shares goes
                 m.embeddings.embedder.close()
-            if not m.shares_engine:  # (a LoRA adapter's engine is its base model's to close)
+            if m.shares_engine:  # (a LoRA adapter's engine is its base model's to close)
+                continue
+            if isinstance(m.scheduler, VllmRunner):
+                vllm.append(threading.Thread(target=m.engine.close, name=f"close-{m.spec.alias}"))
+            else:
                 m.engine.close()
+        # Each vLLM engine waits seconds for its engine-core process to end: all at once,
+        # else four of them outlast the supervisor's grace (10 s) and it kills the device
+        # before the last engine core was told to go, which then outlives it.
+        for t in vllm:
+            t.start()
+        for t in vllm:
+            t.join(timeout=30)
         if not media_busy:
             self.region.close()
         log.info("event=device.stopped epoch=%d", self.state.epoch)

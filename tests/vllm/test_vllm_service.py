@@ -113,8 +113,18 @@ def vsvc() -> Iterator[Service]:
         svc.start(timeout=300)
         yield svc
     finally:
+        device = children(svc.proc.pid, "device") if svc.proc is not None else []
+        cores = [c for d in device for c in children(d, "VLLM::EngineCore")]
         svc.stop(timeout=60)
         shutil.rmtree(state, ignore_errors=True)
+        # the device ends its vLLM engine cores before it goes (none outlives the test)
+        deadline = time.monotonic() + 10
+        while (left := [c for c in cores if alive(c)]):
+            if time.monotonic() > deadline:
+                for c in left:
+                    os.kill(c, 9)
+                pytest.fail(f"vLLM engine cores outlived the service: {left}")
+            time.sleep(0.2)
 
 
 def openai_client(svc: Service, token: str | None = None) -> openai.OpenAI:
@@ -450,6 +460,15 @@ def test_audio_reaches_a_vllm_audio_model(vsvc: Service) -> None:
         c.chat.completions.create(model="tiny-vl", max_tokens=4, messages=[{
             "role": "user", "content": [{"type": "input_audio", "input_audio": {
                 "data": base64.b64encode(wav(440)).decode(), "format": "wav"}}]}])
+
+
+def alive(pid: int) -> bool:
+    """``pid`` runs (a zombie waiting for its reaper does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
 
 
 def children(parent: int, word: str) -> list[int]:
