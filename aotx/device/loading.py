@@ -151,21 +151,27 @@ def _load_vllm(spec: ModelSpec, state_dir: str, lock: threading.Lock,
 
 def _vllm_media(spec: ModelSpec, engine: VllmModel) -> tuple[VllmMedia | None, int]:
     """A vLLM chat model's media input (its processor's image and audio tokens) and its
-    modality bits, which the models file's ``modalities``, when given, must match.  A
-    part's place in the rendering is aotx's marker, as for llama.cpp; its token is the
-    processor's for its kind (VllmMedia.tokenize_media)."""
+    modality bits.  A part's place in the rendering is aotx's marker, as for llama.cpp;
+    its token is the processor's for its kind (VllmMedia.tokenize_media)."""
     media = (VllmMedia(engine.media.get("image", -1), engine.media.get("audio", -1),
                        engine.sampling_rate) if engine.media else None)
-    mods = (wire.MOD_TEXT | (wire.MOD_IMAGE if media is not None and media.vision else 0)
-            | (wire.MOD_AUDIO if media is not None and media.audio else 0))
+    return media, _modality_bits(spec, media, "vLLM's model takes", engine.close)
+
+
+def _modality_bits(spec: ModelSpec, media: MediaTokenizer | None, source: str,
+                   close: Callable[[], None]) -> int:
+    """The input modalities ``media`` takes (text alone without it), which the models
+    file's ``modalities``, when given, must match: else ``close`` and stop the load."""
+    found = (wire.MOD_TEXT | (wire.MOD_IMAGE if media is not None and media.vision else 0)
+             | (wire.MOD_AUDIO if media is not None and media.audio else 0))
     declared = functools.reduce(operator.or_, (wire.MODALITY_BITS[m] for m in spec.modalities),
                                 0)
-    if spec.modalities and declared != mods:
-        engine.close()
+    if spec.modalities and declared != found:
+        close()
         raise SystemExit(f"model {spec.alias}: the models file declares modalities "
-                         f"{list(spec.modalities)}, but vLLM's model takes "
-                         f"{wire.modality_names(mods)}")
-    return media, mods
+                         f"{list(spec.modalities)}, but {source} "
+                         f"{wire.modality_names(found)}")
+    return found
 
 
 def _load_lora(spec: ModelSpec, state_dir: str, base: LoadedModel) -> LoadedModel:
@@ -251,24 +257,18 @@ def _read_template(path: str) -> str:
 def _projector(spec: ModelSpec, engine: LlamaEngine,
                batch: int) -> tuple[MediaEncoder | None, int]:
     """The model's projector and its input modality bits (text alone without one)."""
-    mods = 0
-    for m in spec.modalities:
-        mods |= wire.MODALITY_BITS[m]
     if not spec.mmproj:
-        return None, mods
+        return None, _modality_bits(spec, None, "without mmproj it takes", engine.close)
     try:
         encoder = MediaEncoder(spec.mmproj, engine.model, engine.n_embd, engine.threads, batch)
     except MediaInputError as exc:
         engine.close()
         raise SystemExit(f"model {spec.alias}: {exc}") from None
-    found = (wire.MOD_TEXT | (wire.MOD_IMAGE if encoder.vision else 0)
-             | (wire.MOD_AUDIO if encoder.audio else 0))
-    if spec.modalities and mods != found:
+
+    def close() -> None:
         encoder.close()
         engine.close()
-        raise SystemExit(f"model {spec.alias}: the models file declares modalities "
-                         f"{list(spec.modalities)}, but {spec.mmproj} encodes "
-                         f"{wire.modality_names(found)}")
+    found = _modality_bits(spec, encoder, f"{spec.mmproj} encodes", close)
     log.info("event=model.projector alias=%s path=%s modalities=%s", spec.alias,
              spec.mmproj, ",".join(wire.modality_names(found)))
     return encoder, found

@@ -157,7 +157,7 @@ class EmbedderInfo(Protocol):
 
 class Embeddings(Protocol):
     """What the device needs of a model's embeddings: :class:`EmbedQueue` on llama.cpp,
-    ``VllmEmbeddings`` on vLLM (engine/vllm.py)."""
+    ``VllmEmbeddings`` on vLLM (engine/vllm_inputs.py)."""
 
     @property
     def embedder(self) -> EmbedderInfo: ...

@@ -126,7 +126,7 @@ def audio_header(data: bytes) -> tuple[int, float | None] | None:
 
 class MediaTokenizer(Protocol):
     """What the device needs of a model's media input: :class:`MediaEncoder` (llama.cpp's
-    projector) or ``VllmMedia`` (engine/vllm.py)."""
+    projector) or ``VllmMedia`` (engine/vllm_inputs.py)."""
 
     vision: bool
     audio: bool

@@ -40,7 +40,7 @@ from .llama import EngineError
 from .logprobs import Annotations, Entry, line
 from .output import OutputBuffer
 from .request import Failure, Request, settle
-from .vllm_inputs import multi_modal_data
+from .vllm_inputs import multi_modal_data, reason
 
 log = logging.getLogger("aotx.engine")
 
@@ -181,7 +181,7 @@ class VllmRunner:
             try:
                 await self.client.check_health()
             except Exception as exc:
-                why = str(exc) or type(exc).__name__
+                why = reason(exc)
                 log.error("event=vllm.engine_dead error=%s", why)
                 self.on_fatal(f"its vLLM engine died: {why}")
                 return
@@ -196,7 +196,7 @@ class VllmRunner:
                     if await self.client.add_lora(lora) is False:
                         raise EngineError("vLLM refused it")
                 except Exception as exc:
-                    why = str(exc) or type(exc).__name__
+                    why = reason(exc)
                     log.error("event=vllm.lora_failed role=%d error=%s", role, why)
                     self.on_fatal(f"LoRA adapter {lora.lora_name!r} did not load: {why}")
                     return
@@ -269,8 +269,8 @@ class VllmRunner:
             self._tasks.pop(req.identity, None)  # (after the abort: a shutdown waits for it)
 
     def _expanded(self, req: Request, prompt: list[int]) -> None:
-        """The prompt as vLLM's processor made it (each image token expanded to the
-        image's positions): its length is what the usage counts (lock held)."""
+        """The prompt as vLLM's processor made it (each image or audio token expanded to
+        the part's positions): its length is what the usage counts (lock held)."""
         self.prompt_tokens_in += len(prompt) - len(req.prompt)
         req.prompt = list(prompt)
         req.segments = []  # (vLLM has the decoded media now)

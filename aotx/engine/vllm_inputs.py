@@ -23,6 +23,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("aotx.engine")
 
 
+def reason(exc: BaseException) -> str:
+    """An exception's message, or its type's name when it has none (vLLM raises some
+    without a message)."""
+    return str(exc) or type(exc).__name__
+
+
 class VllmEmbeddings:
     """``/v1/embeddings`` on a vLLM pooling model (``kind = "embedding"``): each EMBED
     call's inputs go to vLLM's ``encode`` together, on the runner's loop, and vLLM batches
@@ -53,7 +59,7 @@ class VllmEmbeddings:
             rows = await asyncio.gather(*(self._one(tokens) for tokens in job.inputs))
         except Exception as exc:  # vLLM's failure: the call fails, the device goes on
             log.exception("event=embed.failed inputs=%d", len(job.inputs))
-            error, rows = str(exc) or type(exc).__name__, []
+            error, rows = reason(exc), []
         with self.runner.lock:
             for i, row in enumerate(rows):
                 if row.shape != (self.dims,):

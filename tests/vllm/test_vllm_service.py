@@ -28,7 +28,7 @@ import pytest
 
 from ..e2e.test_e2e_api import emissions, follow
 from ..e2e.test_e2e_media import upload
-from ..e2e.test_e2e_vision import ask, finish
+from ..e2e.test_e2e_vision import ask, finish, tone
 from ..helpers import Service, free_port, png, short_tmpdir
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -414,24 +414,6 @@ def test_an_image_reaches_a_vllm_multimodal_model(vsvc: Service) -> None:
                 "url": "data:image/png;base64," + base64.b64encode(png(1)).decode()}}]}])
 
 
-def wav(freq: float, rate: int = 16000, seconds: float = 1.0) -> bytes:
-    """A sine of ``freq`` Hz as 16-bit mono WAV at ``rate``."""
-    import io
-    import math
-    import struct
-    import wave
-
-    out = io.BytesIO()
-    with wave.open(out, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(b"".join(struct.pack("<h", int(12000 * math.sin(2 * math.pi * freq * i
-                                                                        / rate)))
-                               for i in range(int(rate * seconds))))
-    return out.getvalue()
-
-
 def test_audio_reaches_a_vllm_audio_model(vsvc: Service) -> None:
     """An audio part on a vLLM Qwen2-Audio: decoded and made 16 kHz mono by the device
     (an 8 kHz file too), its token expanded by vLLM to 25 positions a second (the usage
@@ -447,11 +429,12 @@ def test_audio_reaches_a_vllm_audio_model(vsvc: Service) -> None:
                                          logit_bias={"1": -100},
                                          messages=[{"role": "user", "content": parts}])
 
-    plain, low, high, low_again = chat(None), chat(wav(440)), chat(wav(1000)), chat(wav(440))
+    plain, low, high, low_again = chat(None), chat(tone(1.0)), chat(tone(1.0, 1000)), chat(
+        tone(1.0))
     assert low.usage.prompt_tokens == plain.usage.prompt_tokens + 25
     assert low.choices[0].message.content == low_again.choices[0].message.content
     assert low.choices[0].message.content != high.choices[0].message.content
-    resampled = chat(wav(440, rate=8000))
+    resampled = chat(tone(1.0, rate=8000))
     assert resampled.usage.prompt_tokens == low.usage.prompt_tokens
     with vsvc.client() as h:
         caps = {m["alias"]: m for m in h.get("/aotx/v1/capabilities").json()["models"]}
@@ -459,7 +442,7 @@ def test_audio_reaches_a_vllm_audio_model(vsvc: Service) -> None:
     with pytest.raises(openai.BadRequestError, match="does not accept audio input"):
         c.chat.completions.create(model="tiny-vl", max_tokens=4, messages=[{
             "role": "user", "content": [{"type": "input_audio", "input_audio": {
-                "data": base64.b64encode(wav(440)).decode(), "format": "wav"}}]}])
+                "data": base64.b64encode(tone(1.0)).decode(), "format": "wav"}}]}])
 
 
 def alive(pid: int) -> bool:
