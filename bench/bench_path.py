@@ -10,7 +10,10 @@ For each N, N clients each stream ``--requests`` chat completions one after anot
 is divided by the tokens streamed.  The device's two busiest threads are ggml's: the
 engine thread (the scheduler's Python and the decode's share) and ggml's worker (the
 decode only), so the worker's figure is the decode's own cost per token per thread.
-A row ``machine idle`` is the CPU time nobody used: on 2 cores, wall time × 2 minus all.
+The client (this process: httpx and the SSE parsing, as in ``bench_serve``) and the
+machine's interrupt time (loopback TCP's softirq) are what any server's clients on the
+same machine would cost.  A row ``machine idle`` is the CPU time nobody used: on 2
+cores, wall time × 2 minus aotx's processes and the client.
 """
 
 from __future__ import annotations
@@ -39,6 +42,14 @@ def cpu(path: str) -> float:
         return (int(fields[11]) + int(fields[12])) / TICK
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+def softirq() -> float:
+    """The machine's irq + softirq time, in seconds (the network stack's share of the
+    loopback traffic is mostly here)."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return (int(fields[6]) + int(fields[7])) / TICK
 
 
 def name(pid: int) -> str:
@@ -73,9 +84,12 @@ def main() -> None:
         asyncio.run(run_load(svc.url, svc.headers, "smollm2", 1, 1, 16, 900))  # warm
         for n in (int(x) for x in args.clients.split(",")):
             before, t0 = snapshot(svc.proc.pid), time.perf_counter()
+            me0, irq0 = os.times(), softirq()
             load = asyncio.run(run_load(svc.url, svc.headers, "smollm2", n, args.requests,
                                         args.max_tokens, 100 * n))
             wall, after = time.perf_counter() - t0, snapshot(svc.proc.pid)
+            me1, irq1 = os.times(), softirq()
+            client = (me1.user - me0.user) + (me1.system - me0.system)
             tokens = load["tokens"]
             used = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
             threads = sorted((k for k in used if "/" in k), key=lambda k: -used[k])
@@ -89,7 +103,11 @@ def main() -> None:
                 print(f"    {label:36s} {1e3 * used[k] / tokens:7.3f}")
             rest = sum(used[k] for k in threads[2:])
             print(f"    {'other device threads':36s} {1e3 * rest / tokens:7.3f}")
-            idle = 2 * wall - sum(v for k, v in used.items() if "/" not in k)
+            print(f"  {'client (this process: httpx, SSE parsing)':10s} "
+                  f"{1e3 * client / tokens:7.3f}")
+            print(f"  {'interrupts (irq + softirq, whole machine)':10s} "
+                  f"{1e3 * (irq1 - irq0) / tokens:7.3f}")
+            idle = 2 * wall - sum(v for k, v in used.items() if "/" not in k) - client
             print(f"  {'machine idle':10s} {1e3 * idle / tokens:7.3f}", flush=True)
 
 

@@ -1,7 +1,7 @@
 """Serving benchmark: aotx against the raw engine limit (and a peer server, if given).
 
     .venv/bin/python bench/bench_serve.py [--clients 1,4,8,16] [--max-tokens 128]
-        [--requests 2] [--rounds 2] [--seconds 5]
+        [--requests 2] [--rounds 2] [--seconds 5] [--defaults] [--thin]
     LLAMA_SERVER=/path/to/llama-server .venv/bin/python bench/bench_serve.py   # A B A B vs a peer
     LLAMA_SERVER=http://127.0.0.1:8080 ...                                      # a running peer
 
@@ -10,7 +10,9 @@ raw-engine limit (N sequences in one llama_decode batch, in a separate process t
 stays loaded for the whole run), then N concurrent streaming
 ``/v1/chat/completions`` clients against aotx (temperature 0, distinct prompts, a
 fresh connection per request), then the same load against the peer if one is given
-(one server at a time: A B A B).  It prints per N the aggregate completion tok/s,
+(one server at a time: A B A B), and with ``--thin`` the same load against
+``thin_server.py`` (the same engine behind the thinnest server: what any server loses
+here to its clients and their arrivals).  It prints per N the aggregate completion tok/s,
 TTFT p50/p95, inter-token p50/p95, the limit and the ratio aotx/limit, and beside it
 the engine alone doing the same requests (each client's first prompt after the
 cached template prefix, all in one batch, then the decode steps: the prompt work
@@ -38,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -387,26 +390,37 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout: float = 
     raise SystemExit(f"{url} not ready")
 
 
-def start_peer(spec: str, slots: int | None) -> tuple[subprocess.Popen[bytes] | None, str, str]:
-    """llama-server with ``slots`` of 2048 tokens, or at its defaults (``-t 2`` only)."""
-    if spec.startswith("http"):
-        return None, spec.rstrip("/"), "default"
-    from aotx.device.models import default_model_path
-
+def launch(cmd: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+    """``cmd`` with ``--port`` and a free port added, once its ``/health`` answers."""
     port = free_port()
-    shape = (["--parallel", str(slots), "-c", str(2048 * slots)] if slots is not None
-             else ["-t", "2"])
-    proc = subprocess.Popen([spec, "-m", default_model_path(), *shape,
-                             "--port", str(port), "--host", "127.0.0.1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base + "/health", proc)
     except BaseException:
         stop(proc)
         raise
+    return proc, base
+
+
+def start_peer(spec: str, slots: int | None) -> tuple[subprocess.Popen[bytes] | None, str, str]:
+    """llama-server with ``slots`` of 2048 tokens, or at its defaults (``-t 2`` only)."""
+    if spec.startswith("http"):
+        return None, spec.rstrip("/"), "default"
+    from aotx.device.models import default_model_path
+
+    shape = (["--parallel", str(slots), "-c", str(2048 * slots)] if slots is not None
+             else ["-t", "2"])
+    proc, base = launch([spec, "-m", default_model_path(), *shape, "--host", "127.0.0.1"])
     return proc, base, "default"
+
+
+def start_thin(slots: int, context: int) -> tuple[subprocess.Popen[bytes] | None, str, str]:
+    """``thin_server.py``: the same engine behind the thinnest server (the ceiling)."""
+    proc, base = launch([sys.executable, os.path.join(os.path.dirname(__file__), "thin_server.py"),
+                         "--slots", str(slots), "--context", str(context)])
+    return proc, base, "thin"
 
 
 def stop(proc: subprocess.Popen[bytes] | None) -> None:
@@ -447,6 +461,9 @@ def main() -> None:
     ap.add_argument("--defaults", action="store_true",
                     help="both servers at their defaults (aotx: no models file; the peer: "
                          "-t 2 only) instead of 16 slots of 2048 tokens and 8 for the peer")
+    ap.add_argument("--thin", action="store_true",
+                    help="each round also serves the load from thin_server.py: the same "
+                         "engine behind the thinnest server, the ceiling for any server here")
     args = ap.parse_args()
     ns = [int(x) for x in args.clients.split(",")]
     slots = max(16, max(ns))
@@ -456,6 +473,11 @@ def main() -> None:
     raw = RawEngine(slots)
     proc: subprocess.Popen[bytes] | None = None
     peer = None
+    others: list[tuple[str, Callable[[], tuple[subprocess.Popen[bytes] | None, str, str]]]] = []
+    if args.thin:
+        others.append(("thin", lambda: start_thin(slots, 4096 if args.defaults else 2048)))
+    if peer_spec:
+        others.append(("peer", lambda: start_peer(peer_spec, None if args.defaults else 8)))
     itl_p50s: list[float] = []  # each N's aotx median inter-token time
     try:
         proc, base, headers, _ = start_aotx(None if args.defaults else slots)
@@ -469,12 +491,12 @@ def main() -> None:
                 rnd = {"limit": {"tok_s": decode_only}, "same_work": {"tok_s": same_work},
                        "aotx": asyncio.run(run_load(base, headers, "smollm2", n, args.requests,
                                                     args.max_tokens, 0))}
-                if peer_spec:  # one server at a time: A B A B
+                for key, start in others:  # one server at a time: A B A B
                     stop(proc)
                     proc = None
-                    peer, pbase, pmodel = start_peer(peer_spec, None if args.defaults else 8)
-                    rnd["peer"] = asyncio.run(run_load(pbase, {}, pmodel, n, args.requests,
-                                                       args.max_tokens, 0))
+                    peer, pbase, pmodel = start()
+                    rnd[key] = asyncio.run(run_load(pbase, {}, pmodel, n, args.requests,
+                                                    args.max_tokens, 0))
                     stop(peer)
                     peer = None
                 rounds.append(rnd)
@@ -487,6 +509,12 @@ def main() -> None:
                     f"ratio {ratios(rounds, 'aotx', 'same_work')})  "
                     f"TTFT p50 {a['ttft_p50'] * 1e3:6.1f} ms p95 {a['ttft_p95'] * 1e3:6.1f} ms  "
                     f"ITL p50 {a['itl_p50'] * 1e3:5.1f} ms p95 {a['itl_p95'] * 1e3:5.1f} ms")
+            if args.thin:
+                t = summary(rounds, "thin")
+                line += (f"  thin {t['tok_s']:6.1f} tok/s (thin/same work "
+                         f"{ratios(rounds, 'thin', 'same_work')}, aotx/thin "
+                         f"{ratios(rounds, 'aotx', 'thin')}) thin TTFT p50 "
+                         f"{t['ttft_p50'] * 1e3:6.1f} ms ITL p50 {t['itl_p50'] * 1e3:5.1f} ms")
             if peer_spec:
                 b = summary(rounds, "peer")
                 line += (f"  peer {b['tok_s']:6.1f} tok/s (aotx/peer {ratios(rounds, 'aotx', 'peer')}) "
