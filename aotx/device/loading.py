@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .. import wire
+from ..engine.chunking import chunk_cost
 from ..engine.embedding import Embedder, Embeddings, EmbedQueue
 from ..engine.fair import common_prefix
 from ..engine.grammar import GrammarCompiler
@@ -100,7 +101,8 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
         on_step=on_step, on_terminal=on_terminal,
         encode=encoder.encode if encoder is not None else None,
         prompts_per_step=spec.prompts_per_step,
-        spill_bytes=default_budget(spec.kv_spill) if chat else 0)
+        spill_bytes=default_budget(spec.kv_spill) if chat else 0,
+        chunk_cost=chunk_cost(engine) if chat and spec.kv_budget == 0 else None)
     if chat:
         scheduler.warm(template_prefix(engine, template))
     model = LoadedModel(spec, engine, template, scheduler, digest,

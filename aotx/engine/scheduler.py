@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..wire import Finish, Phase
+from .chunking import ChunkCost
 from .fair import NOBODY, FairQueue, owner_of, usable_prefix
 from .grammar import MaskFiller
 from .histogram import Histogram
@@ -60,8 +61,10 @@ class Scheduler:
                  on_step: Callable[[], None] = lambda: None,
                  on_terminal: Callable[[Request], None] = lambda r: None,
                  encode: Callable[[MediaSegment], Any] | None = None,
-                 prompts_per_step: int = 1, spill_bytes: int = 0) -> None:
+                 prompts_per_step: int = 1, spill_bytes: int = 0,
+                 chunk_cost: ChunkCost | None = None) -> None:
         self.engine = engine
+        self.chunk_cost = chunk_cost  # chunking.py: None where chunks are not widened
         self.batch = batch
         # How many requests evaluate their prompts at once (0: all that arrive).  On a
         # CPU a prompt token costs the same alone or batched with other prompts (2.7
@@ -383,6 +386,8 @@ class Scheduler:
                 take = min(budget, end - req.n_past)
                 if req.background:  # small steps: foreground work waits at most one of them
                     take = min(take, BACKGROUND_CHUNK)
+                elif take == end - req.n_past and self.chunk_cost is not None:
+                    take += self.chunk_cost.widen_held(self.engine, req, take, budget)
                 last = req.n_past + take == len(req.prefill)
                 chosen.append((req, [BatchEntry(req.prefill[p], p, req.seq,
                                                 last and p == req.n_past + take - 1)

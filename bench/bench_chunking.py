@@ -1,0 +1,59 @@
+"""What a prompt chunk costs at depth, by its length: llama.cpp's CPU flash attention
+tiles only from 64 query rows per KV stream (engine/chunking.py).
+
+    PYTHONPATH=. .venv/bin/python bench/bench_chunking.py [--depths 450,1000] [--reps 2]
+
+On the embedded model at aotx's defaults (16 streams of 4096 cells), for each depth it
+fills sequence 0 with that many tokens, then evaluates chunks of each length after them
+(cut back after each), and prints the median time of ``--reps`` and what the cost model
+decides for that chunk: widened (to 65 tokens) or not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from aotx.device.models import default_model_path  # noqa: E402
+from aotx.engine.chunking import chunk_cost  # noqa: E402
+from aotx.engine.llama import BatchEntry, EngineConfig, LlamaEngine  # noqa: E402
+
+LENGTHS = (16, 24, 33, 48, 63, 64, 65, 96, 128)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--depths", default="450,1000")
+    ap.add_argument("--reps", type=int, default=2)
+    args = ap.parse_args()
+    engine = LlamaEngine(EngineConfig(path=default_model_path()))
+    cost = chunk_cost(engine)
+    assert cost is not None
+    words = " ".join(f"word{i}" for i in range(4000))
+    tokens = engine.tokenize(words, False)
+    for depth in (int(d) for d in args.depths.split(",")):
+        engine.clear_sequence(0)
+        for s in range(0, depth, 256):
+            part = tokens[s:min(depth, s + 256)]
+            assert engine.decode([BatchEntry(t, s + i, 0, False) for i, t in enumerate(part)]) == 0
+        for n in LENGTHS:
+            times = []
+            for _ in range(args.reps):
+                t0 = time.perf_counter()
+                assert engine.decode([BatchEntry(tokens[depth + i], depth + i, 0, i == n - 1)
+                                      for i in range(n)]) == 0
+                times.append(1e3 * (time.perf_counter() - t0))
+                assert engine.trim_sequence(0, depth)
+            back = cost.widen(n, depth, depth)
+            print(f"depth {depth:5d}  chunk {n:3d}: {statistics.median(times):7.1f} ms  "
+                  f"{f'widened to {n + back}' if back else 'as it is'}", flush=True)
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
