@@ -74,3 +74,18 @@ def test_a_later_turn_is_widened_and_answers_as_the_whole_prompt_does() -> None:
         assert answers[True] == answers[False] == bytes(fresh.out) and fresh.out
     finally:
         engine.close()
+
+
+def test_a_quantized_cache_is_not_widened() -> None:
+    """ggml's tiled flash attention reads f16 or f32 cells only: with q8_0 a wider chunk
+    would only cost more (65 tokens at depth 450: 303 ms, 33 tokens: 155)."""
+    from aotx.device.models import default_model_path
+    from aotx.engine.llama import EngineConfig, LlamaEngine
+
+    for kv_type, widened in (("q8_0", False), ("f16", True)):
+        engine = LlamaEngine(EngineConfig(path=default_model_path(), slots=2, slot_context=512,
+                                          kv_type=kv_type))
+        try:
+            assert (chunk_cost(engine) is not None) is widened
+        finally:
+            engine.close()
