@@ -1,0 +1,35 @@
+"""A later turn of a long conversation through the service and the official ``openai``
+client: the device evaluates its short new part widened to 65 tokens over the cached
+conversation (engine/chunking.py), and counts them in ``aotx_prompt_tokens_total``."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from aotx.engine.chunking import FA_TILE
+
+from ..helpers import Service
+from .test_e2e_choices import prompt_tokens_evaluated
+from .test_engine_chunking import FOLLOW_UP, STORY
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_later_turn_evaluates_one_tile_over_the_cached_conversation(
+        service: Service, oai: openai.OpenAI) -> None:
+    first_turn = [{"role": "user", "content": STORY + " How many ships on day 4?"}]
+    first = oai.chat.completions.create(model="smollm2", messages=first_turn,  # type: ignore[arg-type]
+                                        max_tokens=16, temperature=0)
+    assert first.usage is not None and first.usage.prompt_tokens > 500
+    history = first_turn + [{"role": "assistant", "content": first.choices[0].message.content},
+                            {"role": "user", "content": FOLLOW_UP}]
+    before = prompt_tokens_evaluated(service)
+    later = oai.chat.completions.create(model="smollm2", messages=history,  # type: ignore[arg-type]
+                                        max_tokens=8, temperature=0)
+    evaluated = prompt_tokens_evaluated(service) - before
+    assert later.usage is not None
+    new = later.usage.prompt_tokens - first.usage.prompt_tokens - first.usage.completion_tokens
+    assert 0 < new < FA_TILE  # the turn's own tokens: fewer than a tile
+    assert evaluated == FA_TILE + 1, (evaluated, new)
+    assert later.choices[0].message.content
