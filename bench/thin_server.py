@@ -41,7 +41,7 @@ from aotx.engine.sampling import Sampler  # noqa: E402
 class Stream:
     prompt: list[int]
     max_tokens: int
-    out: asyncio.Queue[tuple[str, bool] | None]
+    out: asyncio.Queue[tuple[str, bool]]
     seq: int = -1
     n_past: int = 0
     sampled: int = 0
@@ -154,7 +154,7 @@ async def handle(engine: Engine, reader: asyncio.StreamReader,
         base = {"id": rid, "object": "chat.completion.chunk", "created": created,
                 "model": "thin"}
         while True:
-            piece, end = await stream.out.get()  # type: ignore[misc]
+            piece, end = await stream.out.get()
             if piece:
                 writer.write(frame({**base, "choices": [
                     {"index": 0, "delta": {"content": piece}, "finish_reason": None}]}))
