@@ -1,6 +1,7 @@
 """A later turn of a long conversation through the service and the official ``openai``
 client: the device evaluates its short new part widened to 65 tokens over the cached
-conversation (engine/chunking.py), and counts them in ``aotx_prompt_tokens_total``."""
+conversation (engine/chunking.py), and counts them in ``aotx_prompt_tokens_total``; not
+with several prompts a step (``prompts_per_step = 0``)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ import pytest
 
 from aotx.engine.chunking import FA_TILE
 
-from ..helpers import Service
+from ..helpers import SMALL_MODELS, Service, running_service
 from .test_e2e_choices import prompt_tokens_evaluated
 from .test_engine_chunking import FOLLOW_UP, STORY
 
 pytestmark = pytest.mark.e2e
 
 
-def test_a_later_turn_evaluates_one_tile_over_the_cached_conversation(
-        service: Service, oai: openai.OpenAI) -> None:
+def later_turn(service: Service, oai: openai.OpenAI) -> tuple[int, int]:
+    """A long first turn, then its history and a short follow-up: (the follow-up's new
+    tokens, the prompt tokens the device evaluated for it)."""
     first_turn = [{"role": "user", "content": STORY + " How many ships on day 4?"}]
     first = oai.chat.completions.create(model="smollm2", messages=first_turn,  # type: ignore[arg-type]
                                         max_tokens=16, temperature=0)
@@ -31,5 +33,21 @@ def test_a_later_turn_evaluates_one_tile_over_the_cached_conversation(
     assert later.usage is not None
     new = later.usage.prompt_tokens - first.usage.prompt_tokens - first.usage.completion_tokens
     assert 0 < new < FA_TILE  # the turn's own tokens: fewer than a tile
-    assert evaluated == FA_TILE + 1, (evaluated, new)
     assert later.choices[0].message.content
+    return new, evaluated
+
+
+def test_a_later_turn_evaluates_one_tile_over_the_cached_conversation(
+        service: Service, oai: openai.OpenAI) -> None:
+    new, evaluated = later_turn(service, oai)
+    assert evaluated == FA_TILE + 1, (evaluated, new)
+
+
+def test_with_several_prompts_a_step_chunks_are_not_widened() -> None:
+    # llama.cpp would split two prompts of a step into equal rows: no widening then
+    with running_service(models=SMALL_MODELS + "prompts_per_step = 0\n") as svc:
+        oai = openai.OpenAI(base_url=svc.url + "/v1", api_key=svc.token, max_retries=0,
+                            timeout=120)
+        new, evaluated = later_turn(svc, oai)
+    assert new <= evaluated < FA_TILE, (evaluated, new)  # its own tokens (and the
+    # assistant's end marker, which the reply itself did not sample), not a tile
