@@ -93,10 +93,6 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
     template = llama_template(spec, engine) if chat else ChatTemplate(NO_CHAT)
     encoder, mods = _projector(spec, engine, engine.n_batch)
     projector = file_sha256(spec.mmproj, hashes) if spec.mmproj else None
-    # Chunks widened for flash attention (engine/chunking.py): with a stream per sequence,
-    # and one prompt a step, since llama.cpp splits two prompts of a step into equal rows
-    # per stream (a widened chunk beside a shorter one would not tile).
-    widen = chat and spec.kv_budget == 0 and spec.prompts_per_step == 1
     scheduler = Scheduler(
         engine, spec.slots, engine.n_batch, lock,
         make_sampler=lambda r: Sampler(r.temperature, r.top_p, r.seed, r.sampling,
@@ -106,7 +102,7 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
         encode=encoder.encode if encoder is not None else None,
         prompts_per_step=spec.prompts_per_step,
         spill_bytes=default_budget(spec.kv_spill) if chat else 0,
-        chunk_cost=chunk_cost(engine) if widen else None)
+        chunk_cost=chunk_cost(engine) if chat else None)
     if chat:
         scheduler.warm(template_prefix(engine, template))
     model = LoadedModel(spec, engine, template, scheduler, digest,

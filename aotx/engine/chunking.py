@@ -81,12 +81,13 @@ class ChunkCost:
 
 def chunk_cost(engine: LlamaEngine) -> ChunkCost | None:
     """The cost model for a model whose chunks are widened: with a KV stream per
-    sequence (the caller's to know), on the CPU, with an f16 cache (the tiled path reads
+    sequence (not one pool), on the CPU, with an f16 cache (the tiled path reads
     only f16 or f32 cells: with q8_0 a 65-token chunk at depth 450 took 303 ms, a
     33-token one 155), where cut-back cells can be evaluated again (not a recurrent or
     hybrid model's state, not a sliding window's)."""
     lib, model = llama_cpp, engine.model
-    if (engine.config.gpu_layers or engine.config.kv_type != "f16" or engine.n_swa
+    c = engine.config
+    if (c.unified or c.gpu_layers or c.kv_type != "f16" or engine.n_swa
             or lib.llama_model_is_recurrent(model) or lib.llama_model_is_hybrid(model)):
         return None
     return ChunkCost.of(lib, model)

@@ -64,7 +64,10 @@ class Scheduler:
                  prompts_per_step: int = 1, spill_bytes: int = 0,
                  chunk_cost: ChunkCost | None = None) -> None:
         self.engine = engine
-        self.chunk_cost = chunk_cost  # chunking.py: None where chunks are not widened
+        # Final prompt chunks widened (chunking.py) only one prompt a step: llama.cpp
+        # splits two prompts of a step into equal rows per stream, so a widened chunk
+        # beside a shorter one would not tile.
+        self.chunk_cost = chunk_cost if prompts_per_step == 1 else None
         self.batch = batch
         # How many requests evaluate their prompts at once (0: all that arrive).  On a
         # CPU a prompt token costs the same alone or batched with other prompts (2.7
