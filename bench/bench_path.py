@@ -44,6 +44,17 @@ def cpu(path: str) -> float:
         return 0.0
 
 
+def switches(path: str) -> tuple[int, int]:
+    """(voluntary, involuntary) context switches of /proc/.../status: a voluntary one is
+    a wake-up after a wait; an involuntary one a preemption."""
+    try:
+        with open(path) as f:
+            rows = dict(line.split(":", 1) for line in f if "ctxt_switches" in line)
+        return int(rows["voluntary_ctxt_switches"]), int(rows["nonvoluntary_ctxt_switches"])
+    except (OSError, KeyError, ValueError):
+        return 0, 0
+
+
 def softirq() -> float:
     """The machine's irq + softirq time, in seconds (the network stack's share of the
     loopback traffic is mostly here)."""
@@ -61,16 +72,27 @@ def name(pid: int) -> str:
     return " ".join(args)[:40]
 
 
-def snapshot(root: int) -> dict[str, float]:
-    """CPU seconds by process role, and by device thread id ('device/TID')."""
+def snapshot(root: int) -> tuple[dict[str, float], dict[str, tuple[int, int]]]:
+    """CPU seconds by process role and by device thread id ('device/TID'); the context
+    switches of every thread, summed by role and by device thread the same way."""
     out: dict[str, float] = {}
+    ctx: dict[str, tuple[int, int]] = {}
     for pid in tree(root):
         role = name(pid)
         out[role] = out.get(role, 0.0) + cpu(f"/proc/{pid}/stat")
-        if role == "device":
-            for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            v, i = switches(f"/proc/{pid}/task/{tid}/status")
+            keys = [role] + ([f"device/{tid}"] if role == "device" else [])
+            for key in keys:
+                v0, i0 = ctx.get(key, (0, 0))
+                ctx[key] = (v0 + v, i0 + i)
+            if role == "device":
                 out[f"device/{tid}"] = cpu(f"/proc/{pid}/task/{tid}/stat")
-    return out
+    return out, ctx
 
 
 def main() -> None:
@@ -83,11 +105,11 @@ def main() -> None:
         assert svc.proc is not None
         asyncio.run(run_load(svc.url, svc.headers, "smollm2", 1, 1, 16, 900))  # warm
         for n in (int(x) for x in args.clients.split(",")):
-            before, t0 = snapshot(svc.proc.pid), time.perf_counter()
+            (before, ctx0), t0 = snapshot(svc.proc.pid), time.perf_counter()
             me0, irq0 = os.times(), softirq()
             load = asyncio.run(run_load(svc.url, svc.headers, "smollm2", n, args.requests,
                                         args.max_tokens, 100 * n))
-            wall, after = time.perf_counter() - t0, snapshot(svc.proc.pid)
+            wall, (after, ctx1) = time.perf_counter() - t0, snapshot(svc.proc.pid)
             me1, irq1 = os.times(), softirq()
             client = (me1.user - me0.user) + (me1.system - me0.system)
             tokens = load["tokens"]
@@ -107,6 +129,15 @@ def main() -> None:
                   f"{1e3 * client / tokens:7.3f}")
             print(f"  {'interrupts (irq + softirq, whole machine)':10s} "
                   f"{1e3 * (irq1 - irq0) / tokens:7.3f}")
+            woke = {k: tuple(b - a for a, b in zip(ctx0.get(k, (0, 0)), v, strict=True))
+                    for k, v in ctx1.items()}
+            print("  wake-ups (voluntary) / preemptions (involuntary) per streamed token:")
+            for role in ("gateway", "broker", "device"):
+                if role in woke:
+                    print(f"    {role:36s} {woke[role][0] / tokens:6.2f} / "
+                          f"{woke[role][1] / tokens:5.2f}")
+            for k, label in zip(threads, ["engine thread", "ggml worker"], strict=False):
+                print(f"      {label:34s} {woke[k][0] / tokens:6.2f} / {woke[k][1] / tokens:5.2f}")
             idle = 2 * wall - sum(v for k, v in used.items() if "/" not in k) - client
             print(f"  {'machine idle':10s} {1e3 * idle / tokens:7.3f}", flush=True)
 
