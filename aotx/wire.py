@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import operator
 import struct
+from collections.abc import Sequence
 from typing import Annotated, Any, Generic, NamedTuple, TypeVar, get_type_hints
 
 MAGIC = 0x58544F41  # b"AOTX" read little endian
@@ -54,6 +55,7 @@ class Op(enum.IntEnum):
     MEMORY = 18  #: The caller's automatic memory (sub-operation at offset 72, payload UTF-8 JSON).
     UNPARK = 19  #: Answer the caller's WAITs parked on a request now (their stream was closed).
     EMBED = 20  #: Embed inputs (payload: encode_embed) with a model (role): unit float32 vectors.
+    WAITS = 21  #: Several WAITs in one packet, answered together (encode_waits; protocol.md 10.1).
 
 
 class MemoryOp(enum.IntEnum):
@@ -307,6 +309,7 @@ class Header(_Fields):
     content_type = _View[int]("role", "MEDIA_PUT; its reply; MEDIA_READ reply")
     memory_op = _View[int]("role", "MEMORY")
     row_count = _View[int]("total", "GRANT_INSTALL, GRANT_READ; MEDIA_LIST reply")
+    member_count = _View[int]("total", "WAITS and its reply: the WAITs it carries")
     max_tokens = _View[int]("limit", "SUBMIT: output tokens, 0 = as many as fit")
     wait_ms = _View[int]("limit", "WAIT: timeout")
     max_rows = _View[int]("limit", "MEDIA_LIST")
@@ -428,6 +431,7 @@ REQUEST_FIELDS: dict[Op, tuple[str, ...]] = {
     Op.POLICY: ("principal", "epoch"), Op.TELEMETRY: ("principal",),
     Op.METRICS: ("principal",), Op.MEMORY: ("principal", "role", "cursor"),
     Op.EMBED: ("principal", "role", "cursor"),
+    Op.WAITS: ("total",),
 }
 #: The flag bits each operation defines; other bits are unused, so zero.
 REQUEST_FLAGS: dict[int, int] = {
@@ -456,6 +460,52 @@ def check_request(h: Header) -> None:
                         Reason.NONZERO_FIELD, 116)
     if h.op == Op.SUBMIT and h.value and not h.flags & SUBMIT_FLAG_SEED:
         raise WireError("a seed without SUBMIT_FLAG_SEED", 400, Reason.NONZERO_FIELD, 120)
+
+
+# -- WAITS (docs/protocol.md section 10.1): ``member_count`` WAIT headers (no payloads, no
+# flags) in; in the reply, each one's reply header and window, in the same order.
+
+WAITS_MAX = 32  # members a packet: each member's window share is then >= 1,916 bytes
+
+
+def waits_share(count: int) -> int:
+    """The most output bytes one of ``count`` members' windows may carry in the reply."""
+    return (MAX_PAYLOAD - count * HEADER_SIZE) // count
+
+
+def encode_waits(members: Sequence[Header]) -> bytes:
+    return b"".join(encode_packet(m) for m in members)
+
+
+def decode_waits(h: Header, payload: bytes | memoryview) -> list[Header]:
+    count = h.member_count
+    if not 1 <= count <= WAITS_MAX:
+        raise WireError(f"a WAITS carries 1 to {WAITS_MAX} WAITs, not {count}")
+    if len(payload) != count * HEADER_SIZE:
+        raise WireError(f"a WAITS of {count} WAITs is {count * HEADER_SIZE} bytes, "
+                        f"not {len(payload)}")
+    members = [decode_header(payload[i:i + HEADER_SIZE])
+               for i in range(0, len(payload), HEADER_SIZE)]
+    for m in members:
+        if m.op != Op.WAIT or m.payload_length or m.flags:
+            raise WireError("a WAITS member must be a WAIT without payload or flags")
+    return members
+
+
+def encode_wait_replies(replies: Sequence[tuple[Header, bytes]]) -> bytes:
+    return b"".join(encode_packet(rh, body) for rh, body in replies)
+
+
+def decode_wait_replies(payload: bytes | memoryview) -> list[tuple[Header, bytes]]:
+    out, at = [], 0
+    while at < len(payload):
+        rh = decode_header(payload[at:at + HEADER_SIZE])
+        end = at + HEADER_SIZE + rh.payload_length
+        if end > len(payload):
+            raise WireError("a WAITS reply member runs past the payload")
+        out.append((rh, bytes(payload[at + HEADER_SIZE:end])))
+        at = end
+    return out
 
 
 # -- Submission payload (docs/protocol.md section 5): the seed's u32 message_count, then

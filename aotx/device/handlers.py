@@ -83,16 +83,18 @@ class Handlers:
         return h.reply(200, epoch=self.state.epoch, **fields), payload
 
     # -- requests ------------------------------------------------------------------------
-    def read(self, h: Header) -> Reply | Park:
+    def read(self, h: Header, limit: int = 0) -> Reply | Park:
+        """A READ's reply, or a WAIT's when its request has something new (else a Park);
+        the window at most ``limit`` bytes (0: the device's window size)."""
         req = self.state.lookup(h, Action.READ)
         if h.op == Op.WAIT and not wait_ready(req, h):
             timeout = min(h.wait_ms or WAIT_DEFAULT_MS, WAIT_MAX_MS) / 1000
             return Park(req, time.monotonic() + timeout)
-        return self.read_reply(req, h)
+        return self.read_reply(req, h, limit)
 
-    def read_reply(self, req: Request, h: Header) -> Reply:
+    def read_reply(self, req: Request, h: Header, limit: int = 0) -> Reply:
         notes = bool(h.flags & wire.READ_FLAG_ANNOTATIONS)
-        body = self.state.window(req, h.cursor, notes)
+        body = self.state.window(req, h.cursor, notes, limit)
         return h.reply(200, epoch=self.state.epoch, **self.state.state_fields(req, notes)), body
 
     def cancel(self, h: Header) -> Reply:

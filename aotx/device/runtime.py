@@ -5,8 +5,9 @@ Threads
 * The **control thread** (the process's main thread) waits on the device doorbell,
   takes each published mailbox, answers it (:mod:`.handlers`) and publishes the reply.
   Admissions, reads, cancellations and telemetry never wait for a decode step.
-  ``WAIT`` packets (a subscriber waiting for new bytes) are parked and answered as
-  soon as the engine produces bytes or the request changes state.
+  ``WAIT`` packets (a subscriber waiting for new bytes), alone or grouped in a
+  ``WAITS``, are parked (:mod:`.waits`) and answered as soon as the engine produces
+  bytes or the request changes state.
 * One **engine thread** per model runs its :class:`~aotx.engine.scheduler.Scheduler`.
   After each step it rings the device's own doorbell when packets are parked, so the
   control thread answers them without polling.
@@ -23,7 +24,6 @@ becomes a reply in one place: :meth:`Device.reply_to`.
 
 from __future__ import annotations
 
-import collections
 import fcntl
 import functools
 import logging
@@ -35,7 +35,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from .. import ids, wire
 from ..config import Settings
@@ -45,12 +44,12 @@ from ..engine.scheduler import Request
 from ..engine.vllm import VllmRunner
 from ..mailbox import REQUEST, SCAN_ALL, WAKE, Bell, Region
 from ..paths import RuntimePaths
-from ..wire import Action, Header, Op, Reason, WireError
+from ..wire import Header, Op, Reason, WireError
 from .admission import Admission, MediaJob
 from .embeddings import EmbedCall
 from .embeddings import reply as embed_reply
 from .errors import DeviceError
-from .handlers import Handlers, Park, Reply, Result, wait_ready
+from .handlers import Handlers, Park, Reply, Result
 from .loading import load_model
 from .memory import EXTRACTION_MAX_TOKENS, EXTRACTION_PROMPT, MAX_SOURCE_CHARS
 from .models import ModelSpec, load_specs
@@ -58,15 +57,9 @@ from .policy import Policy
 from .prompt import TextRefused, split, text_tokens
 from .state import DeviceLimits, DeviceState
 from .template import TemplateError
+from .waits import Waits
 
 log = logging.getLogger("aotx.device")
-
-
-@dataclass
-class Parked:
-    mailbox: int
-    header: Header
-    deadline: float
 
 
 def next_epoch(paths: RuntimePaths, device_id: int = 0) -> int:
@@ -118,9 +111,8 @@ class Device:
         self.bell = Bell(paths.device_bell, paths.broker_bell)
         self.admission = Admission(st)
         self.handlers = Handlers(st, self.admission, mailboxes, self.bell.ring_self,
-                                 lambda identity: self._settle(identity, force=True))
-        self.parked: dict[bytes, list[Parked]] = collections.defaultdict(list)
-        self.parked_mailboxes: set[int] = set()
+                                 lambda identity: self.waits.force(identity))
+        self.waits = Waits(st, self.handlers, self.reply_to, self._publish)
         self.busy_mailboxes: set[int] = set()  # submissions whose media is being prepared
         self._media_jobs: queue.Queue[MediaJob | None] | None = None  # the media worker's
         self._media_thread: threading.Thread | None = None
@@ -149,7 +141,7 @@ class Device:
             self.bell.ring_self()
 
     # -- replies -----------------------------------------------------------------------------
-    def reply_to(self, h: Header, work: Callable[[], Result]) -> Result:
+    def reply_to(self, h: Header, work: Callable[[], Result | None]) -> Result | None:
         """Run ``work`` for the request ``h``: the one place where a handler's refusal
         (DeviceError, WireError) or failure becomes a reply, and where refused submissions
         are counted.  (A packet the codec cannot read has no request to answer: ``_take``
@@ -185,7 +177,7 @@ class Device:
         """Answer mailbox ``i`` if it holds a request (control thread, lock held)."""
         if self.region.state(i) != REQUEST:
             return
-        if i in self.parked_mailboxes or i in self.busy_mailboxes:
+        if i in self.waits.by_mailbox or i in self.busy_mailboxes:
             return  # a parked wait, or media being prepared: answered when ready
         data = self.region.read(i)
         try:
@@ -203,10 +195,17 @@ class Device:
 
     def respond(self, mailbox: int, h: Header, payload: bytes) -> Reply | None:
         """The reply to one request (lock held), or None when it is answered later: a
-        WAIT parked, a media submission handed to the media worker."""
+        WAIT or a WAITS parked, a media submission handed to the media worker."""
+        if h.op == Op.WAITS:
+            group = self.reply_to(h, functools.partial(self.waits.open_group, mailbox, h,
+                                                       payload))
+            assert group is None or isinstance(group, tuple)
+            return group
         result = self.reply_to(h, functools.partial(self.handlers.handle, mailbox, h, payload))
+        if result is None:
+            return None
         if isinstance(result, Park):
-            self._park(mailbox, result.request.identity, h, result.deadline)
+            self.waits.park(mailbox, h, (h,), (result.deadline,))
             return None
         if isinstance(result, MediaJob):
             if self._media_jobs is None:  # no worker (tests drive respond() directly)
@@ -241,33 +240,6 @@ class Device:
             with self.state.lock:
                 self.busy_mailboxes.discard(job.mailbox)
                 self._publish(job.mailbox, *result)
-
-    # -- parked waits (control thread, lock held) ---------------------------------------------
-    def _park(self, mailbox: int, identity: bytes, h: Header, deadline: float) -> None:
-        self.parked[identity].append(Parked(mailbox, h, deadline))
-        self.parked_mailboxes.add(mailbox)
-        self.handlers.parked_waits += 1
-
-    def _settle(self, identity: bytes, now: float = 0.0, force: bool = False) -> None:
-        """Answer the parked waits on ``identity`` that are ready (or all, with ``force``)."""
-        req = self.state.requests.get(identity)
-        keep = []
-        for p in self.parked.pop(identity, []):
-            if req is None or force or now >= p.deadline or wait_ready(req, p.header):
-                # As a READ would answer now (404 if the request was reclaimed meanwhile).
-                reply = self.reply_to(p.header, functools.partial(self._answer_wait, p.header))
-                assert isinstance(reply, tuple)
-                self._publish(p.mailbox, *reply)
-            else:
-                keep.append(p)
-                continue
-            self.parked_mailboxes.discard(p.mailbox)
-            self.handlers.parked_waits -= 1
-        if keep:
-            self.parked[identity] = keep
-
-    def _answer_wait(self, h: Header) -> Reply:
-        return self.handlers.read_reply(self.state.lookup(h, Action.READ), h)
 
     # -- the resident policy (control thread, lock held) ------------------------------------
     def policy_tick(self) -> None:
@@ -323,8 +295,7 @@ class Device:
             if 0 <= i < self.region.count:
                 self._take(i)
         now = time.monotonic()
-        for identity in list(self.parked):
-            self._settle(identity, now)
+        self.waits.settle(now)
         try:
             self.policy_tick()
         except Exception:  # a disk error in the policy must not end the epoch
@@ -335,11 +306,7 @@ class Device:
             st.reclaim(time.monotonic_ns())
             st.media.sweep(now)
             timers["sweep"] = now
-        timeout = 1.0
-        for waits in self.parked.values():
-            for p in waits:
-                timeout = min(timeout, max(0.0, p.deadline - now))
-        return timeout
+        return self.waits.next_deadline(now, 1.0)
 
     def serve(self) -> None:
         self._start_threads()

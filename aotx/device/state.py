@@ -145,14 +145,16 @@ class DeviceState:
                     cancel_requested=int(req.cancel_requested), revision=req.revision,
                     flags=req.kept_flags)
 
-    def window(self, req: Request, cursor: int, notes: bool = False) -> bytes:
-        """The output window at ``cursor`` (409 past the bytes produced so far); with
-        ``notes``, the annotation stream's whole lines from ``cursor`` (409 also when
-        ``cursor`` does not start a line: engine/logprobs.py)."""
+    def window(self, req: Request, cursor: int, notes: bool = False, limit: int = 0) -> bytes:
+        """The output window at ``cursor``, at most ``limit`` bytes (0: the device's window
+        size), 409 past the bytes produced so far; with ``notes``, the annotation stream's
+        whole lines from ``cursor`` (409 also when ``cursor`` does not start a line:
+        engine/logprobs.py)."""
+        limit = min(limit or self.limits.window_bytes, self.limits.window_bytes)
         if notes:
-            body = notes_window(notes_of(req), cursor, self.limits.window_bytes)
+            body = notes_window(notes_of(req), cursor, limit)
         elif cursor <= len(req.out):
-            body = bytes(req.out[cursor:cursor + self.limits.window_bytes])
+            body = bytes(req.out[cursor:cursor + limit])
         else:
             body = None
         if body is None:

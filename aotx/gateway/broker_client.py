@@ -4,6 +4,13 @@ Each call sends one packet with a fresh tag (header offset 16) and awaits the
 reply with the same tag.  One connection carries any number of calls in flight.
 When the connection breaks, every waiting call fails with
 :class:`BrokerUnavailable` and the next call reconnects.
+
+WAITs are the exception: the WAITs that streams send in the same turn of the event loop
+(every stream a decode step advanced, once its SSE frame is written) leave as one WAITS
+packet (docs/protocol.md, section 10.1), answered in one reply, so that a step costs the
+broker and the device one packet for all of them instead of one each.  A member that
+the reply answers with 204 (nothing new for it yet) joins the next group; its caller
+sees only the WAIT's own answer.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import socket
 from .. import wire
 
 log = logging.getLogger("aotx.gateway.broker")
+WAIT_DEFAULT_MS = 15_000  # what the device takes a wait_ms of 0 for (device/handlers.py)
 
 
 class BrokerUnavailable(Exception):
@@ -24,6 +32,12 @@ class BrokerUnavailable(Exception):
 
 class DeviceSilent(BrokerUnavailable):
     """The packet was sent but no reply came before the call's deadline."""
+
+
+#: How long queued WAITs wait at most for the other streams' next WAITs to join them.  A
+#: WAIT parks on the device until the next decode step ends (11 ms or more here), so a
+#: WAIT sent this much later is answered no later, unless its stream had fallen behind.
+LINGER_S = 0.001
 
 
 class BrokerClient:
@@ -39,6 +53,14 @@ class BrokerClient:
         # first's (whose call then never completes).
         self._send_lock = asyncio.Lock()
         self.packets_sent = 0
+        self.waits_sent = 0  # WAITs sent, alone or as WAITS members (resends included)
+        # WAITs to send in the next group, and their one sender while any are queued
+        self._waits: list[tuple[wire.Header, asyncio.Future[tuple[wire.Header, bytes]]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+        self._arrived: asyncio.Future[None] | None = None  # set when a WAIT is queued
+        self._outstanding = 0  # WAITs queued or sent and not answered yet
+        self._expected = 0  # WAITs answered whose streams have not sent their next one
+        self._groups: dict[int, list[int]] = {}  # a WAITS's tag -> its members' tags
 
     async def _ensure(self) -> socket.socket:
         if self._sock is not None:
@@ -75,6 +97,9 @@ class BrokerClient:
                 except wire.WireError as exc:
                     log.warning("event=gateway.bad_reply error=%s", exc.message)
                     continue
+                if header.op == wire.Op.WAITS:
+                    self._answer_group(header, payload)
+                    continue
                 fut = self._pending.pop(header.tag, None)
                 if fut is not None and not fut.done():
                     fut.set_result((header, payload))
@@ -88,6 +113,7 @@ class BrokerClient:
         if self._sock is not sock:
             return  # an earlier connection: its calls failed when it was dropped
         self._sock = None
+        self._groups.clear()
         pending, self._pending = self._pending, {}
         for fut in pending.values():
             if not fut.done():
@@ -95,6 +121,8 @@ class BrokerClient:
 
     async def call(self, header: wire.Header, payload: bytes = b"",
                    timeout: float = 120.0) -> tuple[wire.Header, bytes]:
+        if header.op == wire.Op.WAIT and not header.flags and not payload:
+            return await self._wait(header, timeout)
         tag = next(self._tags)
         packet = wire.encode_packet(header._replace(tag=tag), payload)
         fut: asyncio.Future[tuple[wire.Header, bytes]] = asyncio.get_running_loop().create_future()
@@ -119,7 +147,119 @@ class BrokerClient:
             self._pending.pop(tag, None)
 
     async def close(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+        waits, self._waits = self._waits, []
+        for _, fut in waits:
+            if not fut.done():
+                fut.set_exception(BrokerUnavailable("the broker client closed"))
         if self._reader is not None:
             self._reader.cancel()
         if self._sock is not None:
             self._drop(self._sock)
+
+    # -- WAITs, sent in groups ---------------------------------------------------------------
+    async def _wait(self, header: wire.Header, timeout: float) -> tuple[wire.Header, bytes]:
+        """A WAIT's answer: sent in the next group, and again (with what is left of its
+        ``wait_ms``) after each 204 until the device answers it as a WAIT."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        wait_ms = header.wait_ms or WAIT_DEFAULT_MS
+        self._expected = max(0, self._expected - 1)  # (likely) one of those streams
+        while True:
+            left = wait_ms - int((loop.time() - start) * 1000)
+            fut: asyncio.Future[tuple[wire.Header, bytes]] = loop.create_future()
+            self._waits.append((header._replace(limit=max(1, left)), fut))
+            self._outstanding += 1
+            if self._flusher is None:
+                self._flusher = loop.create_task(self._flush_waits())
+            elif self._arrived is not None:
+                _settle(self._arrived)
+            try:
+                rh, body = await asyncio.wait_for(fut, max(0.0, start + timeout - loop.time()))
+            except TimeoutError:
+                raise DeviceSilent(f"no reply to a WAIT in {timeout:g} s") from None
+            finally:
+                self._outstanding -= 1
+            if rh.status != 204:
+                self._expected += 1
+                return rh, body
+
+    async def _flush_waits(self) -> None:
+        """The one sender of queued WAITs: once every stream with a WAIT out or just
+        answered has queued its next one (or ``LINGER_S`` passed), groups of up to
+        WAITS_MAX, until none is left."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + LINGER_S
+        try:
+            while ((self._expected or self._outstanding > len(self._waits))
+                   and loop.time() < deadline):
+                arrived = self._arrived = loop.create_future()
+                timer = loop.call_later(deadline - loop.time(), _settle, arrived)
+                await arrived
+                timer.cancel()
+            self._expected = 0
+            while self._waits:
+                batch = [(h, fut) for h, fut in self._waits[:wire.WAITS_MAX] if not fut.done()]
+                del self._waits[:wire.WAITS_MAX]
+                if batch:
+                    await self._send_group(batch)
+        finally:
+            self._flusher = self._arrived = None
+
+    async def _send_group(self, batch: list[tuple[wire.Header,
+                                                  asyncio.Future[tuple[wire.Header, bytes]]]]
+                          ) -> None:
+        tags = [next(self._tags) for _ in batch]
+        members = [h._replace(tag=tag) for (h, _), tag in zip(batch, tags, strict=True)]
+        group = next(self._tags) if len(members) > 1 else 0
+        packet = (wire.encode_packet(wire.Header.request(wire.Op.WAITS, tag=group,
+                                                         member_count=len(members)),
+                                     wire.encode_waits(members))
+                  if group else wire.encode_packet(members[0]))
+        try:
+            async with self._send_lock:
+                sock = await self._ensure()
+                for (_, fut), tag in zip(batch, tags, strict=True):
+                    self._pending[tag] = fut
+                if group:
+                    self._groups[group] = tags
+                try:
+                    await asyncio.get_running_loop().sock_sendall(sock, packet)
+                except OSError as exc:
+                    self._drop(sock)
+                    raise BrokerUnavailable(f"send to the broker failed: {exc}") from None
+            self.packets_sent += 1
+            self.waits_sent += len(members)
+        except BrokerUnavailable as exc:
+            for (_, fut), tag in zip(batch, tags, strict=True):
+                self._pending.pop(tag, None)
+                if not fut.done():
+                    fut.set_exception(exc)
+
+    def _answer_group(self, header: wire.Header, payload: bytes) -> None:
+        """A WAITS's reply: each member's own, or the group's refusal as each member's."""
+        tags = self._groups.pop(header.tag, None)
+        if tags is None:
+            return
+        if header.status == 200:
+            try:
+                answers = {rh.tag: (rh, body) for rh, body in wire.decode_wait_replies(payload)}
+            except wire.WireError as exc:
+                log.warning("event=gateway.bad_reply error=%s", exc.message)
+                answers = {}
+        else:  # refused whole (no mailbox, a malformed group): as each WAIT's own refusal
+            answers = {tag: (header._replace(op=wire.Op.WAIT, tag=tag), payload) for tag in tags}
+        for tag in tags:
+            fut = self._pending.pop(tag, None)
+            if fut is None or fut.done():
+                continue
+            if tag in answers:
+                fut.set_result(answers[tag])
+            else:
+                fut.set_exception(BrokerUnavailable("a WAITS reply without a member's answer"))
+
+
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

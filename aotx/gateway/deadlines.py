@@ -49,6 +49,7 @@ DEADLINES: dict[wire.Op, Budget] = {
     wire.Op.GRANT_INSTALL: Budget.CONTROL,
     wire.Op.GRANT_READ: Budget.CONTROL,
     wire.Op.WAIT: Budget.WAIT,
+    wire.Op.WAITS: Budget.WAIT,  # built by the broker client: each member has its WAIT's
     wire.Op.MEDIA_PUT: Budget.CONTROL,  # a chunk is copied; the last one hashed
     wire.Op.MEDIA_LIST: Budget.CONTROL,
     wire.Op.SHARED_SAVE: Budget.CONTROL,  # reserved: refused at once

@@ -209,7 +209,8 @@ _HISTOGRAMS = (("ttft_seconds", "aotx_time_to_first_token_seconds", "Admission t
                 "Time between tokens of one request"))
 
 
-def render_metrics(device: dict[str, Any], broker: dict[str, Any], gateway_packets: int) -> bytes:
+def render_metrics(device: dict[str, Any], broker: dict[str, Any], gateway_packets: int,
+                   gateway_waits: int = 0) -> bytes:
     """Prometheus text exposition of the device's and the broker's counters."""
     from prometheus_client import CollectorRegistry, generate_latest
 
@@ -217,7 +218,7 @@ def render_metrics(device: dict[str, Any], broker: dict[str, Any], gateway_packe
         def collect(self) -> Any:
             yield from _request_families(device)
             yield from _model_families(device["models"])
-            yield from _transport_families(device, broker, gateway_packets)
+            yield from _transport_families(device, broker, gateway_packets, gateway_waits)
 
     registry = CollectorRegistry()
     registry.register(Snapshot())
@@ -276,7 +277,7 @@ def _model_families(models: dict[str, Any]) -> Any:
 
 
 def _transport_families(device: dict[str, Any], broker: dict[str, Any],
-                        gateway_packets: int) -> Any:
+                        gateway_packets: int, gateway_waits: int) -> Any:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     g = GaugeMetricFamily("aotx_mailboxes", "Broker mailboxes by use", labels=["use"])
@@ -290,6 +291,10 @@ def _transport_families(device: dict[str, Any], broker: dict[str, Any],
     yield c
     c = CounterMetricFamily("aotx_gateway_packets", "Packets sent by this gateway")
     c.add_metric([], gateway_packets)
+    yield c
+    c = CounterMetricFamily("aotx_gateway_waits", "WAITs sent by this gateway, alone or "
+                            "grouped in WAITS packets (each member and each resend counted)")
+    c.add_metric([], gateway_waits)
     yield c
     g = GaugeMetricFamily("aotx_media_bytes", "Bytes held by media sources")
     g.add_metric([], device.get("media_bytes", 0))

@@ -39,5 +39,6 @@ async def metrics(principal: Principal = Caller, g: Gateway = Service) -> Respon
     device = orjson.loads(body)
     bh, bbody = await g.call(wire.Header(op=wire.Op.BROKER_STATS))
     broker = orjson.loads(bbody) if bh.status == 200 else {}
-    return Response(render_metrics(device, broker, g.broker.packets_sent),
+    return Response(render_metrics(device, broker, g.broker.packets_sent,
+                                   g.broker.waits_sent),
                     media_type="text/plain; version=0.0.4; charset=utf-8")

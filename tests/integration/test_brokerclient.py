@@ -69,3 +69,112 @@ def test_calls_whose_sends_wait_for_a_full_socket_all_complete() -> None:
         peer.join(5)
         listener.close()
         shutil.rmtree(state, ignore_errors=True)
+
+
+def _group_peer(listener: socket.socket, seen: list[tuple[int, int]],
+                stop: threading.Event) -> None:
+    """Answer WAITs like a device whose requests each have one byte past cursor 0 on
+    every odd identity and nothing yet on even ones: a WAIT alone at once (as a READ),
+    a WAITS with every member (204 for the even ones at cursor 0; the second time an
+    even member comes, its byte).  ``seen`` gets each packet's (op, members)."""
+    conn, _ = listener.accept()
+    conn.settimeout(0.2)
+    asked: dict[bytes, int] = {}
+    while not stop.is_set():
+        try:
+            data = conn.recv(wire.MAX_PACKET + 1)
+        except TimeoutError:
+            continue
+        if not data:
+            break
+        h, payload = wire.decode_packet(data)
+        if h.op == wire.Op.WAITS:
+            members = wire.decode_waits(h, payload)
+            seen.append((h.op, len(members)))
+            replies = []
+            for m in members:
+                asked[m.identity] = asked.get(m.identity, 0) + 1
+                if m.identity[0] % 2 == 0 and asked[m.identity] == 1:
+                    replies.append((m.reply(204), b""))
+                else:
+                    replies.append((m.reply(200, total=1), m.identity[:1]))
+            conn.send(wire.encode_packet(h.reply(200, total=len(replies)),
+                                         wire.encode_wait_replies(replies)))
+        else:
+            seen.append((h.op, 1))
+            conn.send(wire.encode_packet(h.reply(200, total=1), h.identity[:1]))
+    conn.close()
+
+
+def test_waits_sent_together_travel_as_one_group() -> None:
+    """Eight WAITs sent in one turn of the loop leave as one WAITS; each caller gets its
+    own member's answer; the four answered 204 are sent again, together, and then get
+    theirs; a lone WAIT leaves as a plain WAIT."""
+    state = short_tmpdir()
+    path = os.path.join(state, "s.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+    stop = threading.Event()
+    seen: list[tuple[int, int]] = []
+    peer = threading.Thread(target=_group_peer, args=(listener, seen, stop), daemon=True)
+    peer.start()
+
+    def wait(k: int) -> wire.Header:
+        return wire.Header.request(wire.Op.WAIT, principal=7, identity=bytes([k]) * 16,
+                                   wait_ms=5000)
+
+    async def main() -> tuple[list[bytes], bytes]:
+        client = BrokerClient(path)
+        done = await asyncio.gather(*(client.call(wait(k), timeout=10) for k in range(1, 9)))
+        alone, body = await client.call(wait(9), timeout=10)
+        assert alone.status == 200 and not client._pending and not client._groups
+        await client.close()
+        return [b for h, b in done if h.status == 200 and h.op == wire.Op.WAIT], body
+
+    try:
+        bodies, alone = asyncio.run(main())
+        assert bodies == [bytes([k]) for k in range(1, 9)] and alone == b"\x09"
+        assert seen == [(wire.Op.WAITS, 8), (wire.Op.WAITS, 4), (wire.Op.WAIT, 1)]
+    finally:
+        stop.set()
+        peer.join(5)
+        listener.close()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def test_a_refused_group_is_each_members_refusal() -> None:
+    """A WAITS the broker refuses (no mailbox) reaches every member as its own 503."""
+    state = short_tmpdir()
+    path = os.path.join(state, "s.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+
+    def refuse() -> None:
+        conn, _ = listener.accept()
+        h, _ = wire.decode_packet(conn.recv(wire.MAX_PACKET + 1))
+        conn.send(wire.encode_packet(h.refuse(503, wire.Reason.NO_MAILBOX)))
+        conn.recv(1)
+        conn.close()
+
+    peer = threading.Thread(target=refuse, daemon=True)
+    peer.start()
+
+    async def main() -> list[wire.Header]:
+        client = BrokerClient(path)
+        waits = [wire.Header.request(wire.Op.WAIT, principal=7, identity=bytes([k]) * 16)
+                 for k in (1, 2, 3)]
+        done = await asyncio.gather(*(client.call(w, timeout=5) for w in waits))
+        await client.close()
+        return [h for h, _ in done]
+
+    try:
+        answers = asyncio.run(main())
+        assert [(h.op, h.status, h.reason) for h in answers] == [
+            (wire.Op.WAIT, 503, wire.Reason.NO_MAILBOX)] * 3
+        assert len({h.tag for h in answers}) == 3
+    finally:
+        peer.join(5)
+        listener.close()
+        shutil.rmtree(state, ignore_errors=True)

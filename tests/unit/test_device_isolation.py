@@ -112,7 +112,7 @@ def test_unpark_answers_the_callers_parked_waits_at_once(device: Pair) -> None:
     foreign = as_principal(dev, 20, wire.Header(op=wire.Op.UNPARK, identity=ah.identity))[0]
     assert foreign.status == 404 and dev.handlers.parked_waits == 1
     h, _ = call(dev, wire.Header(op=wire.Op.UNPARK, identity=ah.identity))
-    assert h.status == 200 and dev.handlers.parked_waits == 0 and not dev.parked_mailboxes
+    assert h.status == 200 and dev.handlers.parked_waits == 0 and not dev.waits.by_mailbox
     answered, _ = wire.decode_packet(dev.region.read(2))
     assert (answered.status, answered.tag) == (200, 4)
 

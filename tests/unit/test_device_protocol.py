@@ -52,6 +52,9 @@ def _valid(op: wire.Op) -> tuple[wire.Header, bytes]:
         return h._replace(principal=7, role=1), text_submission()
     if op == wire.Op.GRANT_INSTALL:
         return h._replace(total=1), wire.encode_grants([wire.Grant(principal=9, actions=1)])
+    if op == wire.Op.WAITS:
+        member = wire.Header.request(wire.Op.WAIT, principal=7, identity=b"\x01" * 16)
+        return h._replace(total=1), wire.encode_waits([member])
     return h, b""
 
 
@@ -249,10 +252,10 @@ def test_a_parked_wait_on_a_reclaimed_request_answers_404(device: Pair) -> None:
     with dev.state.lock:
         assert dev.respond(2, wait, b"") is None  # parked: nothing new yet
         del dev.state.requests[ah.identity]  # reclaimed
-        dev._settle(ah.identity, time.monotonic())
+        dev.waits.settle(time.monotonic())
     h, body = wire.decode_packet(dev.region.read(2))
     assert (h.status, h.reason, h.tag, body) == (404, wire.Reason.NO_REQUEST, 4, b"")
-    assert not dev.parked and dev.handlers.parked_waits == 0
+    assert not dev.waits.by_mailbox and dev.handlers.parked_waits == 0
 
 
 def test_a_requests_own_events_are_logged_at_debug(device: Pair,

@@ -63,6 +63,7 @@ class ScriptedBroker:
         self.sent: list[wire.Header] = []
         self.down = False
         self.packets_sent = 0
+        self.waits_sent = 0
         self.timeouts: dict[int, float] = {}  # op -> the deadline of its latest call
 
     async def call(self, h: wire.Header, payload: bytes = b"",

@@ -240,7 +240,7 @@ def test_a_wait_on_the_stream_parks_until_a_line_comes(device: Pair) -> None:
     cursor = len(req.notes.data)  # type: ignore[union-attr]
     assert cursor and bytes(req.out) == b"a"
     with dev.state.lock:
-        dev._settle(ah.identity, time.monotonic())
+        dev.waits.settle(time.monotonic())
     h, body = wire.decode_packet(dev.region.read(2))
     assert (h.status, h.tag, h.total, len(body)) == (200, 9, cursor, cursor)
     # the next token (b"\xe2") is held back with its bytes: a WAIT at the cursor parks on
