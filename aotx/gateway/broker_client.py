@@ -16,9 +16,11 @@ sees only the WAIT's own answer.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import socket
+from collections.abc import Callable
 
 from .. import wire
 
@@ -127,24 +129,27 @@ class BrokerClient:
         packet = wire.encode_packet(header._replace(tag=tag), payload)
         fut: asyncio.Future[tuple[wire.Header, bytes]] = asyncio.get_running_loop().create_future()
         try:
-            async with self._send_lock:
-                # The connection as it is now (it may have been re-made while this
-                # call waited for the lock); registered only now, so a reply can
-                # only come for a packet that was sent on it.
-                sock = await self._ensure()
-                self._pending[tag] = fut
-                try:
-                    await asyncio.get_running_loop().sock_sendall(sock, packet)
-                except OSError as exc:
-                    self._drop(sock)
-                    raise BrokerUnavailable(f"send to the broker failed: {exc}") from None
-            self.packets_sent += 1
+            await self._send(packet, functools.partial(self._pending.__setitem__, tag, fut))
             try:
                 return await asyncio.wait_for(fut, timeout)
             except TimeoutError:
                 raise DeviceSilent(f"no reply to op {header.op} in {timeout:g} s") from None
         finally:
             self._pending.pop(tag, None)
+
+    async def _send(self, packet: bytes, register: Callable[[], None]) -> None:
+        """Send ``packet`` on the connection as it is now (it may have been re-made while
+        this call waited for the lock), its reply futures registered by ``register`` only
+        then, so that a reply can only come for a packet that was sent on it."""
+        async with self._send_lock:
+            sock = await self._ensure()
+            register()
+            try:
+                await asyncio.get_running_loop().sock_sendall(sock, packet)
+            except OSError as exc:
+                self._drop(sock)
+                raise BrokerUnavailable(f"send to the broker failed: {exc}") from None
+        self.packets_sent += 1
 
     async def close(self) -> None:
         if self._flusher is not None:
@@ -217,19 +222,14 @@ class BrokerClient:
                                                          member_count=len(members)),
                                      wire.encode_waits(members))
                   if group else wire.encode_packet(members[0]))
+        def register() -> None:
+            for (_, fut), tag in zip(batch, tags, strict=True):
+                self._pending[tag] = fut
+            if group:
+                self._groups[group] = tags
+
         try:
-            async with self._send_lock:
-                sock = await self._ensure()
-                for (_, fut), tag in zip(batch, tags, strict=True):
-                    self._pending[tag] = fut
-                if group:
-                    self._groups[group] = tags
-                try:
-                    await asyncio.get_running_loop().sock_sendall(sock, packet)
-                except OSError as exc:
-                    self._drop(sock)
-                    raise BrokerUnavailable(f"send to the broker failed: {exc}") from None
-            self.packets_sent += 1
+            await self._send(packet, register)
             self.waits_sent += len(members)
         except BrokerUnavailable as exc:
             for (_, fut), tag in zip(batch, tags, strict=True):

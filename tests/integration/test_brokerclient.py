@@ -8,6 +8,7 @@ import shutil
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from aotx import wire
 from aotx.gateway.broker_client import BrokerClient
@@ -15,9 +16,19 @@ from aotx.gateway.broker_client import BrokerClient
 from ..helpers import short_tmpdir
 
 
-def _slow_echo(listener: socket.socket, stall: float, stop: threading.Event) -> None:
-    """Accept one connection, read nothing for ``stall`` seconds, then answer every
-    packet with status 200 and the packet's size in ``total``."""
+def _listen(state: str) -> tuple[str, socket.socket]:
+    """A listening SOCK_SEQPACKET socket in ``state``, and its path."""
+    path = os.path.join(state, "s.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+    return path, listener
+
+
+def _serve(listener: socket.socket, answer: Callable[[wire.Header, bytes], bytes],
+           stop: threading.Event, stall: float = 0.0) -> None:
+    """Accept one connection, read nothing for ``stall`` seconds, then send
+    ``answer(header, payload)`` for every packet until ``stop``."""
     conn, _ = listener.accept()
     conn.settimeout(0.2)
     time.sleep(stall)
@@ -28,9 +39,15 @@ def _slow_echo(listener: socket.socket, stall: float, stop: threading.Event) -> 
             continue
         if not data:
             break
-        h, payload = wire.decode_packet(data)
-        conn.send(wire.encode_packet(h.reply(200, total=len(payload))))
+        conn.send(answer(*wire.decode_packet(data)))
     conn.close()
+
+
+def _slow_echo(listener: socket.socket, stall: float, stop: threading.Event) -> None:
+    """Answer every packet, after ``stall`` seconds of reading nothing, with status 200
+    and the packet's size in ``total``."""
+    _serve(listener, lambda h, payload: wire.encode_packet(h.reply(200, total=len(payload))),
+           stop, stall)
 
 
 def test_calls_whose_sends_wait_for_a_full_socket_all_complete() -> None:
@@ -39,10 +56,7 @@ def test_calls_whose_sends_wait_for_a_full_socket_all_complete() -> None:
     socket would lose one, and its call would never end); a call cancelled while it
     waits to send leaves nothing behind."""
     state = short_tmpdir()
-    path = os.path.join(state, "s.sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(path)
-    listener.listen(1)
+    path, listener = _listen(state)
     stop = threading.Event()
     peer = threading.Thread(target=_slow_echo, args=(listener, 0.5, stop), daemon=True)
     peer.start()
@@ -77,33 +91,25 @@ def _group_peer(listener: socket.socket, seen: list[tuple[int, int]],
     every odd identity and nothing yet on even ones: a WAIT alone at once (as a READ),
     a WAITS with every member (204 for the even ones at cursor 0; the second time an
     even member comes, its byte).  ``seen`` gets each packet's (op, members)."""
-    conn, _ = listener.accept()
-    conn.settimeout(0.2)
     asked: dict[bytes, int] = {}
-    while not stop.is_set():
-        try:
-            data = conn.recv(wire.MAX_PACKET + 1)
-        except TimeoutError:
-            continue
-        if not data:
-            break
-        h, payload = wire.decode_packet(data)
-        if h.op == wire.Op.WAITS:
-            members = wire.decode_waits(h, payload)
-            seen.append((h.op, len(members)))
-            replies = []
-            for m in members:
-                asked[m.identity] = asked.get(m.identity, 0) + 1
-                if m.identity[0] % 2 == 0 and asked[m.identity] == 1:
-                    replies.append((m.reply(204), b""))
-                else:
-                    replies.append((m.reply(200, total=1), m.identity[:1]))
-            conn.send(wire.encode_packet(h.reply(200, total=len(replies)),
-                                         wire.encode_wait_replies(replies)))
-        else:
+
+    def answer(h: wire.Header, payload: bytes) -> bytes:
+        if h.op != wire.Op.WAITS:
             seen.append((h.op, 1))
-            conn.send(wire.encode_packet(h.reply(200, total=1), h.identity[:1]))
-    conn.close()
+            return wire.encode_packet(h.reply(200, total=1), h.identity[:1])
+        members = wire.decode_waits(h, payload)
+        seen.append((h.op, len(members)))
+        replies = []
+        for m in members:
+            asked[m.identity] = asked.get(m.identity, 0) + 1
+            if m.identity[0] % 2 == 0 and asked[m.identity] == 1:
+                replies.append((m.reply(204), b""))
+            else:
+                replies.append((m.reply(200, total=1), m.identity[:1]))
+        return wire.encode_packet(h.reply(200, total=len(replies)),
+                                  wire.encode_wait_replies(replies))
+
+    _serve(listener, answer, stop)
 
 
 def test_waits_sent_together_travel_as_one_group() -> None:
@@ -111,10 +117,7 @@ def test_waits_sent_together_travel_as_one_group() -> None:
     own member's answer; the four answered 204 are sent again, together, and then get
     theirs; a lone WAIT leaves as a plain WAIT."""
     state = short_tmpdir()
-    path = os.path.join(state, "s.sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(path)
-    listener.listen(1)
+    path, listener = _listen(state)
     stop = threading.Event()
     seen: list[tuple[int, int]] = []
     peer = threading.Thread(target=_group_peer, args=(listener, seen, stop), daemon=True)
@@ -146,10 +149,7 @@ def test_waits_sent_together_travel_as_one_group() -> None:
 def test_a_refused_group_is_each_members_refusal() -> None:
     """A WAITS the broker refuses (no mailbox) reaches every member as its own 503."""
     state = short_tmpdir()
-    path = os.path.join(state, "s.sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(path)
-    listener.listen(1)
+    path, listener = _listen(state)
 
     def refuse() -> None:
         conn, _ = listener.accept()
