@@ -54,6 +54,7 @@ FREE, REQUEST, REPLY = 0, 1, 2
 SCAN_ALL = 0xFFFF
 WAKE = 0xFFFE  # wake the reader without naming a mailbox (in-process producers)
 _IDX = struct.Struct("<H")
+RING_BATCH = 2048  # indices a write: 4096 bytes, PIPE_BUF, so a write stays atomic
 #: Architectures whose plain aligned loads and stores are acquire and release.
 TSO = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
@@ -182,6 +183,17 @@ class Bell:
                 os.write(self._out, _IDX.pack(SCAN_ALL))
             except BlockingIOError:
                 pass
+
+    def ring_many(self, indices: list[int]) -> None:
+        """Ring for every index in ``indices``, in as few writes as PIPE_BUF allows: the
+        peer wakes once and finds them all."""
+        for at in range(0, len(indices), RING_BATCH):
+            chunk = indices[at:at + RING_BATCH]
+            try:
+                os.write(self._out, struct.pack(f"<{len(chunk)}H", *chunk))
+            except BlockingIOError:
+                self.ring(SCAN_ALL)  # full: as ring() does
+                return
 
     def ring_self(self, index: int = WAKE) -> None:
         """Wake this side's own reader (used by in-process producers).  ``WAKE``

@@ -114,6 +114,7 @@ class Device:
                                  lambda identity: self.waits.force(identity))
         self.waits = Waits(st, self.handlers, self.reply_to, self._publish)
         self.busy_mailboxes: set[int] = set()  # submissions whose media is being prepared
+        self._rings: list[int] | None = None  # a pass's replies, rung together at its end
         self._media_jobs: queue.Queue[MediaJob | None] | None = None  # the media worker's
         self._media_thread: threading.Thread | None = None
         self._stopping = False
@@ -171,7 +172,10 @@ class Device:
             packet = wire.encode_packet(header.refuse(500, Reason.INTERNAL,
                                                       epoch=self.state.epoch))
         self.region.publish(mailbox, packet, 2)
-        self.bell.ring(mailbox)
+        if self._rings is not None:
+            self._rings.append(mailbox)
+        else:
+            self.bell.ring(mailbox)
 
     def _take(self, i: int) -> None:
         """Answer mailbox ``i`` if it holds a request (control thread, lock held)."""
@@ -291,11 +295,19 @@ class Device:
         parked waits, the policy and, once a second, retention; returns how long to
         sleep at most."""
         st = self.state
-        for i in pending:
-            if 0 <= i < self.region.count:
-                self._take(i)
-        now = time.monotonic()
-        self.waits.settle(now)
+        # The pass's replies are rung in one write at its end: the broker wakes once for
+        # them and sends them together, so the streams a step advanced get theirs in one
+        # burst and send their next WAITs in one group (gateway/broker_client.py).
+        self._rings = []
+        try:
+            for i in pending:
+                if 0 <= i < self.region.count:
+                    self._take(i)
+            now = time.monotonic()
+            self.waits.settle(now)
+        finally:
+            rings, self._rings = self._rings, None
+            self.bell.ring_many(rings)
         try:
             self.policy_tick()
         except Exception:  # a disk error in the policy must not end the epoch

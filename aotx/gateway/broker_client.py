@@ -36,10 +36,13 @@ class DeviceSilent(BrokerUnavailable):
     """The packet was sent but no reply came before the call's deadline."""
 
 
-#: How long queued WAITs wait at most for the other streams' next WAITs to join them.  A
-#: WAIT parks on the device until the next decode step ends (11 ms or more here), so a
-#: WAIT sent this much later is answered no later, unless its stream had fallen behind.
+#: How long queued WAITs wait at most for the next WAITs of the other streams whose
+#: replies came in the same burst (one device pass: one step's tokens).  Those streams
+#: queue theirs within a few turns of the loop, so the wait ends early; the bound is
+#: for a stream that ends or reads instead.  A WAIT parks on the device until the next
+#: step ends anyway, so it is answered no later unless the step ended meanwhile.
 LINGER_S = 0.001
+READ_BURST = 256  # replies read in one turn of the loop at most
 
 
 class BrokerClient:
@@ -60,7 +63,6 @@ class BrokerClient:
         self._waits: list[tuple[wire.Header, asyncio.Future[tuple[wire.Header, bytes]]]] = []
         self._flusher: asyncio.Task[None] | None = None
         self._arrived: asyncio.Future[None] | None = None  # set when a WAIT is queued
-        self._outstanding = 0  # WAITs queued or sent and not answered yet
         self._expected = 0  # WAITs answered whose streams have not sent their next one
         self._groups: dict[int, list[int]] = {}  # a WAITS's tag -> its members' tags
 
@@ -90,25 +92,38 @@ class BrokerClient:
     async def _read_loop(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         try:
-            while True:
-                data = await loop.sock_recv(sock, wire.MAX_PACKET + 1)
-                if not data:
-                    break
+            data = await loop.sock_recv(sock, wire.MAX_PACKET + 1)
+            burst = 0
+            while data:
+                self._deliver(data)
+                burst += 1
                 try:
-                    header, payload = wire.decode_packet(data)
-                except wire.WireError as exc:
-                    log.warning("event=gateway.bad_reply error=%s", exc.message)
-                    continue
-                if header.op == wire.Op.WAITS:
-                    self._answer_group(header, payload)
-                    continue
-                fut = self._pending.pop(header.tag, None)
-                if fut is not None and not fut.done():
-                    fut.set_result((header, payload))
+                    # Every reply already here, in this turn of the loop (up to a burst):
+                    # the replies of one device pass then wake their streams together,
+                    # and the streams' next WAITs leave in one group.
+                    if burst >= READ_BURST:
+                        raise BlockingIOError
+                    data = sock.recv(wire.MAX_PACKET + 1)
+                except BlockingIOError:
+                    data = await loop.sock_recv(sock, wire.MAX_PACKET + 1)
+                    burst = 0
         except (OSError, asyncio.CancelledError):
             pass
         finally:
             self._drop(sock)
+
+    def _deliver(self, data: bytes) -> None:
+        try:
+            header, payload = wire.decode_packet(data)
+        except wire.WireError as exc:
+            log.warning("event=gateway.bad_reply error=%s", exc.message)
+            return
+        if header.op == wire.Op.WAITS:
+            self._answer_group(header, payload)
+            return
+        fut = self._pending.pop(header.tag, None)
+        if fut is not None and not fut.done():
+            fut.set_result((header, payload))
 
     def _drop(self, sock: socket.socket) -> None:
         sock.close()
@@ -175,7 +190,6 @@ class BrokerClient:
             left = wait_ms - int((loop.time() - start) * 1000)
             fut: asyncio.Future[tuple[wire.Header, bytes]] = loop.create_future()
             self._waits.append((header._replace(limit=max(1, left)), fut))
-            self._outstanding += 1
             if self._flusher is None:
                 self._flusher = loop.create_task(self._flush_waits())
             elif self._arrived is not None:
@@ -184,21 +198,18 @@ class BrokerClient:
                 rh, body = await asyncio.wait_for(fut, max(0.0, start + timeout - loop.time()))
             except TimeoutError:
                 raise DeviceSilent(f"no reply to a WAIT in {timeout:g} s") from None
-            finally:
-                self._outstanding -= 1
             if rh.status != 204:
                 self._expected += 1
                 return rh, body
 
     async def _flush_waits(self) -> None:
-        """The one sender of queued WAITs: once every stream with a WAIT out or just
-        answered has queued its next one (or ``LINGER_S`` passed), groups of up to
-        WAITS_MAX, until none is left."""
+        """The one sender of queued WAITs: once every stream just answered has queued
+        its next one (or ``LINGER_S`` passed), groups of up to WAITS_MAX, until none is
+        left."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + LINGER_S
         try:
-            while ((self._expected or self._outstanding > len(self._waits))
-                   and loop.time() < deadline):
+            while self._expected and loop.time() < deadline:
                 arrived = self._arrived = loop.create_future()
                 timer = loop.call_later(deadline - loop.time(), _settle, arrived)
                 await arrived

@@ -347,3 +347,23 @@ def test_broker_restart_drops_orphans_and_recovers_all_mailboxes(broker_env) -> 
     finally:
         proc2.terminate()
         proc2.wait(10)
+
+
+def test_ring_many_is_one_wake_up_for_every_index() -> None:
+    """A pass's replies rung together reach the peer as one readable burst, every index
+    in order; more than one write's worth (PIPE_BUF) still arrives whole."""
+    run_dir = short_tmpdir()
+    try:
+        mine = Bell(os.path.join(run_dir, "a.bell"), os.path.join(run_dir, "b.bell"))
+        peer = Bell(os.path.join(run_dir, "b.bell"), os.path.join(run_dir, "a.bell"))
+        mine.ring_many([3, 1, 7])
+        assert select.select([peer.fd], [], [], 1)[0] and peer.drain() == [3, 1, 7]
+        many = list(range(5000))
+        mine.ring_many(many)
+        assert peer.drain() == many
+        mine.ring_many([])
+        assert peer.drain() == []
+        mine.close()
+        peer.close()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
