@@ -60,18 +60,18 @@ class Waits:
              deadlines: tuple[float, ...]) -> None:
         p = Parked(mailbox, h, members, deadlines)
         self.by_mailbox[mailbox] = p
-        for m in members:
-            self.by_identity.setdefault(m.identity, []).append(p)
+        # Once per request: two members may follow the same one (two readers of it).
+        for identity in dict.fromkeys(m.identity for m in members):
+            self.by_identity.setdefault(identity, []).append(p)
         self.handlers.parked_waits += len(members)
 
     def _unpark(self, p: Parked) -> None:
         del self.by_mailbox[p.mailbox]
-        for m in p.members:
-            held = self.by_identity.get(m.identity)
-            if held is not None and p in held:
-                held.remove(p)
-                if not held:
-                    del self.by_identity[m.identity]
+        for identity in dict.fromkeys(m.identity for m in p.members):
+            held = self.by_identity[identity]
+            held.remove(p)
+            if not held:
+                del self.by_identity[identity]
         self.handlers.parked_waits -= len(p.members)
 
     def open_group(self, mailbox: int, h: Header, payload: bytes) -> Reply | None:

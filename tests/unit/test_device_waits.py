@@ -114,6 +114,26 @@ def test_cancel_and_unpark_answer_a_parked_group(device: Pair) -> None:
     assert dev.handlers.parked_waits == 0 and not dev.waits.by_identity
 
 
+def test_two_members_on_one_request_are_answered_once_each(device: Pair) -> None:
+    """Two readers of the same request in one group (and the request in a WAIT of its
+    own beside it): a CANCEL answers every one of them, and nothing stays parked."""
+    dev, _ = device
+    a, b = _submit(dev, [1, 1]), _submit(dev, [2, 2])
+    assert _group(dev, [_wait(dev, a, 10), _wait(dev, b, 11), _wait(dev, a, 12)]) is None
+    alone = _wait(dev, a, 13)
+    with dev.state.lock:
+        assert dev.respond(3, alone, b"") is None
+    assert dev.handlers.parked_waits == 4 and len(dev.waits.by_identity[a.identity]) == 2
+    h, _ = call(dev, wire.Header(op=wire.Op.CANCEL, identity=a.identity))
+    assert h.status == 202
+    assert [(rh.tag, rh.status, rh.cancel_requested) for rh, _ in _published(dev)] == [
+        (10, 200, 1), (11, 204, 0), (12, 200, 1)]
+    single, _ = wire.decode_packet(dev.region.read(3))
+    assert (single.tag, single.status, single.cancel_requested) == (13, 200, 1)
+    assert dev.handlers.parked_waits == 0 and not dev.waits.by_identity
+    assert not dev.waits.by_mailbox
+
+
 def test_a_member_times_out_on_its_own_deadline(device: Pair) -> None:
     dev, _ = device
     a, b = _submit(dev, [1, 1]), _submit(dev, [2, 2])
