@@ -206,8 +206,6 @@ class Device:
             assert group is None or isinstance(group, tuple)
             return group
         result = self.reply_to(h, functools.partial(self.handlers.handle, mailbox, h, payload))
-        if result is None:
-            return None
         if isinstance(result, Park):
             self.waits.park(mailbox, h, (h,), (result.deadline,))
             return None
