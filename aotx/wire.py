@@ -466,6 +466,12 @@ def check_request(h: Header) -> None:
 # flags) in; in the reply, each one's reply header and window, in the same order.
 
 WAITS_MAX = 32  # members a packet: each member's window share is then >= 1,916 bytes
+WAIT_DEFAULT_MS, WAIT_MAX_MS = 15_000, 60_000  # a WAIT's wait_ms of 0, and the most taken
+
+
+def wait_timeout_ms(h: Header) -> int:
+    """A WAIT's timeout as the device takes it (section 10)."""
+    return min(h.wait_ms or WAIT_DEFAULT_MS, WAIT_MAX_MS)
 
 
 def waits_share(count: int) -> int:

@@ -28,8 +28,6 @@ from .state import DeviceState, notes_of
 log = logging.getLogger("aotx.device")
 
 Reply = tuple[Header, bytes]
-WAIT_DEFAULT_MS = 15_000
-WAIT_MAX_MS = 60_000
 
 
 @dataclass
@@ -88,7 +86,7 @@ class Handlers:
         the window at most ``limit`` bytes (0: the device's window size)."""
         req = self.state.lookup(h, Action.READ)
         if h.op == Op.WAIT and not wait_ready(req, h):
-            timeout = min(h.wait_ms or WAIT_DEFAULT_MS, WAIT_MAX_MS) / 1000
+            timeout = wire.wait_timeout_ms(h) / 1000
             return Park(req, time.monotonic() + timeout)
         return self.read_reply(req, h, limit)
 

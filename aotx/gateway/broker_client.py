@@ -25,7 +25,6 @@ from collections.abc import Callable
 from .. import wire
 
 log = logging.getLogger("aotx.gateway.broker")
-WAIT_DEFAULT_MS = 15_000  # what the device takes a wait_ms of 0 for (device/handlers.py)
 
 
 class BrokerUnavailable(Exception):
@@ -184,7 +183,7 @@ class BrokerClient:
         ``wait_ms``) after each 204 until the device answers it as a WAIT."""
         loop = asyncio.get_running_loop()
         start = loop.time()
-        wait_ms = header.wait_ms or WAIT_DEFAULT_MS
+        wait_ms = wire.wait_timeout_ms(header)
         self._expected = max(0, self._expected - 1)  # (likely) one of those streams
         while True:
             left = wait_ms - int((loop.time() - start) * 1000)
@@ -233,6 +232,7 @@ class BrokerClient:
                                                          member_count=len(members)),
                                      wire.encode_waits(members))
                   if group else wire.encode_packet(members[0]))
+
         def register() -> None:
             for (_, fut), tag in zip(batch, tags, strict=True):
                 self._pending[tag] = fut

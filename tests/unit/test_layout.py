@@ -13,7 +13,7 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "aotx"
 MAX_MODULE_LINES = 600
-MAX_WIRE_LINES = 1130  # the codec, every table and enum in one file: it grows by rows (EMBED: 31, tool formats: 48, WAITS: 46)
+MAX_WIRE_LINES = 1135  # the codec, every table and enum in one file: it grows by rows (EMBED: 31, tool formats: 48, WAITS: 52)
 MAX_FUNCTION_LINES = 80
 
 
