@@ -19,9 +19,10 @@ from __future__ import annotations
 import struct
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
+from pydantic import Field, StrictInt, ValidationInfo, field_validator
 
 from .. import wire
+from .body import Body
 from .errors import ApiError, Call
 from .requests import MAX_CHOICES, StreamOptions, check_bias, check_stops
 from .service import Principal
@@ -44,10 +45,9 @@ def _utf8(value: str, what: str) -> None:
         raise ValueError(f"{what} is not valid Unicode (lone surrogate)") from None
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(Body):
     """The body of ``POST /v1/completions``."""
 
-    model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1, max_length=256)
     prompt: _Prompts = Field(

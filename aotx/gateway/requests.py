@@ -17,7 +17,6 @@ import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Discriminator,
     Field,
@@ -36,22 +35,21 @@ from ..wire import (
     ToolFormat,
 )
 from . import tools as T
+from .body import Body
 
 MAX_STOP = 16
 MAX_CHOICES = 8  # n: choices of one chat completion (each a device request)
 MAX_INLINE_CHARS = 1 << 21  # longer than any body the gateway accepts (1 MiB)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
 
-class MediaPart(BaseModel):
+class MediaPart(Body):
     """A reusable media source named by its digest (native route only)."""
 
-    model_config = ConfigDict(extra="forbid")
     type: Literal["input_image", "input_audio"]
     digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$")
 
@@ -60,31 +58,28 @@ class MediaPart(BaseModel):
         return binascii.unhexlify(self.digest[7:])
 
 
-class ImageUrl(BaseModel):
+class ImageUrl(Body):
     model_config = ConfigDict(extra="ignore")
     url: str = Field(max_length=MAX_INLINE_CHARS)
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class ImageUrlPart(BaseModel):
+class ImageUrlPart(Body):
     """OpenAI's inline image: ``{"type": "image_url", "image_url": {"url": "data:..."}}``.
     Only ``data:`` URLs (base64); aotx fetches nothing from the network."""
 
-    model_config = ConfigDict(extra="forbid")
     type: Literal["image_url"]
     image_url: ImageUrl
 
 
-class InputAudio(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class InputAudio(Body):
     data: str = Field(max_length=MAX_INLINE_CHARS)  # base64
     format: Literal["wav", "mp3", "flac"]
 
 
-class InputAudioPart(BaseModel):
+class InputAudioPart(Body):
     """OpenAI's inline audio: ``{"type": "input_audio", "input_audio": {"data", "format"}}``."""
 
-    model_config = ConfigDict(extra="forbid")
     type: Literal["input_audio"]
     input_audio: InputAudio
 
@@ -113,8 +108,7 @@ ContentPart = Annotated[
     Discriminator(_part_tag)]
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatMessage(Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = Field(default=None, max_length=256)  # not rendered: see docs/api.md
@@ -155,16 +149,11 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.parts() if isinstance(p, TextPart))
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class StreamOptions(Body):
     include_usage: bool = False
 
 
-class ChatRequest(BaseModel):
-    # OpenAI answers 400 to an argument it does not know; so does aotx, naming it, for
-    # every field it does not implement (audio, prediction, reasoning_effort, metadata...)
-    model_config = ConfigDict(extra="forbid")
-
+class ChatRequest(Body):
     model: str = Field(min_length=1, max_length=256)
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -366,8 +355,7 @@ def _response_format(rf: dict[str, Any] | None) -> Constraint | None:
                       json.dumps(schema, ensure_ascii=False, separators=(",", ":")))
 
 
-class PolicyControlBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class PolicyControlBody(Body):
     action: Literal["pause", "resume", "stop", "review-on", "review-off"]
     expected_revision: str = Field(pattern=r"^[0-9]{1,20}$")
 

@@ -22,8 +22,6 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Discriminator,
     Field,
     Tag,
@@ -33,6 +31,7 @@ from pydantic import (
 
 from .. import wire
 from . import tools as T
+from .body import Body
 from .errors import ApiError, wording
 from .requests import MAX_INLINE_CHARS, ChatRequest, InputAudio
 
@@ -58,16 +57,12 @@ def _item_id(prefix: str, identity: bytes, n: int) -> str:
 
 
 # -- the body ---------------------------------------------------------------------------------
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class InputText(_Strict):
+class InputText(Body):
     type: Literal["input_text"]
     text: str
 
 
-class OutputText(_Strict):
+class OutputText(Body):
     """An assistant message's text, as a response's output item holds it (a client
     passes earlier output back as input)."""
 
@@ -77,7 +72,7 @@ class OutputText(_Strict):
     logprobs: list[Any] | None = None
 
 
-class InputImage(_Strict):
+class InputImage(Body):
     """An image by ``data:`` URL (``image_url``) or, an aotx extension, by the digest of
     one of the caller's media sources (``digest``, as native parts name it)."""
 
@@ -94,7 +89,7 @@ class InputImage(_Strict):
         return self
 
 
-class InputAudioPart(_Strict):
+class InputAudioPart(Body):
     type: Literal["input_audio"]
     input_audio: InputAudio
 
@@ -102,7 +97,7 @@ class InputAudioPart(_Strict):
 Part = Annotated[InputText | OutputText | InputImage | InputAudioPart, Field(discriminator="type")]
 
 
-class MessageItem(_Strict):
+class MessageItem(Body):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[Part]
@@ -110,7 +105,7 @@ class MessageItem(_Strict):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(Body):
     type: Literal["function_call"]
     call_id: str = Field(min_length=1, max_length=256)
     name: str = Field(max_length=64)
@@ -119,7 +114,7 @@ class FunctionCallItem(_Strict):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(Body):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1, max_length=256)
     output: str | list[InputText]
@@ -138,7 +133,7 @@ Item = Annotated[Annotated[MessageItem, Tag("message")]
                  Discriminator(_item_tag)]
 
 
-class FunctionTool(_Strict):
+class FunctionTool(Body):
     type: Literal["function"]
     name: str
     description: str | None = None
@@ -146,12 +141,12 @@ class FunctionTool(_Strict):
     strict: bool | None = None
 
 
-class NamedFunction(_Strict):
+class NamedFunction(Body):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Strict):
+class TextFormat(Body):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -159,11 +154,11 @@ class TextFormat(_Strict):
     description: str | None = None
 
 
-class TextConfig(_Strict):
+class TextConfig(Body):
     format: TextFormat | None = None
 
 
-class ResponseRequest(_Strict):
+class ResponseRequest(Body):
     """The fields aotx serves (docs/api.md, "POST /v1/responses"); any other answers 400
     naming it: a field that is not served is never silently dropped."""
 

@@ -21,10 +21,11 @@ import numpy as np
 import orjson
 from fastapi import APIRouter
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from .. import wire
 from . import schemas as S
+from .body import Body
 from .errors import ApiError, Call, refusal
 from .service import Caller, Gateway, Principal, Service
 
@@ -35,10 +36,9 @@ Token = Annotated[int, Field(ge=0, lt=1 << 32)]
 PACKET_DECODES = 4
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(Body):
     """The body of ``POST /v1/embeddings``; a field not listed here is refused (400)."""
 
-    model_config = ConfigDict(extra="forbid")
     model: str = Field(min_length=1, max_length=256)
     input: str | list[str] | list[Token] | list[list[Token]] = Field(
         description="a string, an array of strings, an array of token ids, or an array of "

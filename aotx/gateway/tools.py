@@ -37,9 +37,10 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from ..wire import ToolFormat
+from .body import Body
 
 MAX_TOOLS = 128
 MAX_PARALLEL = 4  # calls in one answer with parallel_tool_calls
@@ -49,7 +50,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
 
 
-class FunctionDef(BaseModel):
+class FunctionDef(Body):
     model_config = ConfigDict(extra="ignore")
     name: str
     description: str | None = None
@@ -57,19 +58,19 @@ class FunctionDef(BaseModel):
     strict: bool | None = None
 
 
-class ToolDef(BaseModel):
+class ToolDef(Body):
     model_config = ConfigDict(extra="ignore")
     type: Literal["function"]
     function: FunctionDef
 
 
-class CalledFunction(BaseModel):
+class CalledFunction(Body):
     model_config = ConfigDict(extra="ignore")
     name: str = Field(max_length=64)
     arguments: str
 
 
-class ToolCall(BaseModel):
+class ToolCall(Body):
     """A call in an input assistant message."""
 
     model_config = ConfigDict(extra="ignore")
@@ -78,12 +79,11 @@ class ToolCall(BaseModel):
     function: CalledFunction
 
 
-class ChosenName(BaseModel):
+class ChosenName(Body):
     name: str
 
 
-class NamedChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class NamedChoice(Body):
     type: Literal["function"]
     function: ChosenName
 

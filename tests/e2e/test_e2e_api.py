@@ -9,6 +9,7 @@ import random
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -307,6 +308,13 @@ def test_models_routes(service: Service) -> None:
         {"role": "user", "content": "word " * 3000}]}).encode(), 400, None),
     (json.dumps({"model": "smollm2", "messages": [
         {"role": "user", "content": "x" * (2 << 20)}]}).encode(), 413, None),
+    # values of another type are refused, as OpenAI does, not converted (strict bodies)
+    *[(json.dumps({"model": "smollm2", "messages": RUSSIAN, field: value}).encode(), 400, field)
+      for field, value in [("max_tokens", True), ("max_tokens", "3"), ("max_tokens", 3.0),
+                           ("temperature", "0"), ("temperature", True), ("n", True),
+                           ("seed", "7"), ("logprobs", "yes"), ("user", 5)]],
+    (json.dumps({"model": "smollm2", "messages": [{"role": "user", "content": 5}]}).encode(),
+     400, "messages"),
 ])
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/aotx/v1/requests"])
 def test_bad_input_gets_a_clear_4xx(service: Service, route: str, body: bytes, status: int,
@@ -318,6 +326,30 @@ def test_bad_input_gets_a_clear_4xx(service: Service, route: str, body: bytes, s
     assert err["message"] and err["type"] and "code" in err and "param" in err
     if param:
         assert err["param"].split(".")[0] == param
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("/v1/chat/completions", {"stream": "yes"}, "stream"),
+    ("/v1/chat/completions", {"stream": 1}, "stream"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": "3"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "echo": "yes"}, "echo"),
+    ("/v1/embeddings", {"input": "Hi", "user": 5}, "user"),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": "5"}, "max_output_tokens"),
+    ("/v1/responses", {"input": "Hi", "stream": "yes"}, "stream"),
+])
+def test_values_of_another_type_are_refused_on_every_route(
+        service: Service, route: str, body: dict[str, Any], param: str) -> None:
+    body = {"model": "smollm2", **({} if "prompt" in body or "input" in body
+                                   else {"messages": RUSSIAN}), **body}
+    r = httpx.post(service.url + route, json=body, headers=service.headers, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].split(".")[0] == param, r.text
+
+
+def test_an_integer_is_still_a_number(oai: openai.OpenAI) -> None:
+    out = oai.chat.completions.create(model="smollm2", messages=RUSSIAN,  # type: ignore[arg-type]
+                                      temperature=1, top_p=1, max_tokens=2, seed=3)
+    assert out.choices[0].message.content is not None
 
 
 def test_native_refuses_stream_true(service: Service) -> None:
