@@ -88,7 +88,7 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
     engine = LlamaEngine(EngineConfig(path=spec.path, slots=spec.slots, slot_context=context,
                                       kv_budget=max(0, spec.kv_budget) if chat else 0,
                                       unified=chat and spec.kv_budget != 0,
-                                      kv_type=spec.kv_type,
+                                      kv_type=spec.kv_type, flash_attention=spec.flash_attention,
                                       batch=batch, threads=spec.threads, poll=spec.poll))
     template = llama_template(spec, engine) if chat else ChatTemplate(NO_CHAT)
     encoder, mods = _projector(spec, engine, engine.n_batch)
@@ -100,7 +100,7 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
         free_sampler=lambda s: s.free(),  # type: ignore[attr-defined]
         on_step=on_step, on_terminal=on_terminal,
         encode=encoder.encode if encoder is not None else None,
-        prompts_per_step=spec.prompts_per_step,
+        prompts_per_step=spec.prompts_per_step, prompts_apart=not engine.flash_attention,
         spill_bytes=default_budget(spec.kv_spill) if chat else 0,
         chunk_cost=chunk_cost(engine) if chat else None)
     if chat:
@@ -110,10 +110,10 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
                         automatic_memory=chat and qualified(digest, template.source, projector),
                         embeddings=_embeddings(spec, engine, scheduler, lock), chat=chat)
     log.info("event=model.ready alias=%s role=%d sha256=%s params_bytes=%d kv_bytes=%d "
-             "kv_cells=%d kv_type=%s "
+             "kv_cells=%d kv_type=%s flash_attention=%s "
              "threads=%d automatic_memory=%s tool_format=%s seconds=%.1f", spec.alias,
              spec.role, digest.hex(), engine.model_bytes, engine.kv_bytes(), engine.kv_cells,
-             spec.kv_type, engine.threads,
+             spec.kv_type, engine.flash_attention, engine.threads,
              model.automatic_memory, template.tool_format.name.lower(), time.monotonic() - t0)
     return model
 

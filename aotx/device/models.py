@@ -15,6 +15,7 @@ installed package, never by a fixed path.
     kv_type = "f16"          # or "q8_0": half the bytes a cell
     kv_spill = "auto"        # host memory for conversations whose sequence was reused (0: none)
     prompts_per_step = 1     # requests evaluating their prompts at once (0: all)
+    flash_attention = true   # false: none (bit-for-bit answers, more memory)
     embedding_context = 512  # tokens of one /v1/embeddings input (mean pooling)
 
     [[model]]
@@ -122,6 +123,7 @@ class ModelSpec:
     kv_type: str = "f16"  # "f16" or "q8_0" (engine.llama.KV_TYPES)
     kv_spill: int = -1  # bytes of host memory for cached prefixes (engine/spill.py); -1: "auto"
     prompts_per_step: int = 1  # Scheduler.prompts_per_step: 0 evaluates all prompts at once
+    flash_attention: bool = True  # EngineConfig.flash_attention
     engine: str = "llama"  # "llama" (llama.cpp, a GGUF file) or "vllm" (a model folder)
     vllm: tuple[tuple[str, Any], ...] = ()  # vLLM's own engine arguments, by name
     lora_of: str | None = None  # a LoRA adapter: the alias of the vLLM model it adapts
@@ -219,8 +221,8 @@ def _bytes(entry: dict[str, object], key: str, what: str, zero: bool) -> int | N
 
 
 def _kv(entry: dict[str, object], what: str) -> dict[str, Any]:
-    """``kv_budget``, ``kv_spill``, ``kv_type`` and ``prompts_per_step`` of a model
-    entry: how its KV cells are held, filled and kept."""
+    """``kv_budget``, ``kv_spill``, ``kv_type``, ``prompts_per_step`` and
+    ``flash_attention`` of a model entry: how its KV cells are held, filled and kept."""
     out: dict[str, Any] = {}
     if (budget := _bytes(entry, "kv_budget", what, zero=False)) is not None:
         out["kv_budget"] = budget
@@ -235,6 +237,10 @@ def _kv(entry: dict[str, object], what: str) -> dict[str, Any]:
         raise ModelConfigError(f"{what}: prompts_per_step is a count (0: no limit), "
                                f"got {prompts!r}")
     out["prompts_per_step"] = prompts
+    flash = entry.get("flash_attention", True)
+    if not isinstance(flash, bool):
+        raise ModelConfigError(f"{what}: flash_attention is true or false, got {flash!r}")
+    out["flash_attention"] = flash
     return out
 
 
@@ -271,7 +277,7 @@ def _engine(state_dir: str, entry: dict[str, object], what: str) -> dict[str, An
         raise ModelConfigError(f"{what}: unknown vLLM settings {unknown}; a models file may "
                                f"set {sorted(VLLM_SETTINGS)}")
     for key in ("mmproj", "kv_budget", "kv_type", "kv_spill", "prompts_per_step", "poll",
-                "slots", "context", "threads", "embedding_context"):
+                "slots", "context", "threads", "embedding_context", "flash_attention"):
         if key in entry:
             raise ModelConfigError(f"{what}: {key} is a llama.cpp setting; vLLM takes its "
                                    "own in [model.vllm] (max_num_seqs, max_model_len)")

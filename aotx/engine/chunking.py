@@ -1,4 +1,5 @@
-"""Prompt chunks sized for llama.cpp's CPU flash attention.
+"""Prompt chunks sized for llama.cpp's CPU flash attention (``flash_attention = true``, the
+default), and without it never a chunk of one row (:func:`widen_final`).
 
 llama.cpp's CPU flash attention (ggml-cpu ``ops.cpp``) takes its tiled, GEMM-like path
 only for micro-batches with at least ``GGML_FA_TILE_Q`` (64) query rows per KV stream;
@@ -68,26 +69,52 @@ class ChunkCost:
 
     def widen_held(self, engine: Engine, req: Request, take: int, budget: int) -> int:
         """Move the start of ``req``'s final prompt chunk of ``take`` tokens back over
-        text it holds (never into a media segment), within the step's ``budget``,
-        where that costs less; how many tokens it moved back."""
-        done = req.segments[req.next_segment - 1] if req.next_segment else None
-        room = min(budget - take, req.n_past - (done.start + done.n_tokens if done else 0))
-        back = self.widen(take, req.n_past, room)
-        if not back or not engine.trim_sequence(req.seq, req.n_past - back):
-            return 0
-        req.n_past -= back
-        return back
+        text it holds, within the step's ``budget``, where that costs less; how many
+        tokens it moved back."""
+        return move_back(engine, req, self.widen(take, req.n_past,
+                                                 held_room(req, take, budget)))
+
+
+def widen_final(engine: Engine, req: Request, take: int, budget: int,
+                cost: ChunkCost | None) -> int:
+    """How many held tokens to evaluate again with ``req``'s final chunk of ``take``
+    (cut back already): where flash attention tiles from 64 rows, as ``cost`` says; else
+    one, to a chunk of one row: llama.cpp computes a row alone otherwise than among
+    others (its logits differ at depth 586, not with two rows), so a prompt cached but
+    for its last token would answer otherwise than the same prompt evaluated afresh."""
+    if cost is not None:
+        return cost.widen_held(engine, req, take, budget)
+    return move_back(engine, req, min(1, held_room(req, take, budget))) if take == 1 else 0
+
+
+def held_room(req: Request, take: int, budget: int) -> int:
+    """How many tokens ``req`` holds before a chunk of ``take`` that could be evaluated
+    again with it, within ``budget``: text only, never into a media segment."""
+    done = req.segments[req.next_segment - 1] if req.next_segment else None
+    return min(budget - take, req.n_past - (done.start + done.n_tokens if done else 0))
+
+
+def move_back(engine: Engine, req: Request, back: int) -> int:
+    """Cut ``req``'s cells back by ``back`` tokens, to be evaluated again with its next
+    chunk (the same tokens at the same positions); how many it moved back (0 where the
+    cells cannot be cut back)."""
+    if back <= 0 or not engine.trim_sequence(req.seq, req.n_past - back):
+        return 0
+    req.n_past -= back
+    return back
 
 
 def chunk_cost(engine: LlamaEngine) -> ChunkCost | None:
-    """The cost model for a model whose chunks are widened: with a KV stream per
-    sequence (not one pool), on the CPU, with an f16 cache (the tiled path reads
+    """The cost model for a model whose chunks are widened: with flash attention
+    (``flash_attention = true``: without it every chunk is a matrix product), a KV stream
+    per sequence (not one pool), on the CPU, with an f16 cache (the tiled path reads
     only f16 or f32 cells: with q8_0 a 65-token chunk at depth 450 took 303 ms, a
     33-token one 155), where cut-back cells can be evaluated again (not a recurrent or
     hybrid model's state, not a sliding window's)."""
     lib, model = llama_cpp, engine.model
     c = engine.config
-    if (c.unified or c.gpu_layers or c.kv_type != "f16" or engine.n_swa
-            or lib.llama_model_is_recurrent(model) or lib.llama_model_is_hybrid(model)):
+    if (not engine.flash_attention or c.unified or c.gpu_layers or c.kv_type != "f16"
+            or engine.n_swa or lib.llama_model_is_recurrent(model)
+            or lib.llama_model_is_hybrid(model)):
         return None
     return ChunkCost.of(lib, model)

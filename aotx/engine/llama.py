@@ -125,13 +125,15 @@ class EngineConfig:
     unified: bool = False  # one KV pool (False: a stream of slot_context per sequence)
     batch: int = 512  # tokens per llama_decode call
     threads: int = 0  # 0: all cores
-    # A persistent ggml thread pool, as llama.cpp's own tools attach.  Without one,
-    # ggml starts and joins its worker threads for every graph it computes (every
-    # llama_decode, every micro-batch).  ``poll`` is how long an idle worker spins
-    # for the next graph before it sleeps (0-100, llama.cpp's default 50); -1: no
-    # pool (ggml's per-graph threads).
+    # A persistent ggml thread pool, as llama.cpp's own tools attach.  Without one, ggml
+    # starts and joins its worker threads for every graph (every llama_decode, every
+    # micro-batch).  ``poll`` is how long an idle worker spins for the next graph before
+    # it sleeps (0-100, llama.cpp's default 50); -1: no pool (per-graph threads).
     poll: int = 50
     gpu_layers: int = 0
+    # Flash attention with a stream per sequence and an f16 cache (a pool or a q8_0 cache
+    # always has it): docs/performance.md, "Flash attention, or not".
+    flash_attention: bool = True
 
 
 #: The fewest cells a pool has (llama.cpp pads the KV cache to 256 cells).
@@ -190,11 +192,10 @@ class LlamaEngine:
         cparams.n_threads_batch = threads
         cparams.kv_unified = config.unified
         cparams.type_k = cparams.type_v = kv_type
-        if config.unified or kv_type != KV_TYPES["f16"][0]:
-            # Flash attention skips the cells of other sequences (masked) instead of
-            # multiplying them: in one pool, a batch of N sequences then costs about what
-            # N streams do.  llama.cpp also quantizes V only with it.
-            cparams.flash_attn_type = 1
+        # A pool's attention skips the others' cells with it, and V is quantized only with
+        # it; else as asked (llama.cpp's "auto" would turn it on)
+        self.flash_attention = config.unified or config.kv_type != "f16" or config.flash_attention
+        cparams.flash_attn_type = int(self.flash_attention)
         cparams.no_perf = False
         before = anonymous_mappings()
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)

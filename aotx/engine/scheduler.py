@@ -1,15 +1,12 @@
 """Continuous batching over one engine.
 
 Each call to :meth:`Scheduler.step` is one ``llama_decode``: one token for every
-running sequence, plus prompt chunks of sequences being prepared, up to the
-batch size.  New requests join between steps when a sequence (KV stream) is
-free; finished and cancelled ones leave between steps.  A request's identity is
-independent of the sequence it runs in: cancellation is a flag on the request
-object, so it can never touch a later user of the same sequence.
+running sequence and prompt chunks of sequences being prepared (or the two in turns).
+Requests join between steps (when a sequence, a KV stream, is free) and leave between
+steps; cancellation is a flag on the request, never touching the sequence's next user.
 
-Locking: the device lock guards every request field that the control thread
-reads.  It is held while a step is planned and while its results are applied,
-never during ``llama_decode`` itself.
+Locking: the device lock guards every request field the control thread reads, held
+while a step is planned and its results applied, never during ``llama_decode``.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..wire import Finish, Phase
-from .chunking import ChunkCost
+from .chunking import ChunkCost, widen_final
 from .fair import NOBODY, FairQueue, owner_of, usable_prefix
 from .grammar import MaskFiller
 from .histogram import Histogram
@@ -62,21 +59,18 @@ class Scheduler:
                  on_terminal: Callable[[Request], None] = lambda r: None,
                  encode: Callable[[MediaSegment], Any] | None = None,
                  prompts_per_step: int = 1, spill_bytes: int = 0,
-                 chunk_cost: ChunkCost | None = None) -> None:
+                 chunk_cost: ChunkCost | None = None, prompts_apart: bool = False) -> None:
         self.engine = engine
-        # Final prompt chunks widened (chunking.py) only one prompt a step: llama.cpp
-        # splits two prompts of a step into equal rows per stream, so a widened chunk
-        # beside a shorter one would not tile.
-        self.chunk_cost = chunk_cost if prompts_per_step == 1 else None
+        self.prompts_apart = prompts_apart  # _choose: without flash attention, for bit-exactness
+        # Widened chunks (chunking.py) only one prompt a step: llama.cpp splits two prompts
+        self.chunk_cost = chunk_cost if prompts_per_step == 1 else None  # into equal rows
         self.batch = batch
-        # How many requests evaluate their prompts at once (0: all that arrive).  On a
-        # CPU a prompt token costs the same alone or batched with other prompts (2.7
-        # ms here either way), so evaluating them one after another in admission
-        # order gives the first its first token sooner and the last no later; and a
-        # request that waits to start can copy the prefix (a shared system prompt)
-        # the one before it has just evaluated, instead of evaluating it again.
+        # How many requests evaluate their prompts at once (0: all that arrive).  On a CPU
+        # a prompt token costs the same alone or beside others (2.7 ms here), so one after
+        # another the first samples sooner and the last no later; and a request waiting to
+        # start copies the prefix (a shared system prompt) the one before it evaluated.
         self.prompts_per_step = prompts_per_step
-        self.lock = lock
+        self._prompt_turn, self.lock = True, lock  # _prompt_turn: see _choose
         self.cond = threading.Condition(lock)
         self.queue: FairQueue[Request] = FairQueue()  # one FIFO per principal (fair.py)
         self.active: list[Request] = []  # preparing or running, in admission order
@@ -369,18 +363,27 @@ class Scheduler:
     def _choose(self) -> tuple[list[BatchEntry], list[tuple[Request, int]],
                                list[tuple[Request, int]], tuple[Request, MediaSegment] | None]:
         """The step's batch entries, samples and advances, and at most one media segment."""
-        # Each request's tokens for this step: one for a running sequence, a prompt
-        # chunk for one being prepared (prefill is chunked and mixed into decode).
-        # An image or audio segment is decoded on its own (a batch holds either
-        # tokens or embeddings), one segment per step, before the step's tokens.
+        # Each request's tokens for this step: one for a running sequence, a prompt chunk
+        # for one being prepared.  With ``prompts_apart`` a step holds one kind or the other,
+        # taking turns while both wait: llama.cpp computes a prompt's rows that share a
+        # micro-batch with other streams otherwise than alone, and on a CPU the two cost
+        # the same apart as together, one graph's setup aside.  An image or audio segment
+        # is decoded on its own (a batch holds tokens or embeddings), one a step, first.
         chosen: list[tuple[Request, list[BatchEntry], bool]] = []
         media: tuple[Request, MediaSegment] | None = None
-        budget = self.batch - sum(1 for r in self.active if r.phase is Phase.RUNNING)
+        running = sum(1 for r in self.active if r.phase is Phase.RUNNING)
+        prompts = not running or not self.prompts_apart or (self._prompt_turn and any(
+            r.phase is Phase.PREPARING for r in self.active))
+        decode = not (self.prompts_apart and prompts)
+        self._prompt_turn = not prompts
+        budget = (self.batch - running * decode) if prompts else 0
         for req in self.active:
             seg = (req.segments[req.next_segment] if req.next_segment < len(req.segments)
                    else None)
             if req.phase is Phase.RUNNING:
-                chosen.append((req, [BatchEntry(req.next_token, req.n_past, req.seq, True)], True))
+                if decode:
+                    chosen.append((req, [BatchEntry(req.next_token, req.n_past, req.seq, True)],
+                                   True))
             elif seg is not None and seg.start == req.n_past:
                 if media is None:
                     media = (req, seg)
@@ -389,8 +392,8 @@ class Scheduler:
                 take = min(budget, end - req.n_past)
                 if req.background:  # small steps: foreground work waits at most one of them
                     take = min(take, BACKGROUND_CHUNK)
-                elif take == end - req.n_past and self.chunk_cost is not None:
-                    take += self.chunk_cost.widen_held(self.engine, req, take, budget)
+                elif take == end - req.n_past and (self.chunk_cost or self.prompts_apart):
+                    take += widen_final(self.engine, req, take, budget, self.chunk_cost)
                 last = req.n_past + take == len(req.prefill)
                 chosen.append((req, [BatchEntry(req.prefill[p], p, req.seq,
                                                 last and p == req.n_past + take - 1)

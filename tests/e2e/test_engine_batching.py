@@ -191,3 +191,51 @@ def test_a_stream_per_sequence_answers_the_same_beside_others_as_alone() -> None
         assert greedy(questions) == [greedy([q])[0] for q in questions]
     finally:
         engine.close()
+
+
+@pytest.mark.skipif(os.environ.get("AOTX_SKIP_MODEL") == "1", reason="model tests disabled")
+def test_a_prompts_logits_do_not_depend_on_its_chunks_or_its_neighbours() -> None:
+    """Without flash attention (``flash_attention = false``), a long prompt's last logits
+    are the same bit for bit however it is cut into chunks (the cached prefix and the
+    batch decide that) and whatever streams decode between its chunks, at any depth (the
+    scheduler then gives a prompt's chunks steps of their own, never of one row).  With
+    flash attention they are not, and greedy answers of 600-token prompts change with
+    the load."""
+    from aotx.device.models import default_model_path
+    from aotx.engine.llama import BatchEntry, EngineConfig, LlamaEngine
+
+    engine = LlamaEngine(EngineConfig(path=default_model_path(), slots=3, slot_context=2048,
+                                      batch=1024, flash_attention=False))
+    colors = ["red", "blue", "green"]
+    prompt = engine.tokenize(" ".join(f"Item {i} is colored {colors[i % 3]}." for i in range(70))
+                             + " What color is item 7?", True)
+    neighbour = engine.tokenize("Count from one to five hundred: " + "one two three " * 400,
+                                True)
+    assert len(prompt) > 550 and len(neighbour) > 1000
+    assert not engine.flash_attention
+
+    def last_logits(cuts: list[int], beside: bool) -> bytes:
+        engine.clear_sequence(1)
+        start = 0
+        for k, end in enumerate([*cuts, len(prompt)]):
+            if beside:  # the deeper streams' step between two of the prompt's chunks
+                assert engine.decode([BatchEntry(neighbour[k % 7], len(neighbour) + k, seq, True)
+                                      for seq in (0, 2)]) == 0
+            chunk = [BatchEntry(prompt[i], i, 1, i == len(prompt) - 1) for i in range(start, end)]
+            assert engine.decode(chunk) == 0
+            start = end
+        for seq in (0, 2):
+            assert engine.trim_sequence(seq, len(neighbour))
+        return engine.logits_rows([len(chunk) - 1]).tobytes()
+
+    try:
+        for seq in (0, 2):  # a deeper stream on each side of the prompt's sequence
+            for at in range(0, len(neighbour), 512):
+                assert engine.decode([BatchEntry(t, at + i, seq, False)
+                                      for i, t in enumerate(neighbour[at:at + 512])]) == 0
+        alone = last_logits([512], beside=False)  # how a quiet step cuts it
+        for cuts in ([], [1], [100], [300, 301], [len(prompt) - 2], [509], [450, 500]):
+            for beside in (False, True):
+                assert last_logits(cuts, beside) == alone, (cuts, beside)
+    finally:
+        engine.close()

@@ -76,16 +76,20 @@ def test_a_later_turn_is_widened_and_answers_as_the_whole_prompt_does() -> None:
         engine.close()
 
 
-def test_a_quantized_cache_is_not_widened() -> None:
+def test_only_flash_attention_on_f16_cells_is_widened() -> None:
     """ggml's tiled flash attention reads f16 or f32 cells only: with q8_0 a wider chunk
-    would only cost more (65 tokens at depth 450: 303 ms, 33 tokens: 155)."""
+    would only cost more (65 tokens at depth 450: 303 ms, 33 tokens: 155).  Without flash
+    attention (``flash_attention = false``) every chunk is a matrix product: nothing to
+    widen."""
     from aotx.device.models import default_model_path
     from aotx.engine.llama import EngineConfig, LlamaEngine
 
-    for kv_type, widened in (("q8_0", False), ("f16", True)):
+    for kv_type, flash, widened in (("q8_0", False, False), ("f16", True, True),
+                                    ("f16", False, False)):
         engine = LlamaEngine(EngineConfig(path=default_model_path(), slots=2, slot_context=512,
-                                          kv_type=kv_type))
+                                          kv_type=kv_type, flash_attention=flash))
         try:
+            assert engine.flash_attention is (flash or kv_type == "q8_0")
             assert (chunk_cost(engine) is not None) is widened
         finally:
             engine.close()

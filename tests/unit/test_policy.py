@@ -219,12 +219,16 @@ def test_models_file_kv_budget_type_and_chat_template(tmp_path) -> None:
         assert load_specs(str(tmp_path))[0].kv_spill == spill
     (tmp_path / "models.toml").write_text("[default]\nprompts_per_step = 0\n")
     assert load_specs(str(tmp_path))[0].prompts_per_step == 0
+    assert load_specs(str(tmp_path))[0].flash_attention  # on unless asked
+    (tmp_path / "models.toml").write_text("[default]\nflash_attention = false\n")
+    assert not load_specs(str(tmp_path))[0].flash_attention
     for bad, words in (('kv_budget = "lots"', "kv_budget is bytes"), ("kv_budget = 0", "kv_budget"),
                        ('kv_budget = "5 parsecs"', "kv_budget"), ('kv_type = "q4_0"', "kv_type"),
                        ('chat_template = "none.jinja"', "not a file"),
                        ("prompts_per_step = -1", "prompts_per_step"),
                        ("kv_spill = -5", "kv_spill is bytes"), ("kv_spill = true", "kv_spill"),
-                       ('prompts_per_step = "all"', "prompts_per_step")):
+                       ('prompts_per_step = "all"', "prompts_per_step"),
+                       ('flash_attention = "on"', "flash_attention is true or false")):
         (tmp_path / "models.toml").write_text(f"[default]\n{bad}\n")
         with pytest.raises(ModelConfigError, match=words):
             load_specs(str(tmp_path))

@@ -91,13 +91,14 @@ class ScriptedEngine:
 
 
 def make(slots: int = 4, batch: int = 64, prompts_per_step: int = 1,
-         spill_bytes: int = 0) -> tuple[Scheduler, ScriptedEngine]:
+         spill_bytes: int = 0, prompts_apart: bool = False) -> tuple[Scheduler, ScriptedEngine]:
     """A scheduler on the scripted engine; ``prompts_per_step=0`` starts every request
     that has a sequence at once (prompts evaluated together)."""
     engine = ScriptedEngine()
     sched = Scheduler(engine, slots, batch, threading.Lock(), make_sampler=lambda r: r,
                       free_sampler=lambda s: None, encode=lambda seg: f"embd{seg.start}",
-                      prompts_per_step=prompts_per_step, spill_bytes=spill_bytes)
+                      prompts_per_step=prompts_per_step, spill_bytes=spill_bytes,
+                      prompts_apart=prompts_apart)
     return sched, engine
 
 
@@ -153,6 +154,41 @@ def test_new_requests_join_between_steps() -> None:
     assert sum(1 for e in last if e.seq == b.seq) == 5
     run_until_idle(sched)
     assert bytes(a.out) == b"a" * 20 and bytes(b.out) == b"b" * 3
+
+
+def test_apart_prompt_chunks_and_running_tokens_take_turns() -> None:
+    # Without flash attention (prompts_apart): a long prompt (three chunks of a 16-token
+    # batch) beside a running sequence; no step holds both, and the two kinds alternate,
+    # so neither waits more than a step.
+    sched, engine = make(batch=16, prompts_apart=True)
+    a, b = req(1, [1] * 30), req(2, [2] * 3, prompt_len=40)
+    submit(sched, a)
+    sched.step()  # a's prompt: the running sequences' turn next
+    submit(sched, b)
+    sa, before = a.seq, len(engine.steps)
+    run_until_idle(sched)
+    kinds = ["decode" if {e.seq for e in s} == {sa} else "both" if len(s) == 2 else "prompt"
+             for s in engine.steps[before:]]
+    assert kinds[:7] == ["decode", "prompt", "decode", "prompt", "decode", "prompt", "both"]
+    assert [len(s) for s in engine.steps[before + 1:before + 6:2]] == [16, 16, 8]
+    assert bytes(a.out) == b"a" * 30 and bytes(b.out) == b"b" * 3
+
+
+def test_apart_a_final_chunk_is_never_one_row() -> None:
+    # An identical prompt, cached but for its last token: that token is evaluated with
+    # the one before it (llama.cpp computes a row alone otherwise than among others).
+    sched, engine = make(slots=1, prompts_apart=True)
+    a = req(1, [1, 1], prompt_len=40)
+    submit(sched, a)
+    run_until_idle(sched)
+    b = req(2, [2])
+    b.prompt = list(a.prompt)
+    submit(sched, b)
+    sched.step()
+    assert b.reused_tokens == 39 and [e.pos for e in engine.steps[-1]] == [38, 39]
+    assert engine.trims[-1] == (b.seq, 38)
+    run_until_idle(sched)
+    assert bytes(b.out) == b"b"
 
 
 def test_queue_waits_for_a_free_sequence() -> None:
