@@ -315,6 +315,8 @@ def test_models_routes(service: Service) -> None:
                            ("seed", "7"), ("logprobs", "yes"), ("user", 5)]],
     (json.dumps({"model": "smollm2", "messages": [{"role": "user", "content": 5}]}).encode(),
      400, "messages"),
+    (json.dumps({"model": "smollm2", "messages": RUSSIAN,
+                 "stream_options": {"include_usage": True}}).encode(), 400, None),
 ])
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/aotx/v1/requests"])
 def test_bad_input_gets_a_clear_4xx(service: Service, route: str, body: bytes, status: int,
