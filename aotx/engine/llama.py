@@ -192,10 +192,10 @@ class LlamaEngine:
         cparams.n_threads_batch = threads
         cparams.kv_unified = config.unified
         cparams.type_k = cparams.type_v = kv_type
-        # A pool's attention skips the others' cells with it, and V is quantized only with
-        # it; else as asked (llama.cpp's "auto" would turn it on)
-        self.flash_attention = config.unified or config.kv_type != "f16" or config.flash_attention
-        cparams.flash_attn_type = int(self.flash_attention)
+        # a pool's attention skips the others' cells with it; V is quantized only with it
+        required = config.unified or config.kv_type != "f16"
+        self.flash_attention = required or config.flash_attention
+        cparams.flash_attn_type = 1 if required else -1 if config.flash_attention else 0  # -1: auto
         cparams.no_perf = False
         before = anonymous_mappings()
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)

@@ -48,7 +48,6 @@ def _utf8(value: str, what: str) -> None:
 class CompletionRequest(Body):
     """The body of ``POST /v1/completions``."""
 
-
     model: str = Field(min_length=1, max_length=256)
     prompt: _Prompts = Field(
         description="a string, an array of strings, an array of token ids, or an array of "
