@@ -332,21 +332,40 @@ def check_bias(v: dict[str, float] | None) -> dict[str, float] | None:
     return v
 
 
+#: The fields of each kind of ``response_format``, and of its ``json_schema``.
+_FORMAT_FIELDS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+_SCHEMA_FIELDS = {"name", "schema", "strict", "description"}
+
+
 def _response_format(rf: dict[str, Any] | None) -> Constraint | None:
     """OpenAI's ``response_format``: ``text``, ``json_object`` (any JSON object) or
     ``json_schema`` (``{"name", "schema", "strict", "description"}``; the output always
     follows the schema: ``strict`` false is not a looser mode here).  What the schema
-    may use is the device's to say (400 naming the keyword)."""
-    kind = (rf or {}).get("type", "text")
-    if rf is None or kind == "text":
+    may use is the device's to say (400 naming the keyword).  A field it does not know
+    is refused, as everywhere in a body: llama.cpp's ``{"type": "json_object", "schema":
+    ...}`` would otherwise be served unconstrained by the schema it names."""
+    if rf is None:
+        return None
+    kind = rf.get("type")
+    if not isinstance(kind, str) or kind not in _FORMAT_FIELDS:
+        raise ValueError("response_format.type must be text, json_object or json_schema")
+    spec = rf.get("json_schema")
+    unknown = sorted(set(rf) - _FORMAT_FIELDS[kind]) + sorted(
+        f"json_schema.{k}" for k in (spec if isinstance(spec, dict) else {}).keys()
+        - _SCHEMA_FIELDS)
+    if unknown:
+        hint = " (a schema goes in json_schema.schema, with type json_schema)" * (
+            unknown[0] == "schema")
+        raise ValueError(f"response_format.{unknown[0]} is not a field of a {kind} "
+                         f"response_format{hint}")
+    if kind == "text":
         return None
     if kind == "json_object":
         return Constraint(GrammarKind.JSON_SCHEMA, '{"type":"object"}')
-    if kind != "json_schema":
-        raise ValueError("response_format.type must be text, json_object or json_schema")
-    spec = rf.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise ValueError("response_format.json_schema needs a name and a schema")
+    if not isinstance(spec.get("strict", False), bool):
+        raise ValueError("response_format.json_schema.strict is true or false")
     if not T.NAME.fullmatch(spec["name"]):  # OpenAI's rule, as for function names
         raise ValueError("response_format.json_schema.name is 1-64 of a-z, A-Z, 0-9, _ and -")
     schema = spec.get("schema", {})

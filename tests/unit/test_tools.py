@@ -53,11 +53,28 @@ def call(name: str, args: str) -> str:
     ({"tool_choice": "required"}, "needs tools"),
     ({"tools": [CLOCK], "response_format": {"type": "json_object"}}, "cannot be combined"),
     ({"functions": [{"name": "f"}]}, "deprecated"),
+    # response_format: nothing it does not know is passed over
+    ({"response_format": {}}, "type must be"),
+    ({"response_format": {"type": "json_object", "schema": {"type": "object"}}},
+     r"response_format.schema is not a field of a json_object .*json_schema.schema"),
+    ({"response_format": {"type": "text", "foo": 1}}, "response_format.foo"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {}, "strcit": True}}}, "response_format.json_schema.strcit"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {}, "strict": "yes"}}}, "strict is true or false"),
     ({"tools": [{"type": "retrieval"}]}, "function"),
 ])
 def test_bad_tools_are_refused(fields: dict[str, Any], wrong: str) -> None:
     with pytest.raises(ValidationError, match=wrong):
         request(**fields)
+
+
+def test_the_response_formats_that_are_read() -> None:
+    assert request(response_format={"type": "text"}).constraint(FB) is None
+    assert request(response_format={"type": "json_object"}).constraint(FB) is not None
+    assert request(response_format={"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {"type": "object"}, "strict": True,
+        "description": "d"}}).constraint(FB) is not None
 
 
 def test_modes_and_the_prompt() -> None:
