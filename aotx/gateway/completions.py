@@ -183,8 +183,9 @@ def submission(body: CompletionRequest, prompt: Prompt, choice: int, m: wire.Mod
         payload = wire.encode_submission(wire.Submission(
             (wire.Message(wire.Role.USER, (part,)),), body.stops, body.sampling))
     except wire.WireError as exc:  # over one packet
-        raise ApiError(exc.status, f"the prompt does not fit one packet of {wire.MAX_PACKET} "
-                                   "bytes", param="prompt") from None
+        raise ApiError(exc.status, "the prompt does not fit one packet: its encoded content "
+                                   f"may be at most {wire.MAX_PAYLOAD} bytes (max_payload_bytes)",
+                       param="prompt") from None
     limit = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     if limit >= 1 << 32:
         raise ApiError(400, "max_tokens is too large", param="max_tokens")

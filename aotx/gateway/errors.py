@@ -98,8 +98,8 @@ REASONS: dict[Reason, Wording] = {
     Reason.MALFORMED: Wording("the device refused a malformed packet (an aotx bug; see the "
                               "device log)"),
     Reason.VERSION: Wording("the device speaks another protocol version"),
-    Reason.TOO_LARGE: Wording("the request does not fit one packet of "
-                              f"{wire.MAX_PACKET} bytes"),
+    Reason.TOO_LARGE: Wording("the request does not fit one packet: its encoded content may "
+                              f"be at most {wire.MAX_PAYLOAD} bytes (max_payload_bytes)"),
     Reason.NONZERO_FIELD: Wording("the device refused a packet whose unused header field at "
                                   "offset {detail} is not zero (an aotx bug)"),
     Reason.NOT_SUPPORTED: Wording("the device does not provide this operation"),

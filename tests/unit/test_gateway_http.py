@@ -470,8 +470,10 @@ def test_a_submission_over_one_packet_is_worded_by_the_table(gw: Any) -> None:
         for path in ("/aotx/v1/requests", "/v1/chat/completions"):
             r = await c.post(path, json=big)
             assert r.status_code == 413, r.text
-            assert error(r)["message"] == (f"the request does not fit one packet of "
-                                           f"{wire.MAX_PACKET} bytes")
+            assert error(r)["message"] == (
+                "the request does not fit one packet: its encoded content may be at most "
+                f"{wire.MAX_PAYLOAD} bytes (max_payload_bytes)")
+            assert wire.MAX_PAYLOAD == 65_408  # what docs/api.md and capabilities say
 
     gw(test)
 
