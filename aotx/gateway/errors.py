@@ -118,7 +118,7 @@ REASONS: dict[Reason, Wording] = {
     Reason.PROMPT_LENGTH: Wording("the prompt has {prompt_tokens} tokens; model {model} "
                                   "accepts at most {detail} so that one can be generated",
                                   "context_length_exceeded", "messages"),
-    Reason.OUTPUT_TOKENS: Wording("max_tokens {max_tokens} exceeds the limit of {detail}",
+    Reason.OUTPUT_TOKENS: Wording("{limit_field} {max_tokens} exceeds the limit of {detail}",
                                   param="max_tokens"),
     Reason.DEVICE_BUSY: Wording("the service is at capacity; try again shortly",
                                 "service_busy"),
@@ -204,6 +204,7 @@ class Call:
     media: tuple[str, ...] = field(default=())  #: the digests of its media parts, in order
     kinds: tuple[str, ...] = field(default=())  #: their kinds ("image", "audio")
     tools: tuple[str, ...] = field(default=())  #: the functions of its grammar's %json, in order
+    limit_field: str = "max_tokens"  #: the field that gave max_tokens (max_completion_tokens)
 
 
 NO_CALL = Call()
@@ -215,6 +216,7 @@ def _fields(h: wire.Header, call: Call, body: bytes = b"") -> dict[str, object]:
         "grammar": _grammar_why(body) if h.reason == wire.Reason.GRAMMAR else "",
         "detail": d, "cursor": h.cursor, "total": h.total, "prompt_tokens": h.prompt_tokens,
         "model": call.model, "max_tokens": call.max_tokens, "input_bytes": call.input_bytes,
+        "limit_field": call.limit_field,
         "kind": wire.PART_MODALITY.get(d, str(d)),  # type: ignore[call-overload]
         "digest": call.media[d] if d < len(call.media) else "?",
         "kind_of_part": call.kinds[d] if d < len(call.kinds) else "media",
@@ -273,6 +275,8 @@ def refusal(h: wire.Header, call: Call = NO_CALL, body: bytes = b"") -> ApiError
     message, code, param = wording(h, call, body)
     if h.reason == wire.Reason.GRAMMAR and call.tools:
         message, param = _tool_why(body, call.tools), "tools"
+    elif h.reason == wire.Reason.OUTPUT_TOKENS:
+        param = call.limit_field  # the field the client sent
     status = h.status if 400 <= h.status < 600 else 500
     headers = {"Retry-After": str(max(1, h.retry_after))} if status == 429 else None
     return ApiError(status, message, param=param, code=code, headers=headers)

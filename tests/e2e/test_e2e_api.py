@@ -317,6 +317,9 @@ def test_models_routes(service: Service) -> None:
      400, "messages"),
     (json.dumps({"model": "smollm2", "messages": RUSSIAN,
                  "stream_options": {"include_usage": True}}).encode(), 400, None),
+    # over the cap: the error names the field the client sent
+    (json.dumps({"model": "smollm2", "messages": RUSSIAN,
+                 "max_completion_tokens": 10**6}).encode(), 400, "max_completion_tokens"),
 ])
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/aotx/v1/requests"])
 def test_bad_input_gets_a_clear_4xx(service: Service, route: str, body: bytes, status: int,
@@ -328,6 +331,8 @@ def test_bad_input_gets_a_clear_4xx(service: Service, route: str, body: bytes, s
     assert err["message"] and err["type"] and "code" in err and "param" in err
     if param:
         assert err["param"].split(".")[0] == param
+    if param == "max_completion_tokens":
+        assert err["message"].startswith("max_completion_tokens 1000000 exceeds"), err
 
 
 @pytest.mark.parametrize("route,body,param", [
