@@ -90,8 +90,9 @@ class Wording:
     param: str | None = None
 
 
-#: Reason -> the standard error object's message (and code, param).  Fields: {detail}
-#: (the reply's number), {cursor}, {total}, {prompt_tokens}, {model}, {max_tokens},
+#: Reason -> the standard error object's message (and code, param).  Fields, in the
+#: message and the param: {detail} (the reply's number), {cursor}, {total},
+#: {prompt_tokens}, {model}, {max_tokens}, {limit_field} (the field that gave it),
 #: {input_bytes}, {kind} (detail as a PartKind), {digest} (media part detail's digest),
 #: {action} (detail as action names).
 REASONS: dict[Reason, Wording] = {
@@ -119,7 +120,7 @@ REASONS: dict[Reason, Wording] = {
                                   "accepts at most {detail} so that one can be generated",
                                   "context_length_exceeded", "messages"),
     Reason.OUTPUT_TOKENS: Wording("{limit_field} {max_tokens} exceeds the limit of {detail}",
-                                  param="max_tokens"),
+                                  param="{limit_field}"),
     Reason.DEVICE_BUSY: Wording("the service is at capacity; try again shortly",
                                 "service_busy"),
     Reason.ACTIVE_LIMIT: Wording("you may hold {detail} active (queued or running) requests; "
@@ -260,7 +261,8 @@ def wording(h: wire.Header, call: Call = NO_CALL, body: bytes = b""
         else None
     if w is None:
         return f"device status {h.status}", None, None
-    return w.message.format_map(_fields(h, call, body)), w.code, w.param
+    fields = _fields(h, call, body)
+    return w.message.format_map(fields), w.code, w.param and w.param.format_map(fields)
 
 
 def failed(h: wire.Header) -> ApiError:
@@ -275,8 +277,6 @@ def refusal(h: wire.Header, call: Call = NO_CALL, body: bytes = b"") -> ApiError
     message, code, param = wording(h, call, body)
     if h.reason == wire.Reason.GRAMMAR and call.tools:
         message, param = _tool_why(body, call.tools), "tools"
-    elif h.reason == wire.Reason.OUTPUT_TOKENS:
-        param = call.limit_field  # the field the client sent
     status = h.status if 400 <= h.status < 600 else 500
     headers = {"Retry-After": str(max(1, h.retry_after))} if status == 429 else None
     return ApiError(status, message, param=param, code=code, headers=headers)
