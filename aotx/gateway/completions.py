@@ -23,7 +23,7 @@ from pydantic import Field, StrictInt, ValidationInfo, field_validator
 
 from .. import wire
 from .body import Body
-from .errors import ApiError, Call
+from .errors import PAST_ONE_PACKET, ApiError, Call
 from .requests import MAX_CHOICES, StreamOptions, check_bias, check_stops
 from .service import Principal
 
@@ -183,9 +183,7 @@ def submission(body: CompletionRequest, prompt: Prompt, choice: int, m: wire.Mod
         payload = wire.encode_submission(wire.Submission(
             (wire.Message(wire.Role.USER, (part,)),), body.stops, body.sampling))
     except wire.WireError as exc:  # over one packet
-        raise ApiError(exc.status, "the prompt does not fit one packet: its encoded content "
-                                   f"may be at most {wire.MAX_PAYLOAD} bytes (max_payload_bytes)",
-                       param="prompt") from None
+        raise ApiError(exc.status, f"the prompt {PAST_ONE_PACKET}", param="prompt") from None
     limit = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     if limit >= 1 << 32:
         raise ApiError(400, "max_tokens is too large", param="max_tokens")

@@ -83,6 +83,11 @@ class ApiError(Exception):
         return error_body(self.status, self.message, self.param, self.code)
 
 
+#: What a 413 for a submission past one packet says (after "the request" or "the prompt").
+PAST_ONE_PACKET = ("does not fit one packet: its encoded content may be at most "
+                   f"{wire.MAX_PAYLOAD} bytes (max_payload_bytes)")
+
+
 @dataclass(frozen=True)
 class Wording:
     message: str  #: ``str.format`` fields: see :func:`refusal`
@@ -99,8 +104,7 @@ REASONS: dict[Reason, Wording] = {
     Reason.MALFORMED: Wording("the device refused a malformed packet (an aotx bug; see the "
                               "device log)"),
     Reason.VERSION: Wording("the device speaks another protocol version"),
-    Reason.TOO_LARGE: Wording("the request does not fit one packet: its encoded content may "
-                              f"be at most {wire.MAX_PAYLOAD} bytes (max_payload_bytes)"),
+    Reason.TOO_LARGE: Wording(f"the request {PAST_ONE_PACKET}"),
     Reason.NONZERO_FIELD: Wording("the device refused a packet whose unused header field at "
                                   "offset {detail} is not zero (an aotx bug)"),
     Reason.NOT_SUPPORTED: Wording("the device does not provide this operation"),
