@@ -44,11 +44,12 @@ from . import (
 from . import schemas as S
 from .broker_client import BrokerClient
 from .credentials import ensure_admin_token
-from .errors import INTERNAL, ApiError, error_body
+from .errors import INTERNAL, NOT_JSON, ApiError, error_body
 from .guard import Guard, guarded_protocol
 from .render import error_response, json_response
 from .response_store import ResponseStore
 from .service import Gateway
+from .validation import explain
 
 log = logging.getLogger("aotx.gateway")
 
@@ -103,13 +104,12 @@ def _handle_errors(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
         errs = exc.errors()
-        first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        msg = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            msg, loc = "the body is not valid JSON", []
-        return json_response(error_body(400, f"{'.'.join(loc) + ': ' if loc else ''}{msg}",
-                                        param=".".join(loc) or None), 400)
+        if any(e.get("type") == "json_invalid" for e in errs):
+            return json_response(error_body(400, NOT_JSON), 400)
+        route = request.scope.get("route")
+        field = getattr(route, "body_field", None)
+        message, param = explain(field.field_info.annotation if field else None, errs)
+        return json_response(error_body(400, message, param=param), 400)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:

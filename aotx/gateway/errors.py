@@ -83,6 +83,9 @@ class ApiError(Exception):
         return error_body(self.status, self.message, self.param, self.code)
 
 
+#: What a 400 for a body that is not JSON says.
+NOT_JSON = "the body is not valid JSON"
+
 #: What a 413 for a submission past one packet says (after "the request" or "the prompt").
 PAST_ONE_PACKET = ("does not fit one packet: its encoded content may be at most "
                    f"{wire.MAX_PAYLOAD} bytes (max_payload_bytes)")

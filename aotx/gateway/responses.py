@@ -34,6 +34,7 @@ from . import tools as T
 from .body import Body
 from .errors import ApiError, wording
 from .requests import MAX_INLINE_CHARS, ChatRequest, InputAudio
+from .validation import explain
 
 _HEX = frozenset("0123456789abcdef")
 _ID_LEN = 5 + 16 + 32
@@ -245,11 +246,10 @@ class ResponseRequest(Body):
         try:
             return ChatRequest.model_validate(body)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            loc = [str(x) for x in first.get("loc", ())]
-            param = FIELDS.get(loc[0], loc[0]) if loc else None
-            raise ApiError(400, rename(f"{'.'.join(loc) + ': ' if loc else ''}{first['msg']}"),
-                           param=param) from None
+            message, at = explain(ChatRequest, exc.errors())
+            field = at.split(".")[0] if at else None
+            raise ApiError(400, rename(message), param=FIELDS.get(field, field)
+                           if field else None) from None
 
 
 #: chat's field -> this body's, for the messages and params of chat's checks

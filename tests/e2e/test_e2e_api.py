@@ -359,6 +359,27 @@ def test_an_integer_is_still_a_number(oai: openai.OpenAI) -> None:
     assert out.choices[0].message.content is not None
 
 
+@pytest.mark.parametrize("call,param,message", [
+    (lambda c: c.chat.completions.create(model="smollm2", messages=[
+        {"role": "user", "content": 5}]), "messages.0.content",
+     "Input should be a string or an array, not an integer"),
+    (lambda c: c.chat.completions.create(model="smollm2", messages=RUSSIAN,
+                                         tool_choice="maybe"), "tool_choice",
+     "Input should be 'none', 'auto', 'required' or an object, not \"maybe\""),
+    (lambda c: c.embeddings.create(model="smollm2", input=[5.5]), "input.0",
+     "Input should be a string, an integer or an array, not a number"),
+    (lambda c: c.responses.create(model="smollm2", input=[{"type": "mess"}]), "input.0",
+     'unknown type "mess"; expected one of "message", "function_call", '
+     '"function_call_output"'),
+])
+def test_a_union_field_is_named_as_the_client_wrote_it(oai: openai.OpenAI, call: Any,
+                                                       param: str, message: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        call(oai)
+    assert isinstance(e.value.body, dict), e.value
+    assert (e.value.param, e.value.body["message"]) == (param, f"{param}: {message}")
+
+
 def test_native_refuses_stream_true(service: Service) -> None:
     with service.client() as c:
         r = c.post("/aotx/v1/requests", json={"model": "smollm2", "messages": RUSSIAN,

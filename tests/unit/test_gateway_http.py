@@ -195,6 +195,44 @@ def test_authentication_comes_first(gw: Any) -> None:
     gw(test)
 
 
+def test_a_validation_error_names_the_field_the_caller_wrote(gw: Any) -> None:
+    """A value that fits none of a union's members is named by its field, not by
+    pydantic's member labels (``messages.0.content.str``), and the message says what
+    the members take; a value that fits a member's type is named where inside it the
+    error is; a query parameter by its own name."""
+    chat = {**BODY, "messages": [{"role": "user", "content": 5}]}
+    part = {**BODY, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}
+    cases = [
+        ("/v1/chat/completions", chat, "messages.0.content",
+         "Input should be a string or an array, not an integer"),
+        ("/aotx/v1/requests", part, "messages.0.content.0.text", "Input should be a valid string"),
+        ("/v1/chat/completions", {**BODY, "messages": [{"role": "user", "content": [
+            {"type": "txt", "text": "a"}]}]}, "messages.0.content.0",
+         'unknown type "txt"; expected one of "text", "input_image", "input_audio", "image_url"'),
+        ("/v1/chat/completions", {**BODY, "tool_choice": "maybe"}, "tool_choice",
+         "Input should be 'none', 'auto', 'required' or an object, not \"maybe\""),
+        ("/v1/embeddings", {"model": "smollm2", "input": [5.5]}, "input.0",
+         "Input should be a string, an integer or an array, not a number"),
+        ("/v1/responses", {"model": "smollm2", "input": [{"type": "mess"}]}, "input.0",
+         'unknown type "mess"; expected one of "message", "function_call", '
+         '"function_call_output"'),
+        ("/v1/responses", {"model": "smollm2", "input": [{"role": "user", "content": [
+            {"type": "input_text", "text": 5}]}]}, "input.0.content.0.text",
+         "Input should be a valid string"),
+    ]
+
+    async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
+        for path, body, param, message in cases:
+            r = await c.post(path, json=body)
+            assert r.status_code == 400, r.text
+            assert (error(r)["param"], error(r)["message"]) == (param, f"{param}: {message}")
+        r = await c.get("/v1/responses/resp_x/input_items?limit=many")
+        assert (r.status_code, error(r)["param"]) == (400, "limit"), r.text
+        assert error(r)["message"].startswith("limit: ")
+
+    gw(test)
+
+
 def test_the_guard_refuses_foreign_hosts_and_large_bodies(gw: Any) -> None:
     async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
         r = await c.get("/v1/models", headers={"Host": "evil.example:8000"})
