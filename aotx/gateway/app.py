@@ -83,17 +83,21 @@ def create_app(paths: RuntimePaths, settings: Settings | None = None, loopback_o
                   description="Local LLM inference: standard OpenAI routes and the native "
                               "aotx API.")
     _handle_errors(app)
+    routes: list[BaseRoute] = []
     for module in (routes_ops, routes_native, routes_media, routes_policy, routes_openai,
                    routes_completions, routes_embeddings, routes_responses):
         _document_errors(module.router.routes)
         app.include_router(module.router)
+        routes += module.router.routes
     # The web console: static files shipped in the package (no CDN). They hold no secret;
     # every API call the page makes carries the token the user typed.
     app.mount("/console", StaticFiles(directory=os.path.join(os.path.dirname(__file__),
                                                              "console"), html=True),
               name="console")
+    json_paths = frozenset(r.path for r in routes if isinstance(r, APIRoute)
+                           and r.body_field is not None and "POST" in (r.methods or ()))
     return Guard(app, loopback_only, lambda: app.state.gateway, settings.max_body,
-                 settings.body_timeout)
+                 settings.body_timeout, json_paths)
 
 
 def _handle_errors(app: FastAPI) -> None:

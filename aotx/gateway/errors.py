@@ -83,8 +83,10 @@ class ApiError(Exception):
         return error_body(self.status, self.message, self.param, self.code)
 
 
-#: What a 400 for a body that is not JSON says.
+#: What a 400 for a JSON route's body that is not a JSON object says (before the token).
 NOT_JSON = "the body is not valid JSON"
+NO_BODY = "the body is empty; send a JSON object"
+NOT_AN_OBJECT = "the body must be a JSON object, not {kind}"
 
 #: What a 413 for a submission past one packet says (after "the request" or "the prompt").
 PAST_ONE_PACKET = ("does not fit one packet: its encoded content may be at most "

@@ -15,7 +15,7 @@ Connection level (:class:`GuardedHttpToolsProtocol`, uvicorn's protocol class):
 
 Request level (:class:`Guard`, ASGI middleware in front of every route): one Host
 header, a loopback one on a loopback bind, body size and pacing (each chunk within ``body_timeout``),
-and the fast paths of ``GET /aotx/v1/requests/{id}``, ``GET /v1/models``,
+a JSON route's body a JSON object whatever its Content-Type, and the fast paths of ``GET /aotx/v1/requests/{id}``, ``GET /v1/models``,
 ``POST /aotx/v1/requests`` and ``POST /v1/chat/completions``.
 """
 
@@ -37,9 +37,10 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ..config import MAX_BODY
 from . import calls, choices, routes_openai
-from .errors import INTERNAL, ApiError, error_body
+from .errors import INTERNAL, NO_BODY, NOT_AN_OBJECT, NOT_JSON, ApiError, error_body
 from .render import dumps, error_response, json_response, send_json
 from .requests import ChatRequest
+from .validation import kind_of
 
 if TYPE_CHECKING:
     from .service import Gateway
@@ -240,18 +241,25 @@ class Guard:
       ``body_timeout`` seconds (408), so slow clients cannot hold a request open for
       ever.  Bodies are read in full before the route runs, except media uploads,
       which stream to the device chunk by chunk under the same pacing.
+    * A POST to one of ``json_paths`` (the routes that take a JSON body) must carry a
+      JSON object: an empty body, invalid JSON or another JSON value is a 400 before the
+      token is read (docs/api.md, "Order of checks").  The object is read as JSON
+      whatever the Content-Type says, as llama.cpp's server and Ollama read it, so
+      ``curl -d '{...}'`` (which sends a form's type) works.
     * The fast paths answer the window read, the model list, a valid admission and a
       valid chat completion without the framework's routing and dependency layers (the
       same code as their routes).
     """
 
     def __init__(self, app: ASGIApp, loopback_only: bool, gateway: Callable[[], Gateway],
-                 limit: int = MAX_BODY, body_timeout: float = 30.0) -> None:
+                 limit: int = MAX_BODY, body_timeout: float = 30.0,
+                 json_paths: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.loopback_only = loopback_only
         self.gateway = gateway
         self.limit = limit
         self.body_timeout = body_timeout
+        self.json_paths = json_paths
 
     @staticmethod
     async def _answer(send: Send, status: int, body: Callable[[], Awaitable[bytes]]) -> None:
@@ -293,21 +301,18 @@ class Guard:
         await self._answer(send, 200, models)
 
     @staticmethod
-    def _valid_chat(scope: Scope, body: bytes) -> ChatRequest | None:
-        """The body as FastAPI would parse it, when it is JSON that validates; else None
-        (the route answers it exactly as before: its credentials are checked first)."""
-        ctype = next((v for k, v in scope["headers"] if k == b"content-type"), b"")
-        if ctype.split(b";")[0].strip().lower() != b"application/json":
-            return None
+    def _valid_chat(body: dict[str, Any]) -> ChatRequest | None:
+        """The body as the route would validate it, when it does; else None (the route
+        answers it exactly as before: its credentials are checked first)."""
         try:
-            return ChatRequest.model_validate(json.loads(body))
-        except (ValueError, RecursionError, ValidationError):
+            return ChatRequest.model_validate(body)
+        except ValidationError:
             return None
 
-    async def _submit_fast_path(self, scope: Scope, body: bytes, send: Send) -> bool:
+    async def _submit_fast_path(self, scope: Scope, body: dict[str, Any], send: Send) -> bool:
         """POST /aotx/v1/requests without the framework's layers (they cost ~40 % of the
         gateway's CPU for an admission), for a body that validates."""
-        if (chat := self._valid_chat(scope, body)) is None:
+        if (chat := self._valid_chat(body)) is None:
             return False
         g = self.gateway()
 
@@ -317,12 +322,12 @@ class Guard:
         await self._answer(send, 202, admit)
         return True
 
-    async def _chat_fast_path(self, scope: Scope, body: bytes, receive: Receive,
+    async def _chat_fast_path(self, scope: Scope, body: dict[str, Any], receive: Receive,
                               send: Send) -> bool:
         """POST /v1/chat/completions without the framework's layers, for a body that
         validates: the route's own code (``choices.completion``), its answer or stream
         sent as the route's would be, an ApiError as the app's handler answers it."""
-        if (chat := self._valid_chat(scope, body)) is None:
+        if (chat := self._valid_chat(body)) is None:
             return False
         g = self.gateway()
         try:
@@ -399,12 +404,18 @@ class Guard:
             if not msg.get("more_body"):
                 break
         body = b"".join(chunks)
-        if scope["method"] == "POST" and (
-                scope["path"] == "/aotx/v1/requests" and await self._submit_fast_path(
-                    scope, body, send)
-                or scope["path"] == "/v1/chat/completions" and await self._chat_fast_path(
-                    scope, body, receive, send)):
-            return
+        if scope["method"] == "POST" and scope["path"] in self.json_paths:
+            obj = json_object(body)
+            if isinstance(obj, str):
+                await send_json(send, 400, dumps(error_body(400, obj)))
+                return
+            if not typed_json(scope):
+                scope = as_json(scope)  # FastAPI's route (the fast paths want the type)
+            elif (scope["path"] == "/aotx/v1/requests" and await self._submit_fast_path(
+                    scope, obj, send)
+                    or scope["path"] == "/v1/chat/completions" and await self._chat_fast_path(
+                        scope, obj, receive, send)):
+                return
         replayed = False
 
         async def replay() -> Any:
@@ -444,6 +455,29 @@ class Guard:
     async def _refuse(send: Send, status: int, message: str) -> None:
         await send_json(send, status, dumps(error_body(status, message)),
                         {"connection": "close"})
+
+
+def json_object(body: bytes) -> dict[str, Any] | str:
+    """The body as a JSON object, or the 400's message saying why it is not one."""
+    if not body.strip():
+        return NO_BODY
+    try:
+        value = json.loads(body)  # what FastAPI parses with: NaN and all
+    except (ValueError, RecursionError):
+        return NOT_JSON
+    return value if isinstance(value, dict) else NOT_AN_OBJECT.format(kind=kind_of(value))
+
+
+def typed_json(scope: Scope) -> bool:
+    ctype = next((v for k, v in scope["headers"] if k == b"content-type"), b"")
+    return ctype.split(b";")[0].strip().lower() == b"application/json"
+
+
+def as_json(scope: Scope) -> Scope:
+    """``scope`` with its Content-Type ``application/json``, so that FastAPI parses the
+    body as the JSON the guard found it to be (it leaves another type's bytes raw)."""
+    headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+    return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
 
 
 class BodyTimeout(Exception):

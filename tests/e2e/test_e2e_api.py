@@ -359,6 +359,23 @@ def test_an_integer_is_still_a_number(oai: openai.OpenAI) -> None:
     assert out.choices[0].message.content is not None
 
 
+def test_a_body_sent_as_a_form_is_read_as_json(service: Service) -> None:
+    """``curl -d '{...}'`` sends Content-Type application/x-www-form-urlencoded: the
+    body is still the JSON request, on the fast path's route and on the others; what
+    is not a JSON object is a 400 that says so."""
+    form = {**service.headers, "Content-Type": "application/x-www-form-urlencoded"}
+    body = {"model": "smollm2", "messages": RUSSIAN, "max_tokens": 2}
+    r = httpx.post(service.url + "/v1/chat/completions", content=json.dumps(body),
+                   headers=form, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    r = httpx.post(service.url + "/v1/embeddings", headers=form, timeout=60,
+                   content=json.dumps({"model": "smollm2", "input": "Hi"}))
+    assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) > 0, r.text
+    r = httpx.post(service.url + "/v1/completions", content=b"model=smollm2&prompt=Hi",
+                   headers=form, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "the body is not valid JSON"
+
+
 @pytest.mark.parametrize("call,param,message", [
     (lambda c: c.chat.completions.create(model="smollm2", messages=[
         {"role": "user", "content": 5}]), "messages.0.content",

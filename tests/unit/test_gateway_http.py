@@ -181,16 +181,58 @@ def error(r: httpx.Response) -> dict[str, Any]:
     return dict(err)
 
 
-def test_authentication_comes_first(gw: Any) -> None:
+def test_the_body_is_checked_then_the_token_then_the_fields(gw: Any) -> None:
+    """docs/api.md's order of checks: a JSON route's body must be a JSON object (400,
+    whatever its Content-Type, with or without a token), then the token (401), then
+    the fields (400)."""
     async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
         for headers in ({"Authorization": ""}, {"Authorization": "Bearer nope"},
                         {"Authorization": "Basic abc"}):
+            for body in (json.dumps(BODY).encode(), b'{"model": 5}'):
+                r = await c.post("/aotx/v1/requests", content=body, headers=headers)
+                assert r.status_code == 401 and error(r)["type"] == "authentication_error"
+                assert r.headers["www-authenticate"] == "Bearer"
             r = await c.post("/aotx/v1/requests", content=b"{not json", headers=headers)
-            assert r.status_code == 401 and error(r)["type"] == "authentication_error"
-            assert r.headers["www-authenticate"] == "Bearer"
+            assert r.status_code == 400 and error(r)["message"] == "the body is not valid JSON"
         r = await c.post("/aotx/v1/requests", content=b"{not json",
                          headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and error(r)["message"] == "the body is not valid JSON"
+
+    gw(test)
+
+
+def test_a_json_route_reads_a_json_object_whatever_its_content_type(gw: Any) -> None:
+    """``curl -d`` sends a form's Content-Type: the body is still read as JSON (as
+    llama.cpp's server and Ollama read it); what is not a JSON object is a 400 that
+    says so, on every route that takes a JSON body, before its token is read."""
+    refusals = {b"": "the body is empty; send a JSON object", b" \n": "the body is empty; "
+                "send a JSON object", b"[1]": "the body must be a JSON object, not an array",
+                b'"hi"': "the body must be a JSON object, not a string",
+                b"null": "the body must be a JSON object, not null",
+                b"{'a': 1}": "the body is not valid JSON", b"[" * 100_000: "the body is not "
+                "valid JSON", b"\xff{}": "the body is not valid JSON"}
+    types = (None, "application/json", "application/x-www-form-urlencoded", "text/plain")
+
+    async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
+        paths = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
+                 "/aotx/v1/requests", "/aotx/v1/policy")
+        for path in paths:
+            for body, message in refusals.items():
+                for ctype in types:
+                    headers = {"Content-Type": ctype} if ctype else {}
+                    for auth in ({}, {"Authorization": "Bearer nope"}):
+                        r = await c.post(path, content=body, headers={**headers, **auth})
+                        assert (r.status_code, error(r)["message"]) == (400, message), (
+                            path, body[:9], ctype, auth)
+        broker.script[wire.Op.SUBMIT] = lambda h, p: (state(h, 202, wire.Phase.QUEUED), b"")
+        for ctype in types:
+            headers = {"Content-Type": ctype} if ctype else {}
+            r = await c.post("/aotx/v1/requests", content=json.dumps(BODY), headers=headers)
+            assert r.status_code == 202 and r.json()["id"] == RID, (ctype, r.text)
+            # Past the guard, FastAPI validates the object the guard read.
+            r = await c.post("/v1/embeddings", content=b'{"model": "smollm2", "input": 5}',
+                             headers=headers)
+            assert (r.status_code, error(r)["param"]) == (400, "input"), (ctype, r.text)
 
     gw(test)
 
