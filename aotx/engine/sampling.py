@@ -9,20 +9,10 @@ from __future__ import annotations
 
 import llama_cpp
 
+from ..seeds import fold
 from ..wire import Sampling
 
 PLAIN = Sampling()  # nothing beyond temperature, top-p and seed
-#: llama.cpp reads this 32-bit seed as "pick a random seed" (LLAMA_DEFAULT_SEED).
-_RANDOM_SEED = 0xFFFFFFFF
-
-
-def seed32(seed: int) -> int:
-    """A 64-bit request seed as llama.cpp's 32-bit sampler seed: the two halves
-    xor-ed (seeds below 2**32 are unchanged, and seeds that differ only in their
-    upper half stay apart), never the value llama.cpp takes for "random" (``seed``
-    -1, sent as 2**64 - 1, folds to 0)."""
-    s = (seed ^ (seed >> 32)) & 0xFFFFFFFF
-    return s if s != _RANDOM_SEED else _RANDOM_SEED - 1
 
 
 class Sampler:
@@ -76,5 +66,5 @@ def _steps(temperature: float, top_p: float, seed: int, s: Sampling, max_tokens:
     if s.min_p > 0.0:
         steps.append(llama_cpp.llama_sampler_init_min_p(s.min_p, 1))
     steps.append(llama_cpp.llama_sampler_init_temp(temperature))
-    steps.append(llama_cpp.llama_sampler_init_dist(seed32(seed)))
+    steps.append(llama_cpp.llama_sampler_init_dist(fold(seed)))
     return steps

@@ -27,7 +27,7 @@ from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
 
-from .. import ids, wire
+from .. import ids, seeds, wire
 from . import calls, tools
 from .errors import ApiError, failed
 from .render import finish_reason, json_response, sse_data, token_logprob
@@ -83,7 +83,7 @@ async def _admit(g: Gateway, body: ChatRequest, principal: Principal
     admitted: list[calls.Admitted] = []
     try:
         for i in range(n):
-            seed = None if body.seed is None else (body.seed + i) & ((1 << 64) - 1)
+            seed = None if body.seed is None else seeds.of_choice(body.seed, i)
             admitted.append(await calls.submit(g, body.model_copy(update={"seed": seed}),
                                                principal))
     except BaseException:

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictInt, ValidationInfo, field_validator
 
-from .. import wire
+from .. import seeds, wire
 from .body import Body
 from .errors import PAST_ONE_PACKET, ApiError, Call
 from .requests import MAX_CHOICES, StreamOptions, check_bias, check_stops
@@ -190,7 +190,7 @@ def submission(body: CompletionRequest, prompt: Prompt, choice: int, m: wire.Mod
     flags, seed = wire.SUBMIT_FLAG_RAW, 0
     if body.seed is not None:
         flags |= wire.SUBMIT_FLAG_SEED
-        seed = (body.seed + choice) & ((1 << 64) - 1)
+        seed = seeds.of_choice(body.seed, choice)
     h = wire.Header.request(
         wire.Op.SUBMIT, principal=principal.id, role=m.role, max_tokens=limit,
         temperature=1.0 if body.temperature is None else body.temperature,

@@ -49,6 +49,26 @@ def test_n_choices_sample_apart_and_share_the_prompt(service: Service,
     assert [c.message.content for c in again.choices] == texts  # a seed reproduces them
 
 
+def test_the_choices_of_any_seed_sample_apart(oai: openai.OpenAI) -> None:
+    """``seed: -1`` (llama.cpp's habit for "random") is 2**64 - 1: its choice 1 used to be
+    seed 0 in 64 bits, which folds to llama.cpp's 32 bits as -1 does, so the two choices
+    were the same text.  Choice i now adds i after the fold; seed 7 still gives its
+    choice 1 what seed 8 alone gives."""
+    for seed in (-1, (1 << 64) - 1, (1 << 32) - 1):
+        r = oai.chat.completions.create(model="smollm2", messages=ASK, n=2, max_tokens=16,
+                                        temperature=1.2, seed=seed)
+        texts = [c.message.content for c in r.choices]
+        assert texts[0] != texts[1], (seed, texts)
+        out = oai.completions.create(model="smollm2", prompt="Once upon a time", n=2,
+                                     max_tokens=16, temperature=1.2, seed=seed)
+        assert out.choices[0].text != out.choices[1].text, seed
+    r = oai.chat.completions.create(model="smollm2", messages=ASK, n=2, max_tokens=16,
+                                    temperature=1.2, seed=7)
+    one = oai.chat.completions.create(model="smollm2", messages=ASK, max_tokens=16,
+                                      temperature=1.2, seed=8)
+    assert r.choices[1].message.content == one.choices[0].message.content
+
+
 def test_a_stream_of_n_choices_carries_their_indexes(oai: openai.OpenAI) -> None:
     texts = {0: "", 1: "", 2: ""}
     finishes: dict[int, str] = {}

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aotx.engine.llama import BatchEntry, EngineConfig, EngineError, LlamaEngine
-from aotx.engine.sampling import Sampler, seed32
+from aotx.engine.sampling import Sampler
+from aotx.seeds import fold
 
 pytestmark = pytest.mark.skipif(os.environ.get("AOTX_SKIP_MODEL") == "1",
                                 reason="model tests disabled")
@@ -151,9 +152,9 @@ def test_a_copied_sequence_commits_only_the_cells_it_holds() -> None:
 def test_every_request_seed_is_a_fixed_sampler_seed(engine: LlamaEngine) -> None:
     """llama.cpp takes the 32-bit seed 0xFFFFFFFF as "random"; no request seed may
     reach it (``seed: -1`` arrives as 2**64 - 1), and a seed samples the same twice."""
-    assert seed32(5) == 5 and seed32((1 << 32) | 5) != 5
+    assert fold(5) == 5 and fold((1 << 32) | 5) != 5
     for seed in (0xFFFFFFFF, (1 << 64) - 1, 0xFFFFFFFF << 32):
-        assert seed32(seed) != 0xFFFFFFFF
+        assert fold(seed) != 0xFFFFFFFF
 
     def sampled(seed: int) -> list[int]:
         engine.clear_sequence(0)

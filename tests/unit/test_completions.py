@@ -109,7 +109,7 @@ def test_token_ids_travel_as_a_token_part_and_choices_shift_the_seed() -> None:
     b = body(prompt=[[5, 49151]], seed=2**64 - 1, max_tokens=3)
     h, payload, _ = submission(b, b.prompts[0], 2, MODEL, ME)
     assert h.submit_flags == wire.SUBMIT_FLAG_RAW | wire.SUBMIT_FLAG_SEED
-    assert h.seed == 1 and h.max_tokens == 3  # (2^64 - 1) + 2, in 64 bits
+    assert h.seed == 2 and h.max_tokens == 3  # 2^64 - 1 folds to 0, then + 2
     part = wire.decode_submission(payload).messages[0].parts[0]
     assert part == wire.Part(wire.PartKind.TOKENS, struct.pack("<2I", 5, 49151))
 
