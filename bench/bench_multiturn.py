@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_multiturn.py [--users 4,16] [--turns 5] [--max-tokens 64]
         [--rounds 2] [--think 0] [--per-turn] [--models TOML] [--peer PATH/llama-server]
+        [--ceiling]
     LLAMA_SERVER=/path/to/llama-server .venv/bin/python bench/bench_multiturn.py
 
 U users (concurrent asyncio tasks) each hold a T-turn conversation and, as chat
@@ -25,6 +26,13 @@ conversation's cache only has the new question to read), and the aggregate
 completion throughput (completion tokens / wall time of the whole workload), then
 the ratios aotx/peer of each: the median of the rounds' ratios (each round's in
 brackets), as in bench_serve.py.  Without a peer it runs aotx alone.
+
+With ``--ceiling`` each round then has the engine alone (``turn_ceiling.py``, a process
+loaded once for the run) hold the same conversations in three KV layouts and time every
+later turn's new tokens: alone (nothing else to do: no server can start that turn
+sooner), one after another as the users' turns arrive together, and all in one decode.
+It prints their p50s and the ratio of the least, "alone", to the peer's later-turn TTFT:
+the bound on what any server on this engine can reach against the peer.
 """
 
 from __future__ import annotations
@@ -210,6 +218,58 @@ def per_turn(name: str, loads: list[Load], turns: int) -> str:
     return f"    {name} TTFT p50 by turn (ms): " + " ".join(cells)
 
 
+class Ceiling:
+    """turn_ceiling.py in a process of its own, loaded once for the whole run."""
+
+    def __init__(self) -> None:
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "turn_ceiling.py")
+        self.proc = subprocess.Popen([sys.executable, script], text=True, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != "ready":
+            raise SystemExit("the engine-alone process did not start")
+
+    def measure(self, users: int, args: argparse.Namespace, session: str
+                ) -> dict[str, dict[str, list[float]]]:
+        """Layout -> {"alone", "one_by_one", "together"} -> the later turns' seconds."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        turns = [[question(u, t, session) for u in range(users)] for t in range(args.turns)]
+        self.proc.stdin.write(json.dumps({"turns": turns, "system": SYSTEM,
+                                          "max_tokens": args.max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit("the engine-alone process died")
+        out: dict[str, dict[str, list[float]]] = json.loads(line)
+        return out
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def ceiling_lines(bounds: list[dict[str, dict[str, list[float]]]], theirs: list[Load]) -> str:
+    """The engine alone's later-turn p50s by layout and order, and "alone" / the peer's
+    later-turn TTFT p50 (the median of the rounds' ratios, each round's in brackets)."""
+    lines = []
+    for layout in bounds[0]:
+        cells = [f"{order} {pct([x for b in bounds for x in b[layout][order]], 50) * 1e3:.0f} ms"
+                 for order in ("alone", "one_by_one", "together")]
+        line = f"    engine alone, {layout}: later-turn p50 " + ", ".join(cells)
+        if theirs:
+            rs = [pct(b[layout]["alone"], 50) / pct(ld.later, 50)
+                  for b, ld in zip(bounds, theirs, strict=True)]
+            line += (f" | alone/peer {statistics.median(rs):.2f} ["
+                     + "/".join(f"{r:.2f}" for r in rs) + "]")
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--users", default="4,16", help="numbers of concurrent users, one run each")
@@ -224,6 +284,8 @@ def main() -> None:
     ap.add_argument("--per-turn", action="store_true", help="also print TTFT p50 by turn")
     ap.add_argument("--peer", default=os.environ.get("LLAMA_SERVER", ""),
                     help="llama-server binary (or the URL of a running one)")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="also time the later turns on the engine alone (turn_ceiling.py)")
     args = ap.parse_args()
     us = [int(x) for x in args.users.split(",")]
     peer_spec: str = args.peer
@@ -232,10 +294,12 @@ def main() -> None:
 
     times0 = cpu_times()
     srv: Server | None = None
+    ceiling = Ceiling() if args.ceiling else None
     try:
         for users in us:
             mine: list[Load] = []
             theirs: list[Load] = []
+            bounds: list[dict[str, dict[str, list[float]]]] = []
             for rnd in range(args.rounds):
                 session = f"{users}-{rnd}"
                 srv = start_aotx(args.models)
@@ -247,6 +311,8 @@ def main() -> None:
                     theirs.append(run(srv, users, args, session))
                     stop_server(srv)
                     srv = None
+                if ceiling is not None:
+                    bounds.append(ceiling.measure(users, args, session))
             line = (f"U={users} T={args.turns}  aotx first-turn TTFT p50 {p50(mine, 'first'):.0f} ms, "
                     f"later-turn TTFT p50 {p50(mine, 'later'):.0f} ms, "
                     f"{statistics.mean(ld.tok_s for ld in mine):.1f} tok/s")
@@ -262,6 +328,8 @@ def main() -> None:
                 print(per_turn("aotx", mine, args.turns), flush=True)
                 if theirs:
                     print(per_turn("peer", theirs, args.turns), flush=True)
+            if bounds:
+                print(ceiling_lines(bounds, theirs), flush=True)
         steal = steal_share(times0, cpu_times())
         if steal is not None:
             # A virtual machine whose host is busy loses CPU time to it, and every
@@ -269,6 +337,8 @@ def main() -> None:
             print(f"CPU steal during the run: {100 * steal:.1f} % of the machine's CPU time")
     finally:
         stop_server(srv)
+        if ceiling is not None:
+            ceiling.close()
 
 
 if __name__ == "__main__":
