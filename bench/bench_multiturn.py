@@ -52,7 +52,15 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_serve import TOPICS, cpu_times, pct, serve_aotx, steal_share, stop  # noqa: E402
+from bench_serve import (  # noqa: E402
+    TOPICS,
+    JsonProcess,
+    cpu_times,
+    pct,
+    serve_aotx,
+    steal_share,
+    stop,
+)
 from bench_serve import start_peer as start_peer_as  # noqa: E402
 
 SYSTEM = (
@@ -218,39 +226,20 @@ def per_turn(name: str, loads: list[Load], turns: int) -> str:
     return f"    {name} TTFT p50 by turn (ms): " + " ".join(cells)
 
 
-class Ceiling:
-    """turn_ceiling.py in a process of its own, loaded once for the whole run."""
+class Ceiling(JsonProcess):
+    """turn_ceiling.py: the engine alone holding the same conversations."""
 
     def __init__(self) -> None:
-        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "turn_ceiling.py")
-        self.proc = subprocess.Popen([sys.executable, script], text=True, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        assert self.proc.stdout is not None
-        if self.proc.stdout.readline().strip() != "ready":
-            raise SystemExit("the engine-alone process did not start")
+        super().__init__([os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                       "turn_ceiling.py")], "engine-alone")
 
     def measure(self, users: int, args: argparse.Namespace, session: str
                 ) -> dict[str, dict[str, list[float]]]:
         """Layout -> {"alone", "one_by_one", "together"} -> the later turns' seconds."""
-        assert self.proc.stdin is not None and self.proc.stdout is not None
         turns = [[question(u, t, session) for u in range(users)] for t in range(args.turns)]
-        self.proc.stdin.write(json.dumps({"turns": turns, "system": SYSTEM,
-                                          "max_tokens": args.max_tokens}) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise SystemExit("the engine-alone process died")
-        out: dict[str, dict[str, list[float]]] = json.loads(line)
+        out: dict[str, dict[str, list[float]]] = self.ask(
+            {"turns": turns, "system": SYSTEM, "max_tokens": args.max_tokens})
         return out
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 def ceiling_lines(bounds: list[dict[str, dict[str, list[float]]]], theirs: list[Load]) -> str:

@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 
@@ -120,33 +121,29 @@ for line in sys.stdin:
 """
 
 
-class RawEngine:
-    """The engine alone, in a separate process that stays loaded for the whole run,
-    so that each round measures the limit right before the servers' loads (this VM's
-    speed drifts by 2 x within an hour: a limit measured once at the start is not
-    comparable with a load ten minutes later)."""
+class JsonProcess:
+    """A measuring process that stays loaded for the whole run, so that each round
+    measures right before the servers' loads (this VM's speed drifts by 2 x within an
+    hour: a figure taken once at the start is not comparable with a load ten minutes
+    later).  It prints "ready" once loaded, then answers each JSON line on its stdin
+    with one JSON line."""
 
-    def __init__(self, slots: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", RAW, str(slots)], text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL)
+    def __init__(self, argv: list[str], name: str) -> None:
+        self.name = name
+        self.proc = subprocess.Popen([sys.executable, *argv], text=True, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         assert self.proc.stdout is not None
         if self.proc.stdout.readline().strip() != "ready":
-            raise SystemExit("the raw engine process did not start")
+            raise SystemExit(f"the {name} process did not start")
 
-    def measure(self, n: int, steps: int, per_client: int = 1) -> tuple[float, float]:
-        """(the limit: n sequences decoding together, tok/s; the engine alone doing
-        the clients' first requests: their prompts after the cached template prefix
-        in one batch, then the decode steps, completion tok/s)."""
+    def ask(self, job: object) -> Any:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        chats = [prompt(k * per_client) for k in range(n)]  # each client's first request
-        self.proc.stdin.write(json.dumps({"n": n, "steps": steps, "chats": chats}) + "\n")
+        self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
-            raise SystemExit("the raw engine process died")
-        decode_only, same_work = json.loads(line)
-        return float(decode_only), float(same_work)
+            raise SystemExit(f"the {self.name} process died")
+        return json.loads(line)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -156,6 +153,21 @@ class RawEngine:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+class RawEngine(JsonProcess):
+    """The engine alone, measuring the limit of each round."""
+
+    def __init__(self, slots: int) -> None:
+        super().__init__(["-c", RAW, str(slots)], "raw engine")
+
+    def measure(self, n: int, steps: int, per_client: int = 1) -> tuple[float, float]:
+        """(the limit: n sequences decoding together, tok/s; the engine alone doing
+        the clients' first requests: their prompts after the cached template prefix
+        in one batch, then the decode steps, completion tok/s)."""
+        chats = [prompt(k * per_client) for k in range(n)]  # each client's first request
+        decode_only, same_work = self.ask({"n": n, "steps": steps, "chats": chats})
+        return float(decode_only), float(same_work)
 
 
 _CLIENTS: dict[str, httpx.AsyncClient] = {}
