@@ -121,8 +121,9 @@ def _snap(alias: str | None, echo: dict[str, Any] | None, created_at: float, h: 
 
 # -- POST /v1/responses -----------------------------------------------------------------------
 @router.post("/v1/responses", response_model=S.ResponseObject, responses=_SSE)
-async def create_response(body: ResponseRequest, principal: Principal = Caller,
-                          g: Gateway = Service, st: ResponseStore = Store) -> Response:
+async def create_response(body: ResponseRequest, request: Request,
+                          principal: Principal = Caller, g: Gateway = Service,
+                          st: ResponseStore = Store) -> Response:
     context = (await _context(g, st, principal, body.previous_response_id)
                if body.previous_response_id else [])
     try:
@@ -145,14 +146,35 @@ async def create_response(body: ResponseRequest, principal: Principal = Caller,
             media_type="text/event-stream", headers={**headers, "Cache-Control": "no-store"})
     if body.background:
         return json_response(_object(g, rh, b"", stored), headers=headers)
-    done = False
+    ended = await _to_end_unless_gone(g, principal, rh, request)
+    if ended is None:
+        return Response(status_code=499)  # nobody reads it: the client left
+    return json_response(_object(g, *ended, stored), headers=headers)
+
+
+async def _to_end_unless_gone(g: Gateway, principal: Principal, rh: wire.Header,
+                              request: Request) -> tuple[wire.Header, bytes] | None:
+    """The request's end, or None when its client left first.  A request that did not
+    end (the client left, an error, this handler cancelled) is cancelled on the device:
+    a response that is neither streamed nor in the background lives as long as the
+    connection that waits for it (docs/api.md)."""
+    reading = asyncio.ensure_future(_to_end(g, principal, rh))
+    gone = asyncio.ensure_future(_client_gone(request))
     try:
-        last, data = await _to_end(g, principal, rh)
-        done = True
+        await asyncio.wait((reading, gone), return_when=asyncio.FIRST_COMPLETED)
+        return reading.result() if reading.done() else None
     finally:
-        if not done:
+        gone.cancel()
+        if not reading.done() or reading.cancelled() or reading.exception() is not None:
+            reading.cancel()
             await calls.cancel_quietly(g, principal, rh)
-    return json_response(_object(g, last, data, stored), headers=headers)
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client closed its connection (the body was read before the
+    route ran, so the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _context(g: Gateway, st: ResponseStore, principal: Principal, prev: str

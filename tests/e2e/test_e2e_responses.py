@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import base64
 import json
+import re
+import socket
 import time
 from typing import Any
 
@@ -257,3 +259,33 @@ def test_refusals_name_the_field(oai: openai.OpenAI, service: Service) -> None:
         assert c.get(f"/v1/responses/resp_{'0' * 16}{'ab' * 16}").status_code == 404
         r = c.get(f"/v1/responses/resp_{'0' * 15}9{'ab' * 16}")
         assert r.status_code == 404  # a future epoch names nothing
+
+
+def requests_by_state(service: Service) -> dict[str, float]:
+    text = httpx.get(service.url + "/metrics", headers=service.headers, timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^aotx_requests\{state="(\w+)"\} (\S+)$', text, re.M)}
+
+
+def until(check: Any, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_a_waiting_client_that_leaves_cancels_its_response(service: Service) -> None:
+    """Neither streamed nor in the background, a response lives as long as the connection
+    that waits for it (docs/api.md): the client leaves, the device cancels the request."""
+    until(lambda: requests_by_state(service).get("running", 0) == 0)
+    cancelled = requests_by_state(service).get("cancelled", 0)
+    body = json.dumps({"model": "smollm2", "input": STORY, "max_output_tokens": 3000}).encode()
+    host, port = service.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                  b"Authorization: " + service.headers["Authorization"].encode() + b"\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: "
+                  + str(len(body)).encode() + b"\r\n\r\n" + body)
+        until(lambda: requests_by_state(service).get("running", 0) == 1)
+    until(lambda: requests_by_state(service).get("cancelled", 0) == cancelled + 1, 30)
+    assert requests_by_state(service).get("running", 0) == 0
