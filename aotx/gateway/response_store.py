@@ -1,6 +1,7 @@
 """What the gateway keeps of a response that the device does not hold: its input items,
 the conversation before them (for ``previous_response_id``), the fields its response
-object repeats, and the tombstone of a deleted response.  SQLite, ``DIR/responses.db``
+object repeats (of a response not stored, only its creation time), and the tombstone of
+a deleted response.  SQLite, ``DIR/responses.db``
 (0600, WAL), beside the credentials.
 
 Access: every row carries its principal, and a row is read only after the device has
@@ -46,7 +47,7 @@ RECHECK_S = 60.0
 @dataclass(frozen=True)
 class Stored:
     created_at: float
-    echo: dict[str, Any] | None  # None: a tombstone
+    echo: dict[str, Any] | None  # None: a tombstone; {}: not stored (only its creation time)
     input: list[dict[str, Any]]
     context: list[dict[str, Any]]
 
@@ -73,11 +74,20 @@ class ResponseStore:
 
     def put(self, principal: int, epoch: int, identity: bytes, created_at: float,
             echo: dict[str, Any], items: list[dict[str, Any]],
-            context: list[dict[str, Any]]) -> None:
+            context: list[dict[str, Any]]) -> Stored:
         self.db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, NULL, ?, ?, ?)",
                         (epoch, identity, principal, created_at, created_at,
                          orjson.dumps(echo).decode(),
                          orjson.dumps(items).decode(), orjson.dumps(context).decode()))
+        return Stored(created_at, echo, items, context)
+
+    def seen(self, principal: int, epoch: int, identity: bytes, created_at: float) -> Stored:
+        """A response not stored (``store: false``, or a chat completion's request read
+        as a response): a row with its creation time only, kept as a stored one is."""
+        self.db.execute("INSERT OR IGNORE INTO responses VALUES (?, ?, ?, ?, ?, NULL, '{}', "
+                        "'[]', '[]')", (epoch, identity, principal, created_at, created_at))
+        got = self.get(principal, epoch, identity)
+        return got if got is not None else Stored(created_at, {}, [], [])
 
     def get(self, principal: int, epoch: int, identity: bytes) -> Stored | None:
         row = self.db.execute("SELECT created_at, echo, input, context FROM responses "

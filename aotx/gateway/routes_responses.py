@@ -102,16 +102,22 @@ async def _to_end(g: Gateway, principal: Principal, rh: wire.Header
     return last, bytes(out)
 
 
-def _object(g: Gateway, rh: wire.Header, data: bytes, stored: Stored | None) -> dict[str, Any]:
-    m = g.by_role.get(rh.role)
-    return response_object(rh, data, m.alias if m else None, stored.echo if stored else None,
-                           stored.created_at if stored else None)
+def _stored(st: ResponseStore, principal: Principal, epoch: int, identity: bytes) -> Stored:
+    """What the store has of a response whose READ the device just answered.  A request
+    it has no row for (a chat completion's, read as a response) gets its creation time
+    now, so that every later read says the same ``created_at``."""
+    got = st.get(principal.id, epoch, identity)
+    return got if got is not None else st.seen(principal.id, epoch, identity, time.time())
 
 
-def _snapshot(g: Gateway, rh: wire.Header, stored: Stored | None) -> Snapshot:
+def _object(g: Gateway, rh: wire.Header, data: bytes, stored: Stored) -> dict[str, Any]:
     m = g.by_role.get(rh.role)
-    return functools.partial(_snap, m.alias if m else None, stored.echo if stored else None,
-                             stored.created_at if stored else time.time())
+    return response_object(rh, data, m.alias if m else None, stored.echo, stored.created_at)
+
+
+def _snapshot(g: Gateway, rh: wire.Header, stored: Stored) -> Snapshot:
+    m = g.by_role.get(rh.role)
+    return functools.partial(_snap, m.alias if m else None, stored.echo, stored.created_at)
 
 
 def _snap(alias: str | None, echo: dict[str, Any] | None, created_at: float, h: wire.Header,
@@ -131,12 +137,13 @@ async def create_response(body: ResponseRequest, request: Request,
     except ApiError as exc:
         raise reworded(exc) from None
     rh = admitted.header
-    created = time.time()
-    # Shown as a later retrieve shows it: a response not stored has the defaults.
-    stored = Stored(created, body.echo() if body.stored else None, [], [])
+    # Shown as a later retrieve shows it: a response not stored has the defaults, and
+    # keeps only its creation time (the same created_at on every read).
     if body.stored:
-        st.put(principal.id, rh.epoch, rh.identity, created, body.echo(), body.items(),
-               context)
+        stored = st.put(principal.id, rh.epoch, rh.identity, time.time(), body.echo(),
+                        body.items(), context)
+    else:
+        stored = st.seen(principal.id, rh.epoch, rh.identity, time.time())
     _maybe_sweep(g, st)
     headers = {"X-Request-Id": ids.format_request_id(rh.epoch, rh.identity)}
     if body.stream:
@@ -187,7 +194,7 @@ async def _context(g: Gateway, st: ResponseStore, principal: Principal, prev: st
         raise ApiError(400, f"previous response {prev!r} has not ended yet; continue it "
                             "once it has", param=param)
     stored = st.get(principal.id, epoch, identity)
-    if stored is None or stored.echo is None:
+    if stored is None or not stored.echo:
         raise ApiError(404, f"previous response {prev!r} was not stored (store: false, or "
                             "not created on /v1/responses)", param=param)
     return [*stored.context, *stored.input, *output_items(last, data)]
@@ -235,12 +242,12 @@ async def retrieve_response(rid: str, stream: bool = False, starting_after: int 
                             "stream=true", param="starting_after")
     if not stream:
         last, data = await _read(g, principal, rid, epoch, identity)
-        return json_response(_object(g, last, data, st.get(principal.id, epoch, identity)))
+        return json_response(_object(g, last, data, _stored(st, principal, epoch, identity)))
     try:  # errors before the stream opens are HTTP statuses
         first = await calls.read(g, principal, epoch, identity, 0)
     except ApiError as exc:
         raise _named(exc, rid) from None
-    snapshot = _snapshot(g, first[0], st.get(principal.id, epoch, identity))
+    snapshot = _snapshot(g, first[0], _stored(st, principal, epoch, identity))
     return StreamingResponse(
         _stream(g, principal, first[0], snapshot,
                 -1 if starting_after is None else starting_after, first, cancel=False),
@@ -264,7 +271,7 @@ async def cancel_response(rid: str, principal: Principal = Caller, g: Gateway = 
             last, data = await _to_end(g, principal, rh)
     except TimeoutError:
         last, data = await _read(g, principal, rid, epoch, identity)
-    return json_response(_object(g, last, data, st.get(principal.id, epoch, identity)))
+    return json_response(_object(g, last, data, _stored(st, principal, epoch, identity)))
 
 
 @router.delete("/v1/responses/{rid}", response_model=S.ResponseDeleted)
@@ -294,7 +301,7 @@ async def input_items(rid: str, limit: int = 20, order: str = "desc", after: str
         raise ApiError(400, "order is asc or desc", param="order")
     await _read(g, principal, rid, epoch, identity)  # the device's access rule first
     stored = st.get(principal.id, epoch, identity)
-    if stored is None or stored.echo is None:
+    if stored is None or not stored.echo:
         raise ApiError(404, f"response {rid!r} was not stored (store: false, or not created "
                             "on /v1/responses): its input is not kept")
     items = input_item_ids(identity, stored.input)

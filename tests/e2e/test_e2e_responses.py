@@ -289,3 +289,20 @@ def test_a_waiting_client_that_leaves_cancels_its_response(service: Service) -> 
         until(lambda: requests_by_state(service).get("running", 0) == 1)
     until(lambda: requests_by_state(service).get("cancelled", 0) == cancelled + 1, 30)
     assert requests_by_state(service).get("running", 0) == 0
+
+
+def test_created_at_is_the_same_on_every_read(oai: openai.OpenAI) -> None:
+    """A response not stored, and a chat completion's request read as a response, keep
+    one creation time (it used to be the time of each read)."""
+    loose = oai.responses.create(model="smollm2", input="Hi", max_output_tokens=3, store=False)
+    time.sleep(1.1)
+    assert oai.responses.retrieve(loose.id).created_at == loose.created_at
+    events = list(oai.responses.retrieve(loose.id, stream=True))
+    assert events[0].response.created_at == loose.created_at  # type: ignore[union-attr]
+    chat = oai.chat.completions.with_raw_response.create(
+        model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    rid = "resp_" + chat.headers["x-request-id"][4:].replace("-", "")
+    first = oai.responses.retrieve(rid)
+    time.sleep(1.1)
+    assert oai.responses.retrieve(rid).created_at == first.created_at
+    assert first.store is False and first.instructions is None  # the defaults
