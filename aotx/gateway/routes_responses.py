@@ -313,11 +313,13 @@ async def input_items(rid: str, limit: int = 20, order: str = "desc", after: str
             raise ApiError(400, f"{param} names no input item of this response", param=param)
     start = names.index(after) + 1 if after is not None else 0
     stop = names.index(before) if before is not None else len(items)
-    page = items[start:stop][:limit]
+    window = items[start:stop]
+    # before alone pages backwards: the page just before the cursor, in the list's order
+    page = window[-limit:] if before is not None and after is None else window[:limit]
     return json_response({"object": "list", "data": page,
                           "first_id": page[0]["id"] if page else None,
                           "last_id": page[-1]["id"] if page else None,
-                          "has_more": start + len(page) < stop})
+                          "has_more": len(window) > len(page)})
 
 
 # -- retention --------------------------------------------------------------------------------

@@ -306,3 +306,23 @@ def test_created_at_is_the_same_on_every_read(oai: openai.OpenAI) -> None:
     time.sleep(1.1)
     assert oai.responses.retrieve(rid).created_at == first.created_at
     assert first.store is False and first.instructions is None  # the defaults
+
+
+def test_input_items_before_a_cursor_pages_backwards(oai: openai.OpenAI,
+                                                     service: Service) -> None:
+    """``before`` alone gives the page just before the cursor (OpenAI's and Stripe's
+    previous page), in the list's order.  (The SDK's ``list`` does not send ``before``.)"""
+    msgs = [{"role": "user", "content": f"Item {i}."} for i in range(5)]
+    r = oai.responses.create(model="smollm2", input=msgs, max_output_tokens=2)  # type: ignore[arg-type]
+    desc = [i.id for i in oai.responses.input_items.list(r.id)]
+    assert len(desc) == 5
+
+    def page(**params: Any) -> tuple[list[str], bool]:
+        got = httpx.get(f"{service.url}/v1/responses/{r.id}/input_items", params=params,
+                        headers=service.headers, timeout=30).json()
+        return [i["id"] for i in got["data"]], got["has_more"]
+
+    assert page(before=desc[3], limit=2) == (desc[1:3], True)
+    assert page(before=desc[1], limit=2) == (desc[:1], False)
+    assert page(after=desc[0], limit=2) == (desc[1:3], True)
+    assert page(after=desc[0], before=desc[4], limit=2) == (desc[1:3], True)
