@@ -26,6 +26,7 @@ from pydantic import (
     Field,
     Tag,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -181,15 +182,25 @@ class ResponseRequest(Body):
     truncation: Literal["disabled"] | None = None  # "auto" would drop input: not served
     include: list[str] | None = Field(default=None, max_length=0)
 
+    @field_validator("input")
+    @classmethod
+    def _some_input(cls, v: str | list[Any]) -> str | list[Any]:
+        if isinstance(v, list) and not v:
+            raise ValueError("input must not be empty")
+        return v
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        for k, value in (v or {}).items():
+            if len(k) > 64 or len(value) > 512:
+                raise ValueError("metadata keys are at most 64 characters, values 512")
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> ResponseRequest:
-        if isinstance(self.input, list) and not self.input:
-            raise ValueError("input must not be empty")
         if self.background and self.store is False:
             raise ValueError("background needs store: a background response is read later")
-        for k, v in (self.metadata or {}).items():
-            if len(k) > 64 or len(v) > 512:
-                raise ValueError("metadata keys are at most 64 characters, values 512")
         return self
 
     @property

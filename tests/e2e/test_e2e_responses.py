@@ -249,9 +249,11 @@ def test_refusals_name_the_field(oai: openai.OpenAI, service: Service) -> None:
     for extra, param in (({"reasoning": {"effort": "low"}}, "reasoning"),
                          ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
                          ({"truncation": "auto"}, "truncation"),
+                         ({"input": []}, "input"),
+                         ({"metadata": {"k" * 65: "v"}}, "metadata"),
                          ({"background": True, "store": False}, None)):
         with pytest.raises(openai.BadRequestError) as err:
-            oai.responses.create(model="smollm2", input="x", **extra)  # type: ignore[arg-type]
+            oai.responses.create(model="smollm2", **{"input": "x", **extra})  # type: ignore[call-overload]
         got = err.value.body["param"]  # type: ignore[index]
         assert got == param or (param and got and got.startswith(param.split(".")[0])), got
     with httpx.Client(base_url=service.url, headers=service.headers) as c:
