@@ -36,6 +36,7 @@ from ..wire import (
 )
 from . import tools as T
 from .body import Body
+from .closed_objects import close_objects
 
 MAX_STOP = 16
 MAX_CHOICES = 8  # n: choices of one chat completion (each a device request)
@@ -372,8 +373,8 @@ def _response_format(rf: dict[str, Any] | None) -> Constraint | None:
     if not isinstance(schema, dict):
         raise ValueError("response_format.json_schema.schema must be a JSON object")
     # Key order is kept: the output lists properties in the schema's order.
-    return Constraint(GrammarKind.JSON_SCHEMA,
-                      json.dumps(schema, ensure_ascii=False, separators=(",", ":")))
+    return Constraint(GrammarKind.JSON_SCHEMA, json.dumps(
+        close_objects(schema), ensure_ascii=False, separators=(",", ":")))
 
 
 class PolicyControlBody(Body):

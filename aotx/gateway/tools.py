@@ -41,6 +41,7 @@ from pydantic import ConfigDict, Field
 
 from ..wire import ToolFormat
 from .body import Body
+from .closed_objects import close_objects
 
 MAX_TOOLS = 128
 MAX_PARALLEL = 4  # calls in one answer with parallel_tool_calls
@@ -217,7 +218,8 @@ def _function_rules(allowed: Sequence[FunctionDef], key: str) -> list[str]:
     """Rule ``fi`` per function: ``{"name": "<name>", "<key>": <its parameters>}``."""
     rules = []
     for i, f in enumerate(allowed):
-        schema = json.dumps(parameters(f), ensure_ascii=False, separators=(",", ":"))
+        schema = json.dumps(close_objects(parameters(f)), ensure_ascii=False,
+                            separators=(",", ":"))
         rules.append(f'f{i}: "{{\\"name\\": \\"{f.name}\\", \\"{key}\\": " %json {schema}'
                      f' "}}"')
     return rules

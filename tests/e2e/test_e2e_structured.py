@@ -176,3 +176,29 @@ def test_pathological_schemas_never_stall_other_streams(oai: openai.OpenAI) -> N
     # gaps[0] is the role chunk, gaps[1] the first token (the prompt's evaluation): the
     # tokens after it are the ones a stalled step would delay
     assert len(gaps) > 10 and max(gaps[2:]) < 3.0, gaps
+
+
+OPEN_CITY: dict[str, Any] = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                             "required": ["city"]}
+
+
+def test_an_object_takes_only_the_properties_its_schema_lists(oai: openai.OpenAI) -> None:
+    """Without ``additionalProperties`` the model invented keys at temperature 0 (the QA
+    pass: ``{"city": "Paris", "temperature": 25}`` for a schema of ``city`` alone);
+    they are refused now, as llama.cpp and vLLM refuse them, in a response format and
+    in a tool's arguments (tests/unit/test_closed_objects.py: what keeps them allowed)."""
+    weather = [{"role": "user", "content": "What is the weather in Paris? Answer as JSON."}]
+    for strict in (True, False):
+        r = oai.chat.completions.create(
+            model="smollm2", messages=weather, temperature=0, max_tokens=60,  # type: ignore[arg-type]
+            response_format={"type": "json_schema", "json_schema": {  # type: ignore[typeddict-item]
+                "name": "w", "strict": strict, "schema": OPEN_CITY}})
+        assert set(json.loads(r.choices[0].message.content or "")) == {"city"}
+        tool = {"type": "function", "function": {"name": "get_weather", "strict": strict,
+                                                  "parameters": OPEN_CITY}}
+        r = oai.chat.completions.create(model="smollm2", messages=weather, temperature=0,  # type: ignore[arg-type]
+                                        max_tokens=60, tools=[tool],  # type: ignore[list-item]
+                                        tool_choice="required")
+        calls = r.choices[0].message.tool_calls or []
+        assert calls and all(set(json.loads(c.function.arguments)) == {"city"}  # type: ignore[union-attr]
+                             for c in calls)

@@ -87,7 +87,8 @@ def test_text_format_is_chats_response_format() -> None:
         "type": "json_schema", "name": "s", "schema": schema, "strict": True}}})
     c = body.chat([]).constraint(FB)
     assert c is not None and c.kind is wire.GrammarKind.JSON_SCHEMA
-    assert c.text == '{"type":"object","properties":{"a":{"type":"integer"}}}'
+    assert c.text == ('{"type":"object","properties":{"a":{"type":"integer"}},'
+                      '"additionalProperties":false}')  # closed: gateway/closed_objects.py
     with pytest.raises(ApiError) as err:
         ResponseRequest.model_validate({"model": "m", "input": "x", "text": {"format": {
             "type": "json_schema", "name": "no spaces", "schema": schema}}}).chat([])
