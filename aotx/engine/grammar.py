@@ -264,13 +264,32 @@ def _grammar_text(spec: GrammarSpec) -> str:
 
 def _classify(message: str) -> GrammarError:
     """llguidance's error text as a GrammarError (it reports no codes, only words)."""
-    first = message.strip().splitlines()[0] if message.strip() else "the grammar failed"
+    first = _first_words(message)
     lowered = first.lower()
     if "unimplemented" in lowered or "not supported" in lowered or "unknown format" in lowered:
         return GrammarError("unsupported", first)
     if any(w in lowered for w in ("too big", "too large", "limit", "fuel", "too complex")):
         return GrammarError("too_complex", first)
     return GrammarError("invalid", first)
+
+
+#: llguidance's advice that names an option of its own, which no request can set.
+_ONE_OF_ADVICE = ". Enable 'coerce_one_of' option to approximate oneOf with anyOf"
+
+
+def _first_words(message: str) -> str:
+    """The words of llguidance's message fit for a 400: its first line, and for the
+    regex parser's (``regex parse error:``, the pattern, a caret line, ``error: why``)
+    the pattern and the cause, which its first line alone leaves out."""
+    lines = [line for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return "the grammar failed"
+    first = lines[0].strip()
+    if first.endswith(":") and len(lines) > 1:
+        cause = next((line.strip()[6:].strip() for line in lines[2:]
+                      if line.strip().startswith("error:")), "")
+        first = f"{first[:-1]} in {lines[1].strip()!r}" + (f": {cause}" if cause else "")
+    return first.replace(_ONE_OF_ADVICE, ": use anyOf")
 
 
 class Matcher:
