@@ -43,7 +43,7 @@ class EmbeddingRequest(Body):
     input: str | list[str] | list[Token] | list[list[Token]] = Field(
         description="a string, an array of strings, an array of token ids, or an array of "
                     "token-id arrays: at most 2048 inputs, none empty")
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: Literal["float", "base64"] | None = None  # None: "float"
     dimensions: int | None = Field(default=None, description="refused (400): the vectors "
                                                              "have the model's own dimensions")
     user: str | None = Field(default=None, max_length=256,

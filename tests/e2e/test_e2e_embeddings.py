@@ -70,6 +70,8 @@ def test_both_encodings_give_the_same_unit_vectors(service: Service, oai: openai
         assert decoded.tolist() == f["embedding"]  # exactly: the float32 values as doubles
         assert len(decoded) == 576 and abs(float(np.linalg.norm(decoded)) - 1) < 1e-5
     assert floats["usage"] == b64["usage"] and floats["model"] == "smollm2"
+    # null is the default, as for every other optional field
+    assert raw(service, {**body, "encoding_format": None}).json()["data"] == floats["data"]
     # the SDK asks base64 by default and decodes it itself
     assert np.array_equal(vectors(oai, list(SIMILAR)), np.array(
         [f["embedding"] for f in floats["data"]]))
