@@ -181,6 +181,8 @@ class ResponseRequest(Body):
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     truncation: Literal["disabled"] | None = None  # "auto" would drop input: not served
     include: list[str] | None = Field(default=None, max_length=0)
+    user: str | None = Field(default=None, max_length=256)  # logged, as chat's
+    safety_identifier: str | None = Field(default=None, max_length=256)
 
     @field_validator("input")
     @classmethod
@@ -219,7 +221,9 @@ class ResponseRequest(Body):
         fmt = (self.text.format if self.text and self.text.format else None)
         return {"instructions": self.instructions, "metadata": self.metadata or {},
                 "max_output_tokens": self.max_output_tokens,
-                "temperature": self.temperature, "top_p": self.top_p,
+                # what sampling used: 1.0 when not given (OpenAI shows it so too)
+                "temperature": 1.0 if self.temperature is None else self.temperature,
+                "top_p": 1.0 if self.top_p is None else self.top_p,
                 "tools": [t.model_dump(exclude_none=True) for t in self.tools or []],
                 "tool_choice": (self.tool_choice.model_dump()
                                 if isinstance(self.tool_choice, NamedFunction)
@@ -333,8 +337,8 @@ def _content(item: dict[str, Any]) -> str | list[dict[str, Any]]:
 
 # -- the response object ----------------------------------------------------------------------
 _DEFAULT_ECHO: dict[str, Any] = {
-    "instructions": None, "metadata": {}, "max_output_tokens": None, "temperature": None,
-    "top_p": None, "tools": [], "tool_choice": "auto", "parallel_tool_calls": True,
+    "instructions": None, "metadata": {}, "max_output_tokens": None, "temperature": 1.0,
+    "top_p": 1.0, "tools": [], "tool_choice": "auto", "parallel_tool_calls": True,
     "text": {"format": {"type": "text"}}, "previous_response_id": None, "background": False,
     "store": False, "truncation": "disabled"}
 

@@ -146,6 +146,10 @@ async def create_response(body: ResponseRequest, request: Request,
         stored = st.seen(principal.id, rh.epoch, rh.identity, time.time())
     _maybe_sweep(g, st)
     headers = {"X-Request-Id": ids.format_request_id(rh.epoch, rh.identity)}
+    if body.user is not None or body.safety_identifier is not None:
+        # OpenAI's end-user tags: for the operator tracing abuse, in the log only
+        log.debug("event=response.user id=%s user=%r safety_identifier=%r",
+                  headers["X-Request-Id"], body.user, body.safety_identifier)
     if body.stream:
         return StreamingResponse(
             _stream(g, principal, rh, _snapshot(g, rh, stored), -1, None,

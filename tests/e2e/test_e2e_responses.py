@@ -328,3 +328,19 @@ def test_input_items_before_a_cursor_pages_backwards(oai: openai.OpenAI,
     assert page(before=desc[1], limit=2) == (desc[:1], False)
     assert page(after=desc[0], limit=2) == (desc[1:3], True)
     assert page(after=desc[0], before=desc[4], limit=2) == (desc[1:3], True)
+
+
+def test_user_tags_are_taken_and_the_sampling_defaults_shown(oai: openai.OpenAI) -> None:
+    """``user`` and ``safety_identifier`` as on chat completions (logged, not stored);
+    ``temperature`` and ``top_p`` not given read 1.0, what sampling used, as OpenAI
+    shows them (they read null)."""
+    r = oai.responses.create(model="smollm2", input="Hi", max_output_tokens=2, user="u1",
+                             safety_identifier="s1")
+    assert (r.temperature, r.top_p) == (1.0, 1.0)
+    assert oai.responses.retrieve(r.id).temperature == 1.0
+    loose = oai.responses.create(model="smollm2", input="Hi", max_output_tokens=2,
+                                 store=False)
+    assert (loose.temperature, loose.top_p) == (1.0, 1.0)
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.responses.create(model="smollm2", input="Hi", user="u" * 257)
+    assert err.value.body["param"] == "user"  # type: ignore[index]
