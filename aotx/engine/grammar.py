@@ -288,7 +288,11 @@ def _first_words(message: str) -> str:
     if first.endswith(":") and len(lines) > 1:
         cause = next((line.strip()[6:].strip() for line in lines[2:]
                       if line.strip().startswith("error:")), "")
-        first = f"{first[:-1]} in {lines[1].strip()!r}" + (f": {cause}" if cause else "")
+        # the pattern as llguidance rewrote it (\d as [0-9]), cut: the refusal travels in
+        # one packet, and a pattern can fill one
+        pattern = lines[1].strip()
+        pattern = pattern if len(pattern) <= 60 else pattern[:57] + "..."
+        first = f"{first[:-1]} in {pattern!r}" + (f": {cause}" if cause else "")
     return first.replace(_ONE_OF_ADVICE, ": use anyOf")
 
 

@@ -141,6 +141,7 @@ def test_keywords_that_would_not_be_enforced_are_refused_by_name(
      "oneOf constraints are not supported: use anyOf"),
     ({"type": "string", "pattern": "(unclosed"}, "invalid", "regex parse error in '(unclosed'"),
     ({"type": "string", "pattern": "(["}, "invalid", "in '([': unclosed character class"),
+    ({"type": "string", "pattern": "(" + "\\w" * 12000}, "invalid", "...': unclosed group"),
     ({"$ref": "#/$defs/missing"}, "invalid", "missing"),
     ({"type": "integer", "minimum": 5, "maximum": 1}, "invalid", ""),
 ])
@@ -152,6 +153,7 @@ def test_what_llguidance_refuses_is_a_grammar_error(compiler: GrammarCompiler,
     assert info.value.code == code, info.value
     assert words in info.value.detail
     assert "coerce_one_of" not in info.value.detail  # no option a request could set
+    assert len(info.value.detail) < 200  # a refusal fits its packet, whatever the pattern
 
 
 def test_limits_refuse_deep_large_and_complex_schemas_quickly(compiler: GrammarCompiler) -> None:
