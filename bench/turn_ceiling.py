@@ -28,11 +28,12 @@ sequence already holds, as a server with a prompt cache finds them.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
 
-sys.path.insert(0, __file__.rsplit("/", 2)[0])
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aotx.device.models import default_model_path  # noqa: E402
 from aotx.device.prompt import split, text_tokens  # noqa: E402
