@@ -14,8 +14,9 @@ Connection level (:class:`GuardedHttpToolsProtocol`, uvicorn's protocol class):
   stands for the Host header (RFC 9112 3.2.2); anything else answers 400.
 
 Request level (:class:`Guard`, ASGI middleware in front of every route): one Host
-header, a loopback one on a loopback bind, body size and pacing (each chunk within ``body_timeout``),
-a JSON route's body a JSON object whatever its Content-Type, and the fast paths of ``GET /aotx/v1/requests/{id}``, ``GET /v1/models``,
+header, a loopback one on a loopback bind, body size and pacing (each chunk within
+``body_timeout``), a JSON route's body a JSON object whatever its Content-Type, and the
+fast paths of ``GET /aotx/v1/requests/{id}``, ``GET /v1/models``,
 ``POST /aotx/v1/requests`` and ``POST /v1/chat/completions``.
 """
 
