@@ -231,7 +231,7 @@ class ChatRequest(Body):
             raise ValueError("top_logprobs needs logprobs: true")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
-        _response_format(self.response_format)
+        _format_schema(self.response_format)
         if (self.max_tokens is not None and self.max_completion_tokens is not None
                 and self.max_tokens != self.max_completion_tokens):
             raise ValueError("max_tokens and max_completion_tokens disagree")
@@ -241,10 +241,12 @@ class ChatRequest(Body):
         """The grammar the output must follow (tools' calls in the model's format ``fmt``,
         or ``response_format``)."""
         if self.tool_mode:
-            lark, _ = T.grammar(self.tools or [], self.tool_choice,
-                                self.parallel_tool_calls is not False, fmt)
-            return Constraint(GrammarKind.LARK, lark)
-        return _response_format(self.response_format)
+            return Constraint(GrammarKind.LARK, T.grammar(
+                self.tools or [], self.tool_choice, self.parallel_tool_calls is not False, fmt))
+        schema = _format_schema(self.response_format)
+        # Key order is kept: the output lists properties in the schema's order.
+        return None if schema is None else Constraint(GrammarKind.JSON_SCHEMA, json.dumps(
+            close_objects(schema), ensure_ascii=False, separators=(",", ":")))
 
     @property
     def tool_mode(self) -> T.Mode | None:
@@ -256,7 +258,7 @@ class ChatRequest(Body):
         """The functions the constraint's ``%json`` schemas are for, in order."""
         if not self.tool_mode:
             return ()
-        return T.grammar(self.tools or [], self.tool_choice, False, ToolFormat.FALLBACK)[1]
+        return tuple(f.name for f in T.allowed(self.tools or [], self.tool_choice))
 
     @property
     def uses_tools(self) -> bool:
@@ -338,10 +340,11 @@ _FORMAT_FIELDS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"ty
 _SCHEMA_FIELDS = {"name", "schema", "strict", "description"}
 
 
-def _response_format(rf: dict[str, Any] | None) -> Constraint | None:
-    """OpenAI's ``response_format``: ``text``, ``json_object`` (any JSON object) or
-    ``json_schema`` (``{"name", "schema", "strict", "description"}``; the output always
-    follows the schema: ``strict`` false is not a looser mode here).  What the schema
+def _format_schema(rf: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The schema OpenAI's ``response_format`` asks the output to follow: none for
+    ``text``, any JSON object for ``json_object``, or ``json_schema``'s (``{"name",
+    "schema", "strict", "description"}``; the output always follows the schema:
+    ``strict`` false is not a looser mode here).  What the schema
     may use is the device's to say (400 naming the keyword).  A field it does not know
     is refused, as everywhere in a body: llama.cpp's ``{"type": "json_object", "schema":
     ...}`` would otherwise be served unconstrained by the schema it names."""
@@ -362,7 +365,7 @@ def _response_format(rf: dict[str, Any] | None) -> Constraint | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return Constraint(GrammarKind.JSON_SCHEMA, '{"type":"object"}')
+        return {"type": "object"}
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise ValueError("response_format.json_schema needs a name and a schema")
     if not isinstance(spec.get("strict", False), bool):
@@ -372,9 +375,7 @@ def _response_format(rf: dict[str, Any] | None) -> Constraint | None:
     schema = spec.get("schema", {})
     if not isinstance(schema, dict):
         raise ValueError("response_format.json_schema.schema must be a JSON object")
-    # Key order is kept: the output lists properties in the schema's order.
-    return Constraint(GrammarKind.JSON_SCHEMA, json.dumps(
-        close_objects(schema), ensure_ascii=False, separators=(",", ":")))
+    return schema
 
 
 class PolicyControlBody(Body):

@@ -188,30 +188,35 @@ def response_text(content: str) -> str:
 
 
 # -- the grammar ------------------------------------------------------------------------------
+def allowed(tools: Sequence[ToolDef], choice: ToolChoice | None) -> list[FunctionDef]:
+    """The functions the model may call, in the order of the grammar's ``%json`` schemas
+    (their names name a refused one)."""
+    return [t.function for t in tools
+            if not isinstance(choice, NamedChoice) or t.function.name == choice.function.name]
+
+
 def grammar(tools: Sequence[ToolDef], choice: ToolChoice | None, parallel: bool,
-            fmt: ToolFormat) -> tuple[str, tuple[str, ...]]:
-    """The Lark grammar for ``mode(tools, choice)`` (not None) in format ``fmt``, and the
-    functions' names in the order of its ``%json`` schemas (for naming a refused one).
+            fmt: ToolFormat) -> str:
+    """The Lark grammar for ``mode(tools, choice)`` (not None) in format ``fmt``, one
+    ``%json`` schema for each of :func:`allowed`.
 
     ``auto``: plain text that never holds ``<tool_call>``, or text (possibly none) up
     to the first ``<tool_call>`` and then calls only.  The text before a call is a lazy
     lexeme (llguidance's docs/syntax.md, "Tool calling"): it ends at the first
     ``<tool_call>``, where a greedy one would swallow the marker's first bytes."""
-    allowed = [t.function for t in tools
-               if not isinstance(choice, NamedChoice) or t.function.name == choice.function.name]
-    names = tuple(f.name for f in allowed)
+    functions = allowed(tools, choice)
     if fmt is ToolFormat.LLAMA3:
-        return _llama3_grammar(allowed, mode(tools, choice) == "required"), names
-    rules = _function_rules(allowed, "arguments")
+        return _llama3_grammar(functions, mode(tools, choice) == "required")
+    rules = _function_rules(functions, "arguments")
     repeat = f' ("\\n<tool_call>" body){{0,{MAX_PARALLEL - 1}}}' if parallel else ""
     start = ('start: "<tool_call>" calls' if mode(tools, choice) == "required"
              else "start: TEXT | head calls")
     lines = [start, f"calls: body{repeat}",
-             'body: "\\n" (' + " | ".join(f"f{i}" for i in range(len(allowed)))
+             'body: "\\n" (' + " | ".join(f"f{i}" for i in range(len(functions)))
              + ') "\\n</tool_call>"',
              "head[lazy]: /(.|\\n)*<tool_call>/",
              "TEXT: /(.|\\n)+/ & ~/(.|\\n)*<tool_call>(.|\\n)*/", *rules]
-    return "\n".join(lines) + "\n", names
+    return "\n".join(lines) + "\n"
 
 
 def _function_rules(allowed: Sequence[FunctionDef], key: str) -> list[str]:
