@@ -213,7 +213,11 @@ def round_figure(ld: Load, key: str) -> float:
 def ratios(rounds: list[tuple[Load, Load]], key: str) -> str:
     """The median of the rounds' ratios aotx/peer of one figure (each round's two
     loads ran minutes apart at most), and each round's ratio."""
-    rs = [round_figure(a, key) / round_figure(b, key) for a, b in rounds]
+    return median_and_each([round_figure(a, key) / round_figure(b, key) for a, b in rounds])
+
+
+def median_and_each(rs: list[float]) -> str:
+    """Ratios as the benchmarks print them: their median, then each round's in brackets."""
     each = "/".join(f"{x:.2f}" for x in rs)
     return f"{statistics.median(rs):.2f}" + (f" [{each}]" if len(rs) > 1 else "")
 
@@ -253,8 +257,7 @@ def ceiling_lines(bounds: list[dict[str, dict[str, list[float]]]], theirs: list[
         if theirs:
             rs = [pct(b[layout]["alone"], 50) / pct(ld.later, 50)
                   for b, ld in zip(bounds, theirs, strict=True)]
-            line += (f" | alone/peer {statistics.median(rs):.2f} ["
-                     + "/".join(f"{r:.2f}" for r in rs) + "]")
+            line += f" | alone/peer {median_and_each(rs)}"
         lines.append(line)
     return "\n".join(lines)
 
