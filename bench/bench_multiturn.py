@@ -22,8 +22,9 @@ workload, stops it, then does the same with the peer (llama-server with only
 request before the workload, so that its one-time start-up costs are not in the
 first turn's figures.  It prints per U the TTFT p50 of the first turns, the TTFT p50
 of the later turns (2..T: their prompts are longer, and a server that keeps the
-conversation's cache only has the new question to read), and the aggregate
-completion throughput (completion tokens / wall time of the whole workload), then
+conversation's cache only has the new question to read), the inter-token time p50
+(between a reply's content chunks: the pace of the decode steps, with the other users'
+prompts evaluated between them), and the aggregate completion throughput (completion tokens / wall time of the whole workload), then
 the ratios aotx/peer of each: the median of the rounds' ratios (each round's in
 brackets), as in bench_serve.py.  Without a peer it runs aotx alone.
 
@@ -96,6 +97,7 @@ class Load:
     first: list[float] = field(default_factory=list)  # TTFT of the first turns, s
     later: list[float] = field(default_factory=list)  # TTFT of turns 2..T, s
     per_turn: dict[int, list[float]] = field(default_factory=dict)  # turn -> TTFTs, s
+    itl: list[float] = field(default_factory=list)  # between a reply's content chunks, s
     tokens: int = 0
     wall: float = 0.0
 
@@ -129,14 +131,15 @@ def stop_server(srv: Server | None) -> None:
         shutil.rmtree(srv.state, ignore_errors=True)
 
 
-async def chat(c: httpx.AsyncClient, srv: Server, messages: list[Message],
-               max_tokens: int) -> tuple[float | None, int, str]:
+async def chat(c: httpx.AsyncClient, srv: Server, messages: list[Message], max_tokens: int,
+               itl: list[float] | None = None) -> tuple[float | None, int, str]:
     """One streamed chat completion: (TTFT or None if no content came, completion
-    tokens, the content)."""
+    tokens, the content); the times between its content chunks go to ``itl``."""
     body = {"model": srv.model, "messages": messages, "temperature": 0,
             "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft: float | None = None
+    last = t0
     chunks = 0
     usage: int | None = None
     parts: list[str] = []
@@ -153,8 +156,12 @@ async def chat(c: httpx.AsyncClient, srv: Server, messages: list[Message],
             for ch in obj.get("choices") or []:
                 text = (ch.get("delta") or {}).get("content")
                 if text:
+                    now = time.perf_counter()
                     if ttft is None:
-                        ttft = time.perf_counter() - t0
+                        ttft = now - t0
+                    elif itl is not None:
+                        itl.append(now - last)
+                    last = now
                     chunks += 1
                     parts.append(text)
     return ttft, usage if usage is not None else chunks, "".join(parts)
@@ -183,7 +190,7 @@ async def workload(srv: Server, users: int, turns: int, max_tokens: int, think: 
                 if t and think:
                     await asyncio.sleep(think)
                 history.append({"role": "user", "content": question(u, t, session)})
-                ttft, tokens, reply = await chat(c, srv, history, max_tokens)
+                ttft, tokens, reply = await chat(c, srv, history, max_tokens, load.itl)
                 history.append({"role": "assistant", "content": reply})
                 load.tokens += tokens
                 if ttft is not None:
@@ -202,7 +209,7 @@ def run(srv: Server, users: int, args: argparse.Namespace, session: str) -> Load
 
 
 def p50(loads: list[Load], key: str) -> float:
-    """The p50 of all the rounds' TTFTs of one kind together, in ms."""
+    """The p50 of all the rounds' times of one kind (TTFTs, ITLs) together, in ms."""
     return pct([x for ld in loads for x in getattr(ld, key)], 50) * 1e3
 
 
@@ -307,14 +314,17 @@ def main() -> None:
                     bounds.append(ceiling.measure(users, args, session))
             line = (f"U={users} T={args.turns}  aotx first-turn TTFT p50 {p50(mine, 'first'):.0f} ms, "
                     f"later-turn TTFT p50 {p50(mine, 'later'):.0f} ms, "
+                    f"ITL p50 {p50(mine, 'itl'):.1f} ms, "
                     f"{statistics.mean(ld.tok_s for ld in mine):.1f} tok/s")
             if theirs:
                 pairs = list(zip(mine, theirs, strict=True))
                 line += (f" | peer first {p50(theirs, 'first'):.0f} ms, "
                          f"later {p50(theirs, 'later'):.0f} ms, "
+                         f"ITL {p50(theirs, 'itl'):.1f} ms, "
                          f"{statistics.mean(ld.tok_s for ld in theirs):.1f} tok/s"
                          f" | aotx/peer: first {ratios(pairs, 'first')}, "
-                         f"later {ratios(pairs, 'later')}, throughput {ratios(pairs, 'tok_s')}")
+                         f"later {ratios(pairs, 'later')}, ITL {ratios(pairs, 'itl')}, "
+                         f"throughput {ratios(pairs, 'tok_s')}")
             print(line, flush=True)
             if args.per_turn:
                 print(per_turn("aotx", mine, args.turns), flush=True)
