@@ -40,7 +40,7 @@ CREATE TABLE IF NOT EXISTS responses (
 );
 CREATE INDEX IF NOT EXISTS responses_age ON responses (checked_at);
 """
-SWEEP_ROWS = 64  # rows checked with the device per sweep
+SWEEP_ROWS = 64  # rows read from the table at once; a sweep checks every due row
 RECHECK_S = 60.0
 
 

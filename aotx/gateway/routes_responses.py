@@ -30,7 +30,7 @@ from . import schemas as S
 from .errors import ApiError
 from .render import dumps, json_response, sse, sse_data
 from .response_events import Events, Snapshot
-from .response_store import ResponseStore, Stored
+from .response_store import SWEEP_ROWS, ResponseStore, Stored
 from .responses import (
     ResponseRequest,
     input_item_ids,
@@ -339,23 +339,29 @@ def _maybe_sweep(g: Gateway, st: ResponseStore) -> None:
 
 
 async def sweep(g: Gateway, st: ResponseStore) -> int:
-    """Remove the rows whose request the device no longer holds; how many went."""
+    """Remove the rows whose request the device no longer holds; how many went.  Every
+    due row is checked, a batch at a time: at one batch a minute, a gateway answering
+    more than a response a second would outgrow the device's retention."""
     if g.info is None:
         return 0
     gone = 0
-    for pid, epoch, identity in st.due(g.epoch, g.info.retention_seconds):
-        if pid in g.principals:
-            try:
-                rh, _ = await g.call(wire.Header(op=wire.Op.READ, principal=pid, epoch=epoch,
-                                                 identity=identity))
-            except ApiError:
-                return gone  # the device is away: next time
-            lost = rh.status in (404, 410)
-        else:
-            lost = True  # no live token: nobody can read it (a new grant hides it too)
-        st.checked(epoch, identity, lost)
-        gone += lost
-    return gone
+    while True:
+        due = st.due(g.epoch, g.info.retention_seconds)
+        for pid, epoch, identity in due:
+            if pid in g.principals:
+                try:
+                    rh, _ = await g.call(wire.Header(op=wire.Op.READ, principal=pid,
+                                                     epoch=epoch, identity=identity))
+                except ApiError:
+                    return gone  # the device is away: next time
+                lost = rh.status in (404, 410)
+            else:
+                lost = True  # no live token: nobody can read it (a new grant hides it too)
+            st.checked(epoch, identity, lost)
+            gone += lost
+        if len(due) < SWEEP_ROWS:  # a checked row is not due again for a minute
+            return gone
+        await asyncio.sleep(0)  # the rows without a token need no await: let others run
 
 
 __all__ = ["router", "response_id", "sweep"]

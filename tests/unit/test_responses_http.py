@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import time
 from typing import Any
 
 from aotx import wire
 from aotx.config import Settings
 from aotx.gateway.app import create_app
-from aotx.gateway.response_store import ResponseStore
+from aotx.gateway.response_store import SWEEP_ROWS, ResponseStore
 from aotx.gateway.responses import parse_response_id
 from aotx.gateway.routes_responses import sweep
 from aotx.gateway.service import Gateway
@@ -78,6 +79,40 @@ def test_background_delete_and_the_retention_sweep() -> None:
             for path in (f"/v1/responses/{rid}", f"/v1/responses/{rid}/input_items"):
                 assert (await c.get(path)).status_code == 404
             assert len(broker.sent) == sent
+
+    try:
+        asyncio.run(go())
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_one_sweep_checks_every_row_due() -> None:
+    """Above a response a second, one batch a minute would fall behind the retention:
+    a sweep checks every row due, a batch after another, each once."""
+    folder = short_tmpdir()
+    broker = ScriptedBroker()
+    app: Any = create_app(RuntimePaths(folder), Settings(), broker=broker)  # type: ignore[arg-type]
+    broker.script[wire.Op.SUBMIT] = lambda h, p: (state(h, 202, wire.Phase.QUEUED), b"")
+    broker.script[wire.Op.READ] = lambda h, p: (
+        h.refuse(404, wire.Reason.NO_REQUEST)._replace(epoch=EPOCH), b"")
+
+    async def go() -> None:
+        async with asgi_client(app, RuntimePaths(folder)) as c:
+            st: ResponseStore = app.app.state.responses
+            g: Gateway = app.app.state.gateway
+            st.last_sweep = time.monotonic()  # no sweep of its own beside this request
+            r = await c.post("/v1/responses", json={"model": "smollm2", "input": "hi",
+                                                    "background": True})
+            assert r.status_code == 200
+            (pid,) = st.db.execute("SELECT principal FROM responses").fetchone()
+            old = time.time() - 5000
+            for i in range(2 * SWEEP_ROWS + 20):
+                st.seen(pid, EPOCH, bytes(14) + i.to_bytes(2, "big"), old)
+            st.db.execute("UPDATE responses SET created_at = ?, checked_at = ?", (old, old))
+            reads = len([h for h in broker.sent if h.op == wire.Op.READ])
+            assert await sweep(g, st) == 2 * SWEEP_ROWS + 21 and st.count() == 0
+            assert len([h for h in broker.sent if h.op == wire.Op.READ]) == \
+                reads + 2 * SWEEP_ROWS + 21
 
     try:
         asyncio.run(go())
