@@ -45,6 +45,13 @@ def _device_id(text: str) -> int:
     return value
 
 
+def _byte_offset(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be a byte offset, 0 or more")
+    return value
+
+
 def build_parser(settings: Settings | None = None) -> argparse.ArgumentParser:
     settings = settings or Settings()
     parser = argparse.ArgumentParser(prog="aotx", description="Local LLM inference service")
@@ -104,7 +111,8 @@ def build_parser(settings: Settings | None = None) -> argparse.ArgumentParser:
     fo = sub.add_parser("follow", help="stream a request's output (re-attach by id)")
     _state_dir(fo, state)
     fo.add_argument("id")
-    fo.add_argument("--cursor", type=int, default=0)
+    fo.add_argument("--cursor", type=_byte_offset, default=0,
+                    help="the byte offset to follow from (default 0)")
     fo.add_argument("--url")
     fo.add_argument("--token")
     ch = sub.add_parser("chat", help="interactive chat (history kept for the session)")
@@ -244,6 +252,8 @@ def _follow(c: object, request_id: str, cursor: int = 0) -> int:
 
 
 def _submit_or_follow(args: argparse.Namespace, state_dir: str, run_dir: str) -> int:
+    import httpx
+
     from .client import AotxError, Client
 
     url, token = _endpoint(args, state_dir, run_dir)
@@ -259,6 +269,9 @@ def _submit_or_follow(args: argparse.Namespace, state_dir: str, run_dir: str) ->
         except AotxError as exc:
             print(f"aotx: {exc.status} {exc.message}", file=sys.stderr)
             return 1
+        except httpx.TransportError as exc:  # follow has retried for a minute already
+            print(f"aotx: {url} is not answering: {exc}", file=sys.stderr)
+            return 1
 
 
 def _chat(args: argparse.Namespace, state_dir: str, run_dir: str) -> int:
@@ -267,6 +280,8 @@ def _chat(args: argparse.Namespace, state_dir: str, run_dir: str) -> int:
     Ctrl-C while an answer streams cancels that request on the device and keeps
     the session; Ctrl-C or Ctrl-D at the prompt ends it.
     """
+    import httpx
+
     from .client import AotxError, Client
 
     url, token = _endpoint(args, state_dir, run_dir)
@@ -286,8 +301,9 @@ def _chat(args: argparse.Namespace, state_dir: str, run_dir: str) -> int:
             history.append({"role": "user", "content": line})
             try:
                 adm = c.submit(history, args.model, max_tokens=args.max_tokens)
-            except AotxError as exc:
-                print(f"[{exc.status}: {exc.message}]")
+            except (AotxError, httpx.TransportError) as exc:
+                print(f"[{exc.status}: {exc.message}]" if isinstance(exc, AotxError)
+                      else f"[{url} is not answering: {exc}]")
                 history.pop()
                 continue
             sys.stdout.write("bot> ")

@@ -38,10 +38,12 @@ TERMINAL = ("completed", "failed", "cancelled")
 class AotxError(Exception):
     status = 0
 
-    def __init__(self, status: int, error: dict[str, Any]) -> None:
+    def __init__(self, status: int, error: dict[str, Any],
+                 retry_after: float | None = None) -> None:
         super().__init__(f"{status}: {error.get('message', '')}")
         self.status = status
         self.error = error
+        self.retry_after = retry_after  # seconds, from Retry-After (429, 503)
 
     @property
     def message(self) -> str:
@@ -92,7 +94,11 @@ def _raise_for(r: httpx.Response) -> None:
         error = r.json()["error"]
     except (ValueError, KeyError, TypeError):
         error = {"message": r.text[:500], "type": "unknown", "code": None, "param": None}
-    raise _BY_STATUS.get(r.status_code, AotxError)(r.status_code, error)
+    try:
+        retry_after: float | None = float(r.headers["retry-after"])
+    except (KeyError, ValueError):
+        retry_after = None
+    raise _BY_STATUS.get(r.status_code, AotxError)(r.status_code, error, retry_after)
 
 
 @dataclass(frozen=True)
@@ -158,6 +164,28 @@ class _SSE:
         return ev or None
 
 
+class _Text:
+    """Output bytes as text, decoded incrementally: an emission can end inside a
+    character, and output read from a byte cursor can begin inside one.  Those first
+    bytes (at most three continuation bytes) belong to a character before the cursor,
+    so the text starts at the first whole character at or after it."""
+
+    def __init__(self, cursor: int) -> None:
+        self.decoder = codecs.getincrementaldecoder("utf-8")()
+        self.skip = 3 if cursor > 0 else 0
+
+    def feed(self, data: bytes) -> str:
+        while self.skip and data:
+            if not 0x80 <= data[0] < 0xC0:
+                self.skip = 0
+                break
+            data, self.skip = data[1:], self.skip - 1
+        return self.decoder.decode(data)
+
+    def end(self) -> str:
+        return self.decoder.decode(b"", final=True)
+
+
 def _to_item(ev: dict[str, str]) -> Emission | RequestState | AotxError:
     kind = ev.get("event")
     data = json.loads(ev.get("data", "{}"))
@@ -178,6 +206,15 @@ def _body(messages: list[dict[str, Any]], model: str, params: dict[str, Any]) ->
 # restarts (connection refused, 503) are retried with backoff up to this long.
 RECONNECT_SECONDS = 60.0
 RECONNECT_PAUSE = 0.2
+
+
+def _page(limit: int, cursor: str | None) -> dict[str, Any]:
+    """The query of one page of the media list."""
+    return {"limit": limit, **({"cursor": cursor} if cursor else {})}
+
+
+def _control(action: str, expected_revision: int | str) -> dict[str, str]:
+    return {"action": action, "expected_revision": str(expected_revision)}
 
 
 class _Resume:
@@ -302,15 +339,13 @@ class Client:
                 time.sleep(RECONNECT_PAUSE)
 
     def text(self, request_id: str, cursor: int = 0) -> Iterator[str]:
-        """The output as text, decoded incrementally (safe across split characters)."""
-        dec = codecs.getincrementaldecoder("utf-8")()
+        """The output as text from ``cursor``, decoded incrementally (safe across split
+        characters; from the first whole character at or after the cursor)."""
+        dec = _Text(cursor)
         for item in self.events(request_id, cursor):
-            if isinstance(item, Emission):
-                t = dec.decode(item.data)
-                if t:
-                    yield t
-        tail = dec.decode(b"", final=True)
-        if tail:
+            if isinstance(item, Emission) and (t := dec.feed(item.data)):
+                yield t
+        if tail := dec.end():
             yield tail
 
     # -- media -----------------------------------------------------------------------
@@ -321,10 +356,7 @@ class Client:
     def list_media(self, limit: int = 100) -> Iterator[dict[str, Any]]:
         cursor: str | None = None
         while True:
-            params: dict[str, Any] = {"limit": limit}
-            if cursor:
-                params["cursor"] = cursor
-            page = self._json("GET", "/aotx/v1/media", params=params)
+            page = self._json("GET", "/aotx/v1/media", params=_page(limit, cursor))
             yield from page["data"]
             cursor = page["next_cursor"]
             if not cursor:
@@ -344,8 +376,8 @@ class Client:
         return dict(self._json("GET", "/aotx/v1/policy"))
 
     def control_policy(self, action: str, expected_revision: int | str) -> dict[str, Any]:
-        return dict(self._json("POST", "/aotx/v1/policy", json={
-            "action": action, "expected_revision": str(expected_revision)}))
+        return dict(self._json("POST", "/aotx/v1/policy",
+                               json=_control(action, expected_revision)))
 
 
 class AsyncClient:
@@ -432,18 +464,41 @@ class AsyncClient:
                 await asyncio.sleep(RECONNECT_PAUSE)
 
     async def text(self, request_id: str, cursor: int = 0) -> AsyncIterator[str]:
-        dec = codecs.getincrementaldecoder("utf-8")()
+        dec = _Text(cursor)
         async for item in self.events(request_id, cursor):
-            if isinstance(item, Emission):
-                t = dec.decode(item.data)
-                if t:
-                    yield t
-        tail = dec.decode(b"", final=True)
-        if tail:
+            if isinstance(item, Emission) and (t := dec.feed(item.data)):
+                yield t
+        if tail := dec.end():
             yield tail
 
+    # -- media -----------------------------------------------------------------------
+    async def upload_media(self, data: bytes, content_type: str) -> dict[str, Any]:
+        return dict(await self._json("POST", "/aotx/v1/media", content=data,
+                                     headers={"Content-Type": content_type}))
+
+    async def list_media(self, limit: int = 100) -> AsyncIterator[dict[str, Any]]:
+        cursor: str | None = None
+        while True:
+            page = await self._json("GET", "/aotx/v1/media", params=_page(limit, cursor))
+            for source in page["data"]:
+                yield source
+            cursor = page["next_cursor"]
+            if not cursor:
+                return
+
+    async def get_media(self, source_id: str) -> dict[str, Any]:
+        return dict(await self._json("GET", f"/aotx/v1/media/{source_id}"))
+
+    async def remove_media(self, source_id: str) -> None:
+        await self._json("DELETE", f"/aotx/v1/media/{source_id}")
+
+    # -- telemetry and policy ----------------------------------------------------------
     async def telemetry(self) -> dict[str, Any]:
         return dict(await self._json("GET", "/aotx/v1/telemetry"))
 
     async def policy(self) -> dict[str, Any]:
         return dict(await self._json("GET", "/aotx/v1/policy"))
+
+    async def control_policy(self, action: str, expected_revision: int | str) -> dict[str, Any]:
+        return dict(await self._json("POST", "/aotx/v1/policy",
+                                     json=_control(action, expected_revision)))

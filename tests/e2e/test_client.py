@@ -33,6 +33,9 @@ def test_submit_text_windows_and_errors(service: Service) -> None:
         k = next(i for i, b in enumerate(full) if b >= 0xC0) + 1
         got = b"".join(e.data for e in c.events(adm.id, k) if isinstance(e, Emission))
         assert got == full[k:]
+        # as text: from the first whole character after the cursor
+        whole = next(i for i in range(k, len(full)) if not 0x80 <= full[i] < 0xC0)
+        assert "".join(c.text(adm.id, k)) == full[whole:].decode()
         with pytest.raises(Conflict) as err:
             c.get(adm.id, len(full) + 1)
         assert err.value.status == 409 and err.value.error["type"] == "conflict_error"
@@ -57,7 +60,21 @@ def test_async_client(service: Service) -> None:
         async with AsyncClient(service.url, service.token) as c:
             adm = await c.submit(RUSSIAN, max_tokens=24, temperature=0)
             text = "".join([t async for t in c.text(adm.id)])
-            return text, await c.read_all(adm.id), await c.wait(adm.id)
+            full = await c.read_all(adm.id)
+            k = next(i for i, b in enumerate(full) if b >= 0xC0) + 1  # inside a character
+            tail = "".join([t async for t in c.text(adm.id, k)])
+            assert full.decode().endswith(tail) and len(tail.encode()) > len(full) - k - 3
+            # the media and policy methods, as the synchronous client's
+            src = await c.upload_media(png(43), "image/png")
+            assert src["id"] in [m["id"] async for m in c.list_media(limit=1)]
+            assert (await c.get_media(src["id"]))["id"] == src["id"]
+            await c.remove_media(src["id"])
+            with pytest.raises(NotFound):
+                await c.get_media(src["id"])
+            policy = await c.policy()
+            with pytest.raises(Conflict):  # a stale revision
+                await c.control_policy("pause", int(policy["control_revision"]) + 1)
+            return text, full, await c.wait(adm.id)
 
     text, full, state = asyncio.run(main())
     assert text == full.decode("utf-8") and state.terminal
@@ -110,6 +127,22 @@ def test_cli_submit_follow_and_reattach(service: Service) -> None:
     assert again.returncode == 0 and again.stdout == text
     with Client(service.url, service.token) as c:
         assert c.read_all(rid).decode() == again.stdout
+        other = c.submit(RUSSIAN, max_tokens=24, temperature=0).id
+        c.wait(other)
+        full = c.read_all(other)
+    # from a byte offset inside a character: the text from the next whole one
+    k = next(i for i, b in enumerate(full) if b >= 0xC0) + 1
+    tail = subprocess.run(base + ["follow", other, "--cursor", str(k), *common],
+                          capture_output=True, text=True, timeout=60)
+    assert tail.returncode == 0, tail.stderr
+    assert tail.stdout == full[k:].lstrip(bytes(range(0x80, 0xC0))).decode()
+    bad = subprocess.run(base + ["follow", other, "--cursor", "-5", *common],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--cursor: must be a byte offset" in bad.stderr
+    gone = subprocess.run(base + ["submit", "hi", "--url", "http://127.0.0.1:1", "--token", "x"],
+                          capture_output=True, text=True, timeout=60)
+    assert gone.returncode == 1 and "is not answering" in gone.stderr
+    assert "Traceback" not in gone.stderr
 
 
 def _default_sigint() -> None:
