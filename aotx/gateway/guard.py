@@ -216,6 +216,19 @@ LOOPBACK_HOST = re.compile(r"(?:127\.0\.0\.1|localhost|\[::1\])(?::[0-9]{1,5})?"
 _WINDOW_PATH = re.compile(r"^/aotx/v1/requests/[^/]+$")
 
 
+def target_refusal(scope: Scope) -> tuple[int, str] | None:
+    """(status, message) for a request line the routes must not see: another HTTP
+    version than 1.0 or 1.1 (the parser reads "HTTP/2.0" as a version, not a refusal),
+    or a path that spells ``/`` as ``%2F`` (the server decodes it, so
+    ``/aotx/v1/requests/ID%2Fevents`` would reach the events route: paths match exactly,
+    in one spelling)."""
+    if scope.get("http_version", "1.1") not in ("1.0", "1.1"):
+        return 505, "this service speaks HTTP/1.1"
+    if b"%2f" in (scope.get("raw_path") or b"").lower():
+        return 404, "a path may not spell / as %2F"
+    return None
+
+
 def host_refusal(scope: Scope, loopback_only: bool) -> tuple[int, str] | None:
     """(status, message) when the request's Host header is refused, else None.
 
@@ -345,7 +358,8 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if (refused := host_refusal(scope, self.loopback_only)) is not None:
+        if (refused := target_refusal(scope)
+                or host_refusal(scope, self.loopback_only)) is not None:
             await self._refuse(send, *refused)
             return
         streamed = (scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS")

@@ -685,7 +685,8 @@ def test_a_malformed_request_answers_the_standard_error_object(served: Served) -
 def test_request_targets_and_host_headers_on_the_wire(served: Served) -> None:
     """What only raw requests can send: an absolute-form target names its own host (RFC
     9112 3.2.2: it stands for the Host header, which is ignored), so it is checked as
-    the Host is; user information in it, another form of target, no Host or two: 400."""
+    the Host is; user information in it, another form of target, no Host or two: 400;
+    HTTP/2.0: 505; a path that spells / as %2F: 404."""
     def status(target: bytes, *headers: bytes, version: bytes = b"1.1") -> int:
         answer = served.raw(b"GET %s HTTP/%s\r\n%sConnection: close\r\n\r\n"
                             % (target, version, b"".join(h + b"\r\n" for h in headers)))
@@ -707,6 +708,11 @@ def test_request_targets_and_host_headers_on_the_wire(served: Served) -> None:
     assert status(b"/healthz", local, b"Host: evil.example") == 400
     assert status(b"/healthz") == 400
     assert status(b"/healthz", version=b"1.0") == 421  # 1.0 may omit Host; not loopback
+    assert status(b"/healthz", local, version=b"2.0") == 505  # the parser lets 2.0 through
+    # a path spelled with %2F is no route's, before the token: decoded, it would be one
+    assert status(b"/v1/models", local) == 401
+    for target in (b"/v1%2Fmodels", b"/v1%2fmodels", b"/aotx/v1/requests/x%2Fevents"):
+        assert status(target, local) == 404, target
 
 
 def test_every_timeout_answers_408_request_timeout(served: Served) -> None:
