@@ -134,12 +134,23 @@ def build_parser(settings: Settings | None = None) -> argparse.ArgumentParser:
 
 
 def _token_command(args: argparse.Namespace, state_dir: str) -> int:
-    from .gateway.credentials import CredentialError, CredentialStore, parse_actions, parse_limits
+    from .gateway.credentials import (
+        ADMIN,
+        CredentialError,
+        CredentialStore,
+        parse_actions,
+        parse_limits,
+    )
 
     store = CredentialStore(state_dir)
     try:
         if args.token_command == "create":
-            models = tuple(m.strip() for m in args.models.split(",") if m.strip()) or ("*",)
+            models = tuple(m.strip() for m in args.models.split(",") if m.strip())
+            if not models:  # "" reads as none, and a grant of no model serves nothing
+                raise CredentialError("--models: name at least one model alias, or *")
+            if args.principal == ADMIN:  # a new grant would last until the next start
+                raise CredentialError(f"{ADMIN} is the service's own principal, its grant "
+                                      "set at every start; create another principal")
             tid, token = store.create_token(args.principal, parse_actions(args.actions), models,
                                             parse_limits(args.limit), args.memory)
             print(f"token {tid} for principal {args.principal}; shown once, store it now:")

@@ -33,6 +33,8 @@ DEFAULT_ACTIONS = ("submit", "read", "cancel", "media")
 LIMIT_KEYS = ("active", "output_tokens", "input_bytes", "media_sources", "media_bytes", "rate")
 #: The largest value each limit's field in the device's grant row holds.
 LIMIT_MAX = {k: (1 << (64 if k == "media_bytes" else 32)) - 1 for k in LIMIT_KEYS}
+#: The principal of the admin token file; every gateway start sets its grant (all actions).
+ADMIN = "admin"
 TOKEN_PREFIX = "aotx-"
 
 _SCHEMA = """
@@ -88,6 +90,9 @@ def parse_limits(items: list[str]) -> dict[str, int]:
             raise CredentialError(f"bad limit {item!r}; use KEY=N with KEY in {', '.join(LIMIT_KEYS)}")
         if int(value) > LIMIT_MAX[key]:
             raise CredentialError(f"limit {key} must be below 2^{LIMIT_MAX[key].bit_length()}")
+        if int(value) == 0:  # the device's row reads 0 as "not set": no limit at all
+            raise CredentialError(f"limit {key} must be 1 or more (leave it out for the "
+                                  "default; to allow none, leave out the action)")
         out[key] = int(value)
     return out
 

@@ -22,7 +22,13 @@ from .. import ids, wire
 from ..config import Settings
 from ..paths import RuntimePaths
 from .broker_client import BrokerClient, BrokerUnavailable, DeviceSilent
-from .credentials import CredentialStore, PrincipalGrant, ensure_admin_token, token_hash
+from .credentials import (
+    ADMIN,
+    CredentialStore,
+    PrincipalGrant,
+    ensure_admin_token,
+    token_hash,
+)
 from .deadlines import Deadlines
 from .errors import NO_CALL, ApiError, Call, refusal
 
@@ -65,7 +71,7 @@ class Gateway:
         self.by_role: dict[int, wire.ModelInfo] = {}
         self._refresh_lock = asyncio.Lock()
         self.store = CredentialStore(paths.state_dir)
-        self.store.ensure_token("admin", ensure_admin_token(paths.admin_token),
+        self.store.ensure_token(ADMIN, ensure_admin_token(paths.admin_token),
                                 int(wire.Action.all()))
         self.generation = -1
         self.tokens: dict[bytes, int] = {}

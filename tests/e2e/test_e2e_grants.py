@@ -191,6 +191,16 @@ def test_token_cli_rejects_bad_input(gsvc: Service) -> None:
     assert r.returncode == 2 and "unknown action" in r.stderr
     r = aotx_cli(gsvc, "token", "create", "--principal", "x", "--limit", "speed=3")
     assert r.returncode == 2 and "bad limit" in r.stderr
+    r = aotx_cli(gsvc, "token", "create", "--principal", "x", "--limit", "active=0")
+    assert r.returncode == 2 and "1 or more" in r.stderr  # 0 would be no limit at all
+    r = aotx_cli(gsvc, "token", "create", "--principal", "x", "--models", " , ")
+    assert r.returncode == 2 and "at least one model" in r.stderr  # not every model
+    r = aotx_cli(gsvc, "token", "create", "--principal", "admin", "--actions", "read")
+    assert r.returncode == 2 and "own principal" in r.stderr  # the admin token keeps its grant
+    shown = aotx_cli(gsvc, "grant", "show").stdout.splitlines()
+    assert not any(line.startswith("x\t") for line in shown)  # nothing was created
+    admin = next(line for line in shown if line.startswith("admin\t"))
+    assert "telemetry" in admin.split("\t")[2]  # still every action
     assert aotx_cli(gsvc, "token", "revoke", "99999").returncode == 1
 
 

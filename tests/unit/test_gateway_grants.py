@@ -121,7 +121,7 @@ def test_more_rows_than_one_packet_are_read_a_page_at_a_time(gateway: Gateway) -
 
 def test_limits_that_do_not_fit_the_device_row_are_refused() -> None:
     """Every grant row goes to the device; a limit wider than its field would make the
-    whole installation fail."""
+    whole installation fail, and one of 0 would read as no limit."""
     from aotx.gateway.credentials import CredentialError, parse_limits
 
     assert parse_limits(["input_bytes=4294967295", "media_bytes=5000000000"]) == {
@@ -129,6 +129,10 @@ def test_limits_that_do_not_fit_the_device_row_are_refused() -> None:
     for bad in ("input_bytes=4294967296", "rate=99999999999", "media_bytes=" + str(1 << 64)):
         with pytest.raises(CredentialError, match="below 2"):
             parse_limits([bad])
+    # 0 is the row's "not set": a limit of 0 would be none at all, so it is refused
+    for key in ("active", "rate", "media_sources"):
+        with pytest.raises(CredentialError, match="1 or more"):
+            parse_limits([f"{key}=0"])
     # A row stored before the check still encodes (clamped: as good as unlimited).
     from aotx.gateway.credentials import PrincipalGrant
 
