@@ -100,6 +100,9 @@ class Wording:
     param: str | None = None
 
 
+#: An action as docs/api.md and ``aotx token create`` name it (``policy-read``).
+ACTION_WORDS = {a: (a.name or "").lower().replace("_", "-") for a in wire.Action}
+
 #: Reason -> the standard error object's message (and code, param).  Fields, in the
 #: message and the param: {detail} (the reply's number), {cursor}, {total},
 #: {prompt_tokens}, {model}, {max_tokens}, {limit_field} (the field that gave it),
@@ -230,7 +233,7 @@ def _fields(h: wire.Header, call: Call, body: bytes = b"") -> dict[str, object]:
         "kind": wire.PART_MODALITY.get(d, str(d)),  # type: ignore[call-overload]
         "digest": call.media[d] if d < len(call.media) else "?",
         "kind_of_part": call.kinds[d] if d < len(call.kinds) else "media",
-        "action": " or ".join((a.name or "").lower() for a in wire.Action if d & a) or str(d),
+        "action": " or ".join(ACTION_WORDS[a] for a in wire.Action if d & a) or str(d),
         "content_type": wire.MEDIA_TYPES.get(h.content_type, "its content type"),
         "feature": _FEATURES.get(d, "this") if h.reason == wire.Reason.ENGINE_FEATURE else "",
     }

@@ -331,6 +331,10 @@ def test_device_reasons_are_worded_by_the_gateway(gw: Any) -> None:
          413, f"input of {len(p_of())} bytes exceeds the grant's 10", "messages"),
         (lambda h, p: (h.refuse(403, wire.Reason.ACTION, int(wire.Action.SUBMIT), epoch=EPOCH),
                        b""), 403, "the grant does not include the submit action", None),
+        (lambda h, p: (h.refuse(403, wire.Reason.ACTION, int(wire.Action.POLICY_READ
+                                                             | wire.Action.POLICY_CONTROL),
+                                epoch=EPOCH), b""),
+         403, "the grant does not include the policy-read or policy-control action", None),
     ]
 
     async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
