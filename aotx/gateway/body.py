@@ -12,6 +12,8 @@ class Body(BaseModel):
     ``"max_tokens": true`` as 1, ``"3"`` as 3 and ``"stream": "yes"`` as true, where
     OpenAI answers 400; an integer still passes for a number (``"temperature": 1``).
     A model that takes more than it reads (an SDK's whole output object sent back)
-    says ``extra="ignore"`` itself; the rest of the config is inherited."""
+    says ``extra="ignore"`` itself; the rest of the config is inherited.  A number is
+    finite: Python's JSON reader takes ``NaN`` and ``Infinity``, and a NaN fails every
+    bound with a message that names the bound ("less than or equal to 2")."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)

@@ -85,6 +85,7 @@ class ApiError(Exception):
 
 #: What a 400 for a JSON route's body that is not a JSON object says (before the token).
 NOT_JSON = "the body is not valid JSON"
+TOO_DEEP = "the body's JSON is nested too deeply to read"
 NO_BODY = "the body is empty; send a JSON object"
 NOT_AN_OBJECT = "the body must be a JSON object, not {kind}"
 

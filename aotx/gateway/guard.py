@@ -38,7 +38,15 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ..config import MAX_BODY
 from . import calls, choices, routes_openai
-from .errors import INTERNAL, NO_BODY, NOT_AN_OBJECT, NOT_JSON, ApiError, error_body
+from .errors import (
+    INTERNAL,
+    NO_BODY,
+    NOT_AN_OBJECT,
+    NOT_JSON,
+    TOO_DEEP,
+    ApiError,
+    error_body,
+)
 from .render import dumps, error_response, json_response, send_json
 from .requests import ChatRequest
 from .validation import kind_of
@@ -478,8 +486,10 @@ def json_object(body: bytes) -> dict[str, Any] | str:
         return NO_BODY
     try:
         value = json.loads(body)  # what FastAPI parses with: NaN and all
-    except (ValueError, RecursionError):
+    except ValueError:
         return NOT_JSON
+    except RecursionError:  # valid JSON, but deeper than Python's parser goes (~1000)
+        return TOO_DEEP
     return value if isinstance(value, dict) else NOT_AN_OBJECT.format(kind=kind_of(value))
 
 

@@ -209,8 +209,9 @@ def test_a_json_route_reads_a_json_object_whatever_its_content_type(gw: Any) -> 
                 "send a JSON object", b"[1]": "the body must be a JSON object, not an array",
                 b'"hi"': "the body must be a JSON object, not a string",
                 b"null": "the body must be a JSON object, not null",
-                b"{'a': 1}": "the body is not valid JSON", b"[" * 100_000: "the body is not "
-                "valid JSON", b"\xff{}": "the body is not valid JSON"}
+                b"{'a': 1}": "the body is not valid JSON", b"\xff{}": "the body is not valid JSON",
+                b"[" * 100_000: "the body's JSON is nested too deeply to read",
+                b"[" * 5000 + b"]" * 5000: "the body's JSON is nested too deeply to read"}
     types = (None, "application/json", "application/x-www-form-urlencoded", "text/plain")
 
     async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
@@ -261,11 +262,17 @@ def test_a_validation_error_names_the_field_the_caller_wrote(gw: Any) -> None:
         ("/v1/responses", {"model": "smollm2", "input": [{"role": "user", "content": [
             {"type": "input_text", "text": 5}]}]}, "input.0.content.0.text",
          "Input should be a valid string"),
+        # JSON's NaN and Infinity (Python's reader takes them) are not numbers here
+        ("/v1/chat/completions", {**BODY, "temperature": float("nan")}, "temperature",
+         "Input should be a finite number"),
+        ("/v1/completions", {"model": "smollm2", "prompt": "a", "top_p": float("inf")},
+         "top_p", "Input should be a finite number"),
     ]
 
     async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
         for path, body, param, message in cases:
-            r = await c.post(path, json=body)
+            r = await c.post(path, content=json.dumps(body),  # NaN as JSON writes it
+                             headers={"Content-Type": "application/json"})
             assert r.status_code == 400, r.text
             assert (error(r)["param"], error(r)["message"]) == (param, f"{param}: {message}")
         r = await c.get("/v1/responses/resp_x/input_items?limit=many")
