@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 
 from . import ids
 from .config import ConfigError, Settings
-from .mailbox import DEFAULT_MAILBOXES
+from .mailbox import DEFAULT_MAILBOXES, SCAN_ALL
 from .paths import PathError, RuntimePaths, for_state_dir
+from .wire import MAX_PAYLOAD
 
 
 def _state_dir(p: argparse.ArgumentParser, default: str) -> None:
@@ -17,32 +19,53 @@ def _state_dir(p: argparse.ArgumentParser, default: str) -> None:
                    help="state folder (default: $AOTX_STATE_DIR or ./state)")
 
 
+def _int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer from ``low`` to ``high``, else the option's error
+    (a value the device's fields cannot hold would fail later, less clearly)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be {low} to {high}")
+        return value
+    return parse
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError("must be above 0 and at most 1")
+    return value
+
+
+U32 = (1 << 32) - 1
+
+
 def _device_limits(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--retention-seconds", type=int, default=900,
+    p.add_argument("--retention-seconds", type=_int_in(1, U32), default=900,
                    help="keep terminal results this long (default 900)")
-    p.add_argument("--retention-requests", type=int, default=4096,
+    p.add_argument("--retention-requests", type=_int_in(1, U32), default=4096,
                    help="keep at most this many terminal results per principal, oldest "
                         "reclaimed first (default 4096)")
-    p.add_argument("--max-active", type=int, default=1024,
+    p.add_argument("--max-active", type=_int_in(1, U32), default=1024,
                    help="queued + running requests the device accepts (default 1024)")
-    p.add_argument("--window-bytes", type=int, default=32768,
-                   help="largest output window one read returns (default 32768)")
-    p.add_argument("--media-pool-bytes", type=int, default=1 << 30,
+    p.add_argument("--window-bytes", type=_int_in(1, MAX_PAYLOAD), default=32768,
+                   help=f"largest output window one read returns (default 32768, at most "
+                        f"{MAX_PAYLOAD}: one packet)")
+    p.add_argument("--media-pool-bytes", type=_int_in(1, (1 << 63) - 1), default=1 << 30,
                    help="bytes all media sources may hold together (default 1 GiB)")
-    p.add_argument("--principal-share", type=float, default=0.5,
+    p.add_argument("--principal-share", type=_share, default=0.5,
                    help="the part of the active requests and of the media pool one "
                         "principal may hold unless its grant says (default 0.5)")
-    p.add_argument("--device-id", type=_device_id, default=0,
+    p.add_argument("--device-id", type=_int_in(0, ids.MAX_DEVICE_ID), default=0,
                    help="this device's number among several behind one router, 0 to "
                         "65535: the first four digits of its request ids (default 0; "
                         "docs/scale-out.md)")
-
-
-def _device_id(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= ids.MAX_DEVICE_ID:
-        raise argparse.ArgumentTypeError(f"must be 0 to {ids.MAX_DEVICE_ID}")
-    return value
 
 
 def _byte_offset(text: str) -> int:
@@ -62,25 +85,25 @@ def build_parser(settings: Settings | None = None) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="start device, broker and gateway, supervised")
     _state_dir(s, state)
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=_int_in(1, 65535), default=8000)
     s.add_argument("--models", help="models file (default: STATE_DIR/models.toml)")
-    s.add_argument("--mailboxes", type=int, default=DEFAULT_MAILBOXES)
+    s.add_argument("--mailboxes", type=_int_in(1, SCAN_ALL - 1), default=DEFAULT_MAILBOXES)
     _device_limits(s)
 
     d = sub.add_parser("device", help="run the device runtime alone")
     _state_dir(d, state)
     d.add_argument("--models", help="models file (default: STATE_DIR/models.toml)")
-    d.add_argument("--mailboxes", type=int, default=DEFAULT_MAILBOXES)
+    d.add_argument("--mailboxes", type=_int_in(1, SCAN_ALL - 1), default=DEFAULT_MAILBOXES)
     _device_limits(d)
 
     b = sub.add_parser("broker", help="run the broker alone")
     _state_dir(b, state)
-    b.add_argument("--mailboxes", type=int, default=DEFAULT_MAILBOXES)
+    b.add_argument("--mailboxes", type=_int_in(1, SCAN_ALL - 1), default=DEFAULT_MAILBOXES)
 
     g = sub.add_parser("gateway", help="run the HTTP gateway alone")
     _state_dir(g, state)
     g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=_int_in(1, 65535), default=8000)
     t = sub.add_parser("token", help="manage bearer tokens")
     tsub = t.add_subparsers(dest="token_command", required=True)
     tc = tsub.add_parser("create", help="create a token; prints it as the last line")
@@ -432,9 +455,9 @@ def _component(args: argparse.Namespace, paths: RuntimePaths, settings: Settings
         limits = DeviceLimits(retention_seconds=args.retention_seconds,
                               retention_requests=args.retention_requests,
                               max_active=args.max_active,
-                              window_bytes=max(1, min(args.window_bytes, 65408)),
+                              window_bytes=args.window_bytes,
                               media_total_bytes=args.media_pool_bytes,
-                              principal_share=min(1.0, max(0.01, args.principal_share)),
+                              principal_share=args.principal_share,
                               device_id=args.device_id)
         runtime.run(paths, args.mailboxes, args.models, limits, settings)
     elif args.command == "broker":
