@@ -81,11 +81,9 @@ class Scheduler:
         self.on_terminal = on_terminal
         self.encode = encode
         self.media_decoded = 0  # media segments decoded into sequences
-        self.tick = 0
-        self.steps_with_tokens = 0
-        self.tokens_decoded = 0
-        self.prompt_tokens_in = 0
-        self.reused_tokens = 0
+        self.tick = self.steps_with_tokens = self.tokens_decoded = 0
+        # Prompt tokens evaluated; looked up in the cached prefixes, and found there.
+        self.prompt_tokens_in = self.prompt_tokens_looked_up = self.reused_tokens = 0
         self.copies = 0  # prefixes copied from a sequence in use
         self.cached: dict[int, list[int]] = {}  # seq -> tokens held in its KV cells
         self.owner: dict[int, int] = {}  # seq -> whose request computed them (fair.owner_of)
@@ -132,7 +130,7 @@ class Scheduler:
                 "kv_restores": self.spill.restores,
                 "num_requests_running": len(self.active), "num_requests_waiting": len(self.queue),
                 "kv_cache_usage_perc": min(1.0, used / max(1, self.engine.kv_cells)),
-                "prefix_cache_queries": self.prompt_tokens_in,
+                "prefix_cache_queries": self.prompt_tokens_looked_up,
                 "prefix_cache_hits": self.reused_tokens}
 
     # -- engine thread -------------------------------------------------------
@@ -240,6 +238,7 @@ class Scheduler:
         if not req.preemptions:  # (what the client is told was cached: the first start)
             req.reused_tokens = keep
         self.reused_tokens += keep
+        self.prompt_tokens_looked_up += len(req.prefill)
         req.phase = Phase.PREPARING
         if req.sampler is None:  # (a preempted request keeps its own)
             req.sampler = self.make_sampler(req)

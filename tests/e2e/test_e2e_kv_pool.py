@@ -79,3 +79,11 @@ def test_a_pool_too_small_for_all_preempts_and_every_request_completes(svc: Serv
             assert doc["state"] == "completed"
             assert base64.b64decode(doc["output"]["bytes"]).decode() == text
     assert 0 <= metric(svc, "aotx_kv_cells_used") <= POOL_CELLS
+    # A router's hit rate, hits / queries: every prompt token is looked up (a preempted
+    # request's again), so no more are found than looked up (it counted evaluated ones).
+    with svc.client() as c:
+        text = c.get("/metrics").text
+    queries, hits = (float(re.search(rf'^vllm:prefix_cache_{k}_total{{model_name="smollm2"}} '
+                                     r'(\S+)$', text, re.M)[1])  # type: ignore[index]
+                     for k in ("queries", "hits"))
+    assert 0 < hits <= queries and queries >= sum(len(q) // 8 for q in QUESTIONS)

@@ -189,6 +189,9 @@ def test_apart_a_final_chunk_is_never_one_row() -> None:
     assert engine.trims[-1] == (b.seq, 38)
     run_until_idle(sched)
     assert bytes(b.out) == b"b"
+    # a router reads hits / queries: every prompt token is looked up, 39 of 80 found
+    # (engine_metrics' prefix_cache_queries and prefix_cache_hits)
+    assert (sched.prompt_tokens_looked_up, sched.reused_tokens) == (80, 39)
 
 
 def test_queue_waits_for_a_free_sequence() -> None:
