@@ -30,7 +30,7 @@ import numpy as np
 from llama_cpp import _logger as _llama_logger
 
 from .grammar import apply_mask
-from .residency import anonymous_mappings, available_bytes, new_regions, release_zero_pages
+from .residency import available_bytes, create_uncommitted
 from .sampling import Sampler
 
 log = logging.getLogger("aotx.engine")
@@ -197,16 +197,15 @@ class LlamaEngine:
         self.flash_attention = required or config.flash_attention
         cparams.flash_attn_type = 1 if required else -1 if config.flash_attention else 0  # -1: auto
         cparams.no_perf = False
-        before = anonymous_mappings()
-        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
+        # the KV buffer llama.cpp clears is committed as cells are written (residency.py)
+        self.ctx, self.kv_released = create_uncommitted(
+            lambda: llama_cpp.llama_init_from_model(self.model, cparams),
+            int(self.kv_cell_bytes * cells) // 2)
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
             raise EngineError(f"llama.cpp could not create a context ({cells} KV cells of "
                               f"{config.kv_type}, {config.slots} sequences)")
-        # the KV buffer llama.cpp has just cleared is committed as cells are written
         self.kv_cells = int(llama_cpp.llama_n_ctx(self.ctx))
-        self.kv_released = release_zero_pages(new_regions(before, anonymous_mappings()),
-                                              self.kv_bytes() // 2)
         self.threadpool: int | None = None
         if config.poll >= 0 and threads > 1:
             self._attach_threadpool(threads, config.poll)

@@ -16,6 +16,13 @@ zeros, are released: for any owner of such a page that is no change of
 content, unless another thread writes it between the scan and the ``madvise``.  The
 device creates its llama.cpp contexts first, before it starts any thread or a vLLM
 engine (``aotx.device.runtime``).
+
+Handed back only after the context exists, the whole buffer would still be resident
+for the moment between (1.6 GB at the defaults: the machine would need the whole
+reservation free at start).  So while llama.cpp creates the context, a thread
+(:class:`ReleasingWhile`) hands back, every few milliseconds, the pages of the new
+large mappings that the clear has made resident (``mincore``) and that hold zeros: the
+clear writes only zeros, so a page it writes again after that reads the same.
 """
 
 from __future__ import annotations
@@ -23,6 +30,10 @@ from __future__ import annotations
 import ctypes
 import mmap
 import sys
+import threading
+from collections.abc import Callable
+from types import TracebackType
+from typing import TypeVar
 
 import numpy as np
 
@@ -32,6 +43,18 @@ MADV_DONTNEED = 4  # Linux
 CHUNK_PAGES = (64 << 20) // PAGE
 
 Region = tuple[int, int]  # [start, end) of a mapping
+T = TypeVar("T")
+
+
+def create_uncommitted(create: Callable[[], T], min_bytes: int) -> tuple[T, int]:
+    """``create()`` (a llama.cpp context), with the zero pages of the new mappings of at
+    least ``min_bytes`` handed back as it runs and once it has returned; and the bytes
+    released (a page the clear wrote again after its release counts again)."""
+    before = anonymous_mappings()
+    with ReleasingWhile(before, min_bytes) as early:
+        made = create()
+    return made, early.released + release_zero_pages(new_regions(before, anonymous_mappings()),
+                                                      min_bytes)
 
 
 def available_bytes() -> int:
@@ -106,3 +129,58 @@ def _release_chunk(libc: ctypes.CDLL, at: int, pages: int) -> int:
         if libc.madvise(at + first * PAGE, (stop - first) * PAGE, MADV_DONTNEED) == 0:
             released += (stop - first) * PAGE
     return released
+
+
+def release_resident_zero_pages(regions: set[Region], min_bytes: int) -> int:
+    """As :func:`release_zero_pages`, but only the pages that are resident (``mincore``):
+    a pass costs a bit a page, not a read of every page."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    released = 0
+    for start, end in sorted(regions):
+        if end - start < min_bytes:
+            continue
+        for at in range(start, end, CHUNK_PAGES * PAGE):
+            pages = min(CHUNK_PAGES, (end - at) // PAGE)
+            vec = np.zeros(pages, np.uint8)
+            if libc.mincore(at, pages * PAGE, vec.ctypes.data) != 0:
+                continue  # unmapped meanwhile: nothing of ours
+            resident = np.flatnonzero(vec & 1)
+            if resident.size == 0:
+                continue
+            # the resident runs, each released where it holds zeros
+            breaks = np.flatnonzero(np.diff(resident) != 1) + 1
+            for run in np.split(resident, breaks):
+                first = int(run[0])
+                released += _release_chunk(libc, at + first * PAGE, int(run[-1]) + 1 - first)
+    return released
+
+
+class ReleasingWhile:
+    """``with ReleasingWhile(before, min_bytes): create_the_context()``: a thread hands
+    back the resident zero pages of the mappings of at least ``min_bytes`` that are new
+    since ``before``, every ``interval`` seconds, until the block ends (the module's
+    docstring says why it is safe)."""
+
+    def __init__(self, before: set[Region], min_bytes: int, interval: float = 0.002) -> None:
+        self.before, self.min_bytes, self.interval = before, min_bytes, interval
+        self.released = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-release", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.released += release_resident_zero_pages(
+                new_regions(self.before, anonymous_mappings()), self.min_bytes)
+
+    def __enter__(self) -> ReleasingWhile:
+        self._thread.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._stop.set()
+        self._thread.join()

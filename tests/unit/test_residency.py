@@ -5,10 +5,18 @@ from __future__ import annotations
 import ctypes
 import mmap
 import sys
+import time
 
 import pytest
 
-from aotx.engine.residency import PAGE, anonymous_mappings, new_regions, release_zero_pages
+from aotx.engine.residency import (
+    PAGE,
+    ReleasingWhile,
+    anonymous_mappings,
+    new_regions,
+    release_resident_zero_pages,
+    release_zero_pages,
+)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc")
 
@@ -73,3 +81,40 @@ def test_a_mapping_merged_with_an_older_one_counts_only_for_its_new_part() -> No
     after = {(50, 200), (300, 400), (500, 600), (250, 450)}  # grown down; new; around
     assert new_regions(before, after) == {(50, 100), (500, 600), (250, 300), (400, 450)}
     assert new_regions(before, before) == set()
+
+
+def test_pages_are_handed_back_while_a_clear_runs() -> None:
+    """ReleasingWhile: while another thread clears a new mapping page by page (as
+    llama.cpp's memset does, the GIL released), the pages it has written go back to the
+    kernel as it goes; a page that holds data stays, and the content reads unchanged."""
+    pages = 16384  # 64 MiB
+    before = anonymous_mappings()
+    region = mmap.mmap(-1, pages * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    try:
+        region[5 * PAGE + 1] = 7  # data, not the clear's
+        with ReleasingWhile(before, pages * PAGE // 2, interval=0.001) as early:
+            for at in range(256, pages, 256):  # 1 MiB at a time, as a memset goes
+                ctypes.memset(start + at * PAGE, 0, 256 * PAGE)
+                if at % 2048 == 256:
+                    time.sleep(0.003)  # a clear slower than a scan: the thread keeps up
+            deadline = time.monotonic() + 10  # (a loaded machine may run the thread late)
+            while early.released < (pages - 256) * PAGE and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert early.released >= (pages - 256) * PAGE  # before the block ends
+        assert resident_bytes(start) < pages * PAGE // 4  # (a merged neighbour counts too)
+        assert region[5 * PAGE + 1] == 7 and region[5 * PAGE:6 * PAGE].count(0) == PAGE - 1
+        assert region[6 * PAGE:].count(0) == (pages - 6) * PAGE
+    finally:
+        region.close()
+
+
+def test_a_resident_scan_leaves_pages_that_are_not_resident() -> None:
+    region = mmap.mmap(-1, 64 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    try:
+        region[: 8 * PAGE] = bytes(8 * PAGE)  # 8 resident pages of zeros, 56 never touched
+        assert release_resident_zero_pages({(start, start + 64 * PAGE)}, 64 * PAGE) == 8 * PAGE
+        assert release_resident_zero_pages({(start, start + 64 * PAGE)}, 65 * PAGE) == 0
+    finally:
+        region.close()
