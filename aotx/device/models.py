@@ -153,6 +153,30 @@ def _positive(table: dict[str, object], key: str, default: int) -> int:
     return v
 
 
+def _threads(table: dict[str, object]) -> int:
+    v = table.get("threads", 0)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ModelConfigError(f"threads must be 0 (the machine's cores) or more, got {v!r}")
+    return v
+
+
+#: The keys a model's table may hold: [default] (the embedded model) and [[model]].
+COMMON_KEYS = frozenset({
+    "alias", "slots", "context", "threads", "poll", "mmproj", "chat_template", "modalities",
+    "embedding_context", "kv_budget", "kv_spill", "kv_type", "prompts_per_step",
+    "flash_attention"})
+DEFAULT_KEYS = COMMON_KEYS | {"enabled"}
+MODEL_KEYS = COMMON_KEYS | {"path", "engine", "vllm", "lora", "sha256", "kind"}
+
+
+def _known(table: dict[str, object], keys: frozenset[str], what: str) -> None:
+    """A key the device does not read is refused, not ignored: ``slotz = 3`` would leave
+    the model at its 16 slots without a word."""
+    unknown = sorted(set(table) - keys)
+    if unknown:
+        raise ModelConfigError(f"{what}: unknown keys {unknown}; it takes {sorted(keys)}")
+
+
 def _poll(table: dict[str, object]) -> int:
     v = table.get("poll", 50)
     if not isinstance(v, int) or isinstance(v, bool) or not -1 <= v <= 100:
@@ -355,14 +379,17 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
     default = data.get("default", {})
     if not isinstance(default, dict):
         raise ModelConfigError("[default] must be a table")
-    if default.get("enabled", True):
+    _known(default, DEFAULT_KEYS, "[default]")
+    if not isinstance(enabled := default.get("enabled", True), bool):
+        raise ModelConfigError(f"[default] enabled is true or false, got {enabled!r}")
+    if enabled:
         mmproj = (_file_in(state_dir, default["mmproj"], "[default] mmproj")
                   if "mmproj" in default else None)
         specs.append(ModelSpec(alias=_check_alias(default.get("alias", DEFAULT_ALIAS)),
                                path=default_model_path(), role=1,
                                slots=_positive(default, "slots", 16),
                                context=_positive(default, "context", 4096),
-                               threads=int(default.get("threads", 0)), poll=_poll(default),
+                               threads=_threads(default), poll=_poll(default),
                                mmproj=mmproj, chat_template=_template_file(
                                    state_dir, default, "[default]"),
                                **_kv(default, "[default]"),
@@ -374,6 +401,7 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
     for n, entry in enumerate(entries):
         if not isinstance(entry, dict):
             raise ModelConfigError("each [[model]] must be a table")
+        _known(entry, MODEL_KEYS, f"model {n}")
         engine = _engine(state_dir, entry, f"model {n}")
         mmproj = (_file_in(state_dir, entry["mmproj"], f"model {n} mmproj")
                   if "mmproj" in entry else None)
@@ -388,7 +416,7 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
                                context=_positive(entry, "context", 4096),
                                sha256=sha.lower() if sha else None,
                                modalities=mods, mmproj=mmproj,
-                               threads=int(entry.get("threads", 0)), poll=_poll(entry),
+                               threads=_threads(entry), poll=_poll(entry),
                                kind=kind, chat_template=_template_file(
                                    state_dir, entry, f"model {n}"),
                                **_kv(entry, f"model {n}"),

@@ -128,6 +128,32 @@ def test_models_file_poll_is_checked(tmp_path) -> None:
             load_specs(str(tmp_path))
 
 
+def test_models_file_keys_it_does_not_read_are_refused(tmp_path) -> None:
+    """A misspelt or misplaced key stops the device at start, naming it, instead of
+    leaving the model as it was (a QA pass found each of these served as if absent)."""
+    import pytest
+
+    from aotx.device.models import ModelConfigError, load_specs
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    model = '[default]\nenabled = false\n[[model]]\nalias = "x"\npath = "m.gguf"\n'
+    for text, why in (("[default]\nfoo = 1\n", r"\[default\]: unknown keys \['foo'\]"),
+                      ('[default]\nsha256 = "' + "0" * 64 + '"\n', "unknown keys"),
+                      ('[default]\npath = "m.gguf"\n', "unknown keys"),
+                      ("[default.vllm]\nmax_model_len = 9\n", "unknown keys"),
+                      (model + "slotz = 3\n", r"model 0: unknown keys \['slotz'\]"),
+                      ('[default]\nenabled = "no"\n', "enabled is true or false"),
+                      ("[default]\nthreads = -1\n", "threads must be"),
+                      ('[default]\nthreads = "2"\n', "threads must be"),
+                      (model + "threads = -3\n", "threads must be")):
+        (tmp_path / "models.toml").write_text(text)
+        with pytest.raises(ModelConfigError, match=why):
+            load_specs(str(tmp_path))
+    (tmp_path / "models.toml").write_text(model + "threads = 2\nsha256 = \"" + "a" * 64 + '"\n')
+    (spec,) = load_specs(str(tmp_path))
+    assert (spec.threads, spec.sha256) == (2, "a" * 64)
+
+
 def test_models_file_kind_and_embedding_context(tmp_path) -> None:
     import pytest
 
