@@ -450,7 +450,9 @@ def _component(args: argparse.Namespace, paths: RuntimePaths, settings: Settings
                      log_level=args.log_level, settings=settings)
     if args.command == "device":
         from .device import runtime
+        from .device.models import ModelConfigError
         from .device.state import DeviceLimits
+        from .supervise import EX_CONFIG
 
         limits = DeviceLimits(retention_seconds=args.retention_seconds,
                               retention_requests=args.retention_requests,
@@ -459,7 +461,11 @@ def _component(args: argparse.Namespace, paths: RuntimePaths, settings: Settings
                               media_total_bytes=args.media_pool_bytes,
                               principal_share=args.principal_share,
                               device_id=args.device_id)
-        runtime.run(paths, args.mailboxes, args.models, limits, settings)
+        try:
+            runtime.run(paths, args.mailboxes, args.models, limits, settings)
+        except ModelConfigError as exc:  # its models file: starting again would not help
+            print(f"aotx device: refused to start: {exc}", file=sys.stderr)
+            return EX_CONFIG
     elif args.command == "broker":
         from .broker import server
 

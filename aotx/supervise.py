@@ -10,6 +10,7 @@ but stops answering is killed and so restarted too (:mod:`aotx.watchdog`).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import signal
 import subprocess
@@ -28,6 +29,10 @@ log = logging.getLogger("aotx.serve")
 
 GRACE_SECONDS = 10.0
 MAX_BACKOFF = 30.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+#: The device's exit status when its models file or a model is refused at load
+#: (sysexits' EX_CONFIG): starting it again would be refused again.
+EX_CONFIG = 78
 
 
 @dataclass
@@ -41,12 +46,20 @@ class Child:
     started_at: float = field(default=0.0)
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL,
+                                     preexec_fn=_end_with_parent)
         self.started_at = time.monotonic()
         log.info("event=serve.started component=%s pid=%d", self.name, self.proc.pid)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+
+def _end_with_parent() -> None:
+    """In a child, before it runs: SIGTERM when the supervisor dies (killed, or its
+    output closed under it), so that no component serves on unsupervised."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _wait_ready(url: str, children: list[Child], timeout: float,
@@ -91,15 +104,32 @@ def serve(paths: RuntimePaths, host: str, port: int, models_file: str | None,
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    for c in children:
-        c.start()
-    url_host = f"[{host}]" if ":" in host else host
-    url = f"http://{url_host}:{port}"
-    if _wait_ready(url + "/readyz", children, timeout=600, stopping=lambda: stopping) \
-            and not stopping:
-        token_path = paths.admin_token
+    try:
+        for c in children:
+            c.start()
+        url_host = f"[{host}]" if ":" in host else host
+        url = f"http://{url_host}:{port}"
+        if _wait_ready(url + "/readyz", children, timeout=600, stopping=lambda: stopping) \
+                and not stopping:
+            _banner(url, paths.state_dir, paths.admin_token)
+        elif not stopping:
+            if children[0].proc is not None and children[0].proc.poll() == EX_CONFIG:
+                # its reason is on stderr above; restarting it would be refused again
+                log.error("event=serve.refused component=device")
+                return EX_CONFIG
+            log.error("event=serve.not_ready url=%s", url)
+        _supervise(children, DeviceWatch(paths.socket, settings.hang_seconds),
+                   lambda: stopping)
+        return 0
+    finally:
+        _stop_all(children)
+
+
+def _banner(url: str, state_dir: str, token_path: str) -> None:
+    """How to call the service, on stdout; nothing if stdout has gone (``| head``)."""
+    try:
         print(f"\naotx is ready on {url}\n"
-              f"  state folder: {paths.state_dir}\n"
+              f"  state folder: {state_dir}\n"
               f"  admin token:  {token_path} (mode 0600)\n"
               f"try:\n"
               f"  curl -s {url}/v1/chat/completions \\\n"
@@ -109,11 +139,14 @@ def serve(paths: RuntimePaths, host: str, port: int, models_file: str | None,
               f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], "
               f"\"max_tokens\": 64}}'\n",
               flush=True)
-    elif not stopping:
-        log.error("event=serve.not_ready url=%s", url)
-    watch = DeviceWatch(paths.socket, settings.hang_seconds)
+    except BrokenPipeError:
+        log.warning("event=serve.stdout_closed")
+
+
+def _supervise(children: list[Child], watch: DeviceWatch, stopping: Callable[[], bool]) -> None:
+    """Restart what exits and health-check the device, until told to stop."""
     try:
-        while not stopping:
+        while not stopping():
             now = time.monotonic()
             for c in children:
                 if _restart_if_exited(c, now) and c.name == "device":
@@ -122,8 +155,6 @@ def serve(paths: RuntimePaths, host: str, port: int, models_file: str | None,
             time.sleep(0.1)
     finally:
         watch.close()
-    _stop_all(children)
-    return 0
 
 
 def _restart_if_exited(c: Child, now: float) -> bool:

@@ -2,9 +2,11 @@
 template, its projector (``mmproj``), its scheduler, and whether the whole profile is
 qualified for automatic memory.
 
-A model that cannot be served as configured stops the device at start (``SystemExit``
-with the reason): a pinned digest that differs, a missing or broken chat template, a
-projector that does not load or encodes other modalities than the models file says.
+A model that cannot be served as configured stops the device at start
+(``ModelConfigError`` with the reason: the device exits with EX_CONFIG, and ``aotx serve``
+stops rather than start it again): a pinned digest that differs, a missing or broken chat
+template, a projector that does not load or encodes other modalities than the models file
+says.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from ..engine.vllm import VllmModel, VllmRunner, lora_request, sampling_params
 from ..engine.vllm import start as vllm_start
 from ..engine.vllm_inputs import VllmEmbeddings, VllmMedia, pooling_params
 from .memory import qualified
-from .models import ModelSpec, file_sha256, folder_sha256
+from .models import ModelConfigError, ModelSpec, file_sha256, folder_sha256
 from .prompt import TextRefused, split, text_tokens
 from .template import ChatTemplate, TemplateError
 
@@ -130,7 +132,7 @@ def _load_vllm(spec: ModelSpec, state_dir: str, lock: threading.Lock,
     try:
         engine = vllm_start(spec.path, dict(spec.vllm))
     except EngineError as exc:
-        raise SystemExit(f"model {spec.alias}: {exc}") from None
+        raise ModelConfigError(f"model {spec.alias}: {exc}") from None
     chat = spec.kind == "chat"
     template = (_template(spec, engine, engine.bos, engine.eos) if chat
                 else ChatTemplate(NO_CHAT))
@@ -170,7 +172,7 @@ def _modality_bits(spec: ModelSpec, media: MediaTokenizer | None, source: str,
                                 0)
     if spec.modalities and declared != found:
         close()
-        raise SystemExit(f"model {spec.alias}: the models file declares modalities "
+        raise ModelConfigError(f"model {spec.alias}: the models file declares modalities "
                          f"{list(spec.modalities)}, but {source} "
                          f"{wire.modality_names(found)}")
     return found
@@ -205,7 +207,7 @@ def _embeddings(spec: ModelSpec, engine: LlamaEngine, scheduler: Scheduler,
             log.warning("event=model.no_embeddings alias=%s error=%s", spec.alias, exc)
             return None
         engine.close()
-        raise SystemExit(f"model {spec.alias}: no embeddings: {exc}") from None
+        raise ModelConfigError(f"model {spec.alias}: no embeddings: {exc}") from None
     queue = EmbedQueue(embedder, lock, scheduler.cond.notify)
     scheduler.side = queue
     log.info("event=model.embeddings alias=%s pooling=%s dims=%d context=%d", spec.alias,
@@ -216,7 +218,7 @@ def _embeddings(spec: ModelSpec, engine: LlamaEngine, scheduler: Scheduler,
 def _check_pin(spec: ModelSpec, digest: bytes) -> None:
     """A models file's ``sha256`` pin: a model (file or folder) that differs stops the load."""
     if spec.sha256 and digest.hex() != spec.sha256:
-        raise SystemExit(f"model {spec.alias}: {spec.path} has SHA-256 {digest.hex()}, "
+        raise ModelConfigError(f"model {spec.alias}: {spec.path} has SHA-256 {digest.hex()}, "
                          f"the models file pins {spec.sha256}")
 
 
@@ -238,7 +240,7 @@ def _template(spec: ModelSpec, engine: LlamaEngine | VllmModel, bos: int,
                             eos_token=engine.token_text(eos))
     except TemplateError as exc:
         engine.close()
-        raise SystemExit(f"model {spec.alias} ({spec.path}) refused: {exc}") from None
+        raise ModelConfigError(f"model {spec.alias} ({spec.path}) refused: {exc}") from None
 
 
 def _read_template(path: str) -> str:
@@ -265,7 +267,7 @@ def _projector(spec: ModelSpec, engine: LlamaEngine,
         encoder = MediaEncoder(spec.mmproj, engine.model, engine.n_embd, engine.threads, batch)
     except MediaInputError as exc:
         engine.close()
-        raise SystemExit(f"model {spec.alias}: {exc}") from None
+        raise ModelConfigError(f"model {spec.alias}: {exc}") from None
 
     def close() -> None:
         encoder.close()

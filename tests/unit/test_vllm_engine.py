@@ -381,7 +381,7 @@ def test_a_pinned_vllm_folder_that_differs_stops_the_load(tmp_path: Any) -> None
 
     (spec,) = load_specs(write_models(tmp_path, '[[model]]\nalias = "x"\nengine = "vllm"\n'
                                                 'path = "m"\n'))
-    with pytest.raises(SystemExit, match="the models file pins"):
+    with pytest.raises(ModelConfigError, match="the models file pins"):
         load_model(dataclasses.replace(spec, sha256="0" * 64), str(tmp_path),
                    threading.Lock(), lambda: None, lambda r: None)
 
