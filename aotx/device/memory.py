@@ -64,7 +64,8 @@ def qualified(model_sha256: bytes, template_source: str, projector_sha256: bytes
 
 _STOP = frozenset("""that this with from have they their there about what when where which
 while would could should your yours user users them then than were been being into over
-also just like some such only very much more most many lives live""".split()) - {"live", "lives"}
+also just like some such only very much more most many lives live user's""".split()) \
+    - {"live", "lives"}
 _FIRST_PERSON = frozenset({"i", "i'm", "im", "my", "me", "mine", "i've", "ive", "myself"})
 
 
@@ -76,9 +77,11 @@ def decide(line: str, existing: list[str], source: str) -> str | None:
     """Keep (return the normalised fact) or discard (None) one candidate line.
 
     A small model embellishes, so a fact is kept only when the source backs it:
-    the user spoke in the first person; at least two of the fact's content
-    words (compared by their first four letters) occur in what the user said;
-    every capitalised name in the fact occurs there too; and it is new.
+    the user spoke in the first person; at least two, and two thirds, of the fact's
+    content words (compared by their first four letters) occur in what the user said
+    ("My favourite sport is tennis" backs no "professional tennis coach" who shares
+    "a passion for the sport"); every capitalised name in the fact occurs there too;
+    and it is new.
     """
     text = re.sub(r"^\s*(?:[-*\u2022]|\d+[.)])\s*", "", line).strip()
     fact = " ".join(text.split()).rstrip(" ,;")
@@ -89,7 +92,8 @@ def decide(line: str, existing: list[str], source: str) -> str | None:
         return None
     stems = {w[:4] for w in said if len(w) >= 4}
     content = [w.lower() for w in _words(fact) if len(w) >= 4 and w.lower() not in _STOP]
-    if sum(1 for w in content if w[:4] in stems) < 2:
+    backed = sum(1 for w in content if w[:4] in stems)
+    if backed < 2 or 3 * backed < 2 * len(content):
         return None
     names = [w for w in _words(fact)[1:] if w[0].isupper() and w.lower() not in ("i", "i'm")]
     if any(n.lower() not in said for n in names):

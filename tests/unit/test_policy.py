@@ -28,6 +28,12 @@ def test_decide_keeps_only_grounded_new_facts() -> None:
                   SRC) is None  # duplicate
     assert decide("Paris is the capital of France.", [],
                   "User: What is the capital of France?") is None  # no first-person statement
+    # embellished: 2 of its 8 content words are the user's (a QA pass saw it kept)
+    tennis = "User: My favourite sport is tennis and I play tennis every Sunday."
+    assert decide("I'm a professional tennis coach, and I'm happy to share my passion for "
+                  "the sport with others.", [], tennis) is None
+    assert decide("The user's favourite sport is tennis, played every Sunday.", [], tennis) == \
+        "The user's favourite sport is tennis, played every Sunday."
 
 
 def test_inject_places_memory_before_the_template() -> None:
