@@ -118,3 +118,30 @@ def test_console_shows_403_for_a_limited_token(csvc: Service, browser) -> None:
     assert "403" in page.inner_text("#message")
     page.wait_for_function("document.getElementById('policy-status').textContent.includes('403')")
     page.close()
+
+
+def test_an_error_in_the_stream_is_shown_with_its_status(csvc: Service, browser) -> None:
+    """An ``error`` event names its status by its type (its code is a word): the token's
+    grant goes while a stream runs, and the page says 403 at once, without the retries
+    it gives a 503 (which would end in the reconnect's 401)."""
+    import subprocess
+    import sys
+
+    def cli(*args: str) -> str:
+        return subprocess.run([sys.executable, "-m", "aotx", "token", *args, "--state-dir",
+                               csvc.state_dir], capture_output=True, text=True,
+                              check=True).stdout
+    made = cli("create", "--principal", "streamer").strip().splitlines()
+    token, tid = made[-1], made[0].split()[1]
+    page = browser.new_page()
+    page.goto(csvc.url + "/console/")
+    page.fill("#token", token)
+    page.click("#signin-button")
+    page.wait_for_selector("#app:not([hidden])")
+    page.fill("#prompt", "Write a long story about a lighthouse keeper.")
+    page.click("#send")
+    page.wait_for_function("document.querySelector('.turn.bot .text').textContent.length > 20")
+    cli("revoke", tid)
+    page.wait_for_selector("#message:not([hidden])", timeout=30_000)
+    assert "403" in page.inner_text("#message"), page.inner_text("#message")
+    page.close()

@@ -18,6 +18,12 @@
     503: "The device is not reachable right now (503).",
   };
 
+  // An in-stream error's status, from its type (docs/api.md, "Errors").
+  const STATUS_OF_TYPE = {
+    authentication_error: 401, permission_error: 403, not_found_error: 404,
+    gone_error: 410, service_unavailable: 503,
+  };
+
   function show(text, info) {
     const m = $("message");
     m.textContent = text;
@@ -143,8 +149,9 @@
                 `${data.usage.completion_tokens} tokens`;
               return data;
             } else if (kind === "error") {
+              // The error object's code is a word (epoch_ended); its type names the status.
               const err = new Error(data.error.message);
-              err.status = Number(data.error.code) || 503;
+              err.status = STATUS_OF_TYPE[data.error.type] || 503;
               throw err;
             }
           }
