@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 
 from . import ids
-from .config import ConfigError, Settings
+from .config import ConfigError, Settings, log_level
 from .mailbox import DEFAULT_MAILBOXES, SCAN_ALL
 from .paths import PathError, RuntimePaths, for_state_dir
 from .wire import MAX_PAYLOAD
@@ -41,6 +41,13 @@ def _share(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError("must be above 0 and at most 1")
     return value
+
+
+def _log_level(text: str) -> str:
+    try:
+        return log_level(text, "--log-level")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 U32 = (1 << 32) - 1
@@ -78,7 +85,8 @@ def _byte_offset(text: str) -> int:
 def build_parser(settings: Settings | None = None) -> argparse.ArgumentParser:
     settings = settings or Settings()
     parser = argparse.ArgumentParser(prog="aotx", description="Local LLM inference service")
-    parser.add_argument("--log-level", default=settings.log_level)
+    parser.add_argument("--log-level", type=_log_level, default=settings.log_level,
+                        help="DEBUG, INFO, WARNING, ERROR or CRITICAL")
     sub = parser.add_subparsers(dest="command", required=True)
     state = settings.state_dir
 

@@ -56,16 +56,36 @@ class Settings:
         d = cls()
         return cls(
             state_dir=env.get("AOTX_STATE_DIR", d.state_dir),
-            log_level=env.get("AOTX_LOG_LEVEL", d.log_level),
+            log_level=log_level(env.get("AOTX_LOG_LEVEL", d.log_level), "AOTX_LOG_LEVEL"),
             header_timeout=_seconds(env, "AOTX_HEADER_TIMEOUT", d.header_timeout),
             body_timeout=_seconds(env, "AOTX_BODY_TIMEOUT", d.body_timeout),
-            short_slice=env.get("AOTX_SHORT_SLICE", "1") != "0",
-            log_prompts=env.get("AOTX_LOG_PROMPTS", "0") == "1",
+            short_slice=_switch(env, "AOTX_SHORT_SLICE", d.short_slice),
+            log_prompts=_switch(env, "AOTX_LOG_PROMPTS", d.log_prompts),
             call_deadline=_seconds(env, "AOTX_CALL_DEADLINE", d.call_deadline),
             media_deadline=_seconds(env, "AOTX_MEDIA_DEADLINE", d.media_deadline),
             wait_margin=_seconds(env, "AOTX_WAIT_MARGIN", d.wait_margin),
             hang_seconds=_seconds(env, "AOTX_HANG_SECONDS", d.hang_seconds),
         )
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(raw: str, name: str) -> str:
+    """A Python log level's name (any case): another word would log at INFO unseen."""
+    if raw.upper() not in LOG_LEVELS:
+        raise ConfigError(f"{name}={raw!r}: give one of {', '.join(LOG_LEVELS)}")
+    return raw.upper()
+
+
+def _switch(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """``1`` or ``0``: ``yes`` or ``true`` would be read as one or the other unseen."""
+    raw = env.get(name)
+    if raw is None:
+        return default
+    if raw not in ("0", "1"):
+        raise ConfigError(f"{name}={raw!r}: give 1 (on) or 0 (off)")
+    return raw == "1"
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:

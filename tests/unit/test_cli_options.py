@@ -38,3 +38,20 @@ def test_ports() -> None:
             with pytest.raises(SystemExit):
                 parser.parse_args([command, "--port", port])
         assert parser.parse_args([command, "--port", "65535"]).port == 65535
+
+
+def test_switches_and_log_levels_are_read_strictly(capsys: pytest.CaptureFixture[str]) -> None:
+    """``AOTX_LOG_PROMPTS=yes`` read as off, ``--log-level LOUD`` as INFO: each now says so."""
+    from aotx.config import ConfigError, Settings
+
+    assert Settings.from_env({"AOTX_LOG_PROMPTS": "1", "AOTX_LOG_LEVEL": "debug"}) == \
+        Settings(log_prompts=True, log_level="DEBUG")
+    assert Settings.from_env({"AOTX_SHORT_SLICE": "0"}).short_slice is False
+    for env in ({"AOTX_LOG_PROMPTS": "yes"}, {"AOTX_SHORT_SLICE": "off"},
+                {"AOTX_LOG_LEVEL": "LOUD"}):
+        with pytest.raises(ConfigError, match=next(iter(env))):
+            Settings.from_env(env)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--log-level", "LOUD", "serve"])
+    assert "give one of DEBUG" in capsys.readouterr().err
+    assert build_parser().parse_args(["--log-level", "warning", "serve"]).log_level == "WARNING"
