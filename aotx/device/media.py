@@ -157,6 +157,8 @@ class MediaTable:
         self.total_bytes -= len(data)
         digest = hashlib.sha256(data).digest()
         existing = self.by_digest.get((principal, digest))
+        if existing is not None and not magic_matches(up.content_type, data):
+            existing = None  # the same bytes under a type they are not: refused, as new ones
         if existing is not None:
             src = self.sources[existing]
             if not ephemeral:

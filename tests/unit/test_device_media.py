@@ -54,6 +54,24 @@ def test_a_request_leases_its_sources_until_terminal(device) -> None:
     assert gone.status == 404
 
 
+def test_bytes_held_already_are_refused_under_a_type_they_are_not(device) -> None:
+    """A PNG uploaded again as image/jpeg is refused as new bytes would be (it answered
+    200 with the PNG source), and as image/png it is the same source again."""
+    dev, _ = device
+    img = png(5)
+    first, _ = call(dev, wire.Header(op=wire.Op.MEDIA_PUT, identity=b"p" * 16, role=1,
+                                     flags=wire.MEDIA_FLAG_FINAL), img)
+    assert first.status == 201
+    as_jpeg, body = call(dev, wire.Header(op=wire.Op.MEDIA_PUT, identity=b"q" * 16, role=2,
+                                          flags=wire.MEDIA_FLAG_FINAL), img)
+    meta = wire.decode_media_meta(body[:64])
+    assert as_jpeg.status == 201 and as_jpeg.identity != first.identity
+    assert meta.state == wire.MediaState.REFUSED
+    again, _ = call(dev, wire.Header(op=wire.Op.MEDIA_PUT, identity=b"r" * 16, role=1,
+                                     flags=wire.MEDIA_FLAG_FINAL), img)
+    assert (again.status, again.identity) == (200, first.identity)
+
+
 def test_cancelled_request_releases_its_lease(device) -> None:
     dev, sched = device
     rh, body = call(dev, wire.Header(op=wire.Op.MEDIA_PUT, identity=b"v" * 16, role=1,
