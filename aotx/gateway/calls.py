@@ -36,11 +36,11 @@ _ROLES = {"system": wire.Role.SYSTEM, "developer": wire.Role.SYSTEM, "user": wir
           "assistant": wire.Role.ASSISTANT, "tool": wire.Role.TOOL}
 
 
-def parse_cursor(value: str | None, param: str = "cursor") -> int:
+def parse_cursor(value: str | None, param: str = "cursor", what: str = "byte offset") -> int:
     if value is None:
         return 0
     if not _CURSOR_RE.fullmatch(value) or int(value) >= 1 << 64:
-        raise ApiError(400, f"{param} must be a decimal byte offset below 2^64", param=param)
+        raise ApiError(400, f"{param} must be a decimal {what} below 2^64", param=param)
     return int(value)
 
 

@@ -32,6 +32,12 @@ async def upload_media(request: Request, principal: Principal = Caller,
     if ctype not in CONTENT_TYPES:
         raise ApiError(415, f"unsupported media type {ctype or '(none)'}; use one of "
                             f"{', '.join(sorted(CONTENT_TYPES))}", param="Content-Type")
+    declared = request.headers.get("content-length", "")
+    limit = g.info.media_bytes if g.info is not None else 0  # (0: not known yet)
+    if limit and declared.isdigit() and int(declared) > limit:
+        # said before the first byte: refused before it, not after 64 MiB of it
+        raise ApiError(413, f"a media source may have at most {limit} bytes",
+                       headers={"Connection": "close"})
     try:
         status, obj = await MediaUpload(g, principal, CONTENT_TYPES[ctype][0]).run(
             request.stream())
@@ -49,7 +55,7 @@ async def upload_media(request: Request, principal: Principal = Caller,
 @router.get("/aotx/v1/media", response_model=S.MediaList)
 async def list_media(cursor: str | None = None, limit: int = 20, principal: Principal = Caller,
                      g: Gateway = Service) -> Response:
-    pos = parse_cursor(cursor)
+    pos = parse_cursor(cursor, what="list position (a next_cursor)")
     if not 1 <= limit <= 500:
         raise ApiError(400, "limit must be between 1 and 500", param="limit")
     rh, body = await g.ask(wire.Header.request(wire.Op.MEDIA_LIST, principal=principal.id,

@@ -129,3 +129,20 @@ def test_interrupted_upload_leaves_no_source(msvc: Service) -> None:
     with client(msvc, token) as c:
         assert c.get("/aotx/v1/media").json()["data"] == []
         assert upload(c, data, "audio/wav").status_code == 201  # a full upload still works
+
+
+def test_a_declared_size_past_the_limit_is_refused_before_the_body(msvc: Service) -> None:
+    """A Content-Length over the device's media_bytes is a 413 at once, with none of the
+    body sent (it was read until 64 MiB had passed); a bad list cursor names a position."""
+    with client(msvc, msvc.token) as c:
+        limit = int(c.get("/aotx/v1/capabilities").json()["limits"]["media_bytes"])
+        r = c.get("/aotx/v1/media", params={"cursor": "x"})
+        assert r.status_code == 400 and "list position" in r.json()["error"]["message"]
+    s = socket.create_connection(("127.0.0.1", msvc.port))
+    s.settimeout(10)
+    s.sendall(b"POST /aotx/v1/media HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+              + msvc.token.encode() + b"\r\nContent-Type: image/png\r\nContent-Length: "
+              + str(limit + 1).encode() + b"\r\n\r\n")
+    answer = s.recv(65536)
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 413") and b"may have at most" in answer
