@@ -52,6 +52,7 @@ def embed(state: DeviceState, admission: Admission, mailbox: int, h: Header,
         inputs.append(tokens)
     if h.cursor == 0:  # the first packet of a call: one admission against the rate
         admission.check_rate(h, grant)
+        state.counters.admitted += 1  # (aotx_requests_admitted_total counts calls)
     return EmbedCall(mailbox, h, model.embeddings, inputs)
 
 

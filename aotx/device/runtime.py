@@ -160,7 +160,7 @@ class Device:
         except Exception:
             log.exception("event=device.error op=%d", h.op)
             result = h.refuse(500, Reason.INTERNAL, epoch=epoch), b""
-        if isinstance(result, tuple) and h.op == Op.SUBMIT and result[0].status >= 400:
+        if isinstance(result, tuple) and h.op in (Op.SUBMIT, Op.EMBED) and result[0].status >= 400:
             self.state.counters.refused[result[0].status] += 1
         return result
 

@@ -5,6 +5,7 @@ real HTTP, the device's EMBED operation."""
 from __future__ import annotations
 
 import base64
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -142,10 +143,23 @@ def test_grants_apply_the_model_mask_and_the_rate(service: Service) -> None:
     assert r.status_code == 404 == chat.status_code and r.json() == chat.json()
     slow = mint(service, "emb-rate", "--limit", "rate=1")
     texts = [f"sentence {i}" for i in range(60)]  # three packets: one admission
+    before = counts(service)
     first = raw(service, {"model": "smollm2", "input": texts}, slow)
     assert first.status_code == 200 and len(first.json()["data"]) == 60
     again = raw(service, {"model": "smollm2", "input": "hi"}, slow)
     assert again.status_code == 429 and int(again.headers["retry-after"]) >= 1
+    # /metrics counts the calls as it counts submissions: one admitted, one refused
+    after = counts(service)
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
+
+
+def counts(service: Service) -> tuple[float, float]:
+    """aotx_requests_admitted_total and aotx_requests_refused_total{status="429"}."""
+    text = httpx.get(service.url + "/metrics", headers=service.headers, timeout=30).text
+    admitted = re.search(r"^aotx_requests_admitted_total (\S+)$", text, re.M)
+    refused = re.search(r'^aotx_requests_refused_total\{status="429"\} (\S+)$', text, re.M)
+    assert admitted is not None
+    return float(admitted[1]), float(refused[1]) if refused else 0.0
 
 
 def test_models_and_capabilities_list_the_embeddings(service: Service) -> None:
