@@ -131,13 +131,20 @@ def _utf8(text: str) -> bytes:
                        param="messages") from None
 
 
+def chat_model(g: Gateway, alias: str, principal: Principal) -> wire.ModelInfo:
+    """The principal's model of that alias, which must generate text (404 otherwise,
+    naming why: the device would refuse it as a model it does not have)."""
+    m = g.model_for(alias, principal)
+    if not m.context_tokens:
+        raise ApiError(404, f"model {m.alias!r} is an embedding model: it answers "
+                            "/v1/embeddings only", param="model", code="model_not_found")
+    return m
+
+
 async def submit(g: Gateway, body: ChatRequest, principal: Principal,
                  allow_media: bool = False) -> Admitted:
     await g.ensure_ready()  # the models are the device's: 503 if it was never reached
-    m = g.model_for(body.model, principal)
-    if not m.context_tokens:  # (the device refuses it too: 404 NO_MODEL)
-        raise ApiError(404, f"model {m.alias!r} is an embedding model: it answers "
-                            "/v1/embeddings only", param="model", code="model_not_found")
+    m = chat_model(g, body.model, principal)
     inline = await upload_inline(g, body, m, principal)
     h, payload, call = submission(body, m, principal, allow_media, inline)
     # Media parts are prepared by the device's media worker: a longer deadline than text.

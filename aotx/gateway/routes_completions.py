@@ -48,7 +48,7 @@ async def completions(body: CompletionRequest, principal: Principal = Caller,
                       g: Gateway = Service) -> Response:
     body.check()
     await g.ensure_ready()  # the models are the device's: 503 if it was never reached
-    m = g.model_for(body.model, principal)
+    m = calls.chat_model(g, body.model, principal)
     choices = await _admit(g, body, m, principal)
     first = choices[0].admitted
     rid = ids.format_request_id(first.epoch, first.identity)

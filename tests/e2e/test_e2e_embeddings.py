@@ -225,6 +225,9 @@ def test_an_embedding_model_from_the_models_file(two_models: Service) -> None:
     with pytest.raises(openai.NotFoundError) as err:
         oai.chat.completions.create(model="emb", messages=[{"role": "user", "content": "hi"}])
     assert "embedding model" in err.value.message
+    with pytest.raises(openai.NotFoundError) as err:  # the same words on /v1/completions
+        oai.completions.create(model="emb", prompt="hi")
+    assert "embedding model" in err.value.message
     with pytest.raises(openai.BadRequestError, match="at most 256"):
         oai.embeddings.create(model="emb", input=[[7] * 257])
 
