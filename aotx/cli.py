@@ -210,11 +210,12 @@ def _grant_show(state_dir: str, socket_path: str) -> int:
     store = CredentialStore(state_dir)
     live, _ = store.snapshot()
     holders = set(live.values())
-    print("principal\tid\tactions\tmodels\tlimits\ttokens")
+    print("principal\tid\tactions\tmodels\tlimits\tmemory\ttokens")
     for p in store.principals():
         limits = ",".join(f"{k}={v}" for k, v in sorted(p.limits.items())) or "-"
         print(f"{p.name}\t{p.id}\t{','.join(action_names(p.actions)) or '-'}\t"
-              f"{','.join(p.models)}\t{limits}\t{'live' if p.id in holders else 'none'}")
+              f"{','.join(p.models)}\t{limits}\t{'on' if p.memory else 'off'}\t"
+              f"{'live' if p.id in holders else 'none'}")
     store.close()
     if os.path.exists(socket_path):
         import socket as _socket

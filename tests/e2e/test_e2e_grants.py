@@ -201,6 +201,11 @@ def test_token_cli_rejects_bad_input(gsvc: Service) -> None:
     assert not any(line.startswith("x\t") for line in shown)  # nothing was created
     admin = next(line for line in shown if line.startswith("admin\t"))
     assert "telemetry" in admin.split("\t")[2]  # still every action
+    mint(gsvc, "remembered", "--memory")  # grant show says who takes part in memory
+    shown = aotx_cli(gsvc, "grant", "show").stdout.splitlines()
+    assert shown[0].split("\t")[5] == "memory"
+    rows = {line.split("\t")[0]: line.split("\t") for line in shown[1:] if "\t" in line}
+    assert (rows["remembered"][5], rows["admin"][5]) == ("on", "off")
     assert aotx_cli(gsvc, "token", "revoke", "99999").returncode == 1
 
 
