@@ -229,10 +229,12 @@ def target_refusal(scope: Scope) -> tuple[int, str] | None:
     version than 1.0 or 1.1 (the parser reads "HTTP/2.0" as a version, not a refusal),
     or a path that spells ``/`` as ``%2F`` (the server decodes it, so
     ``/aotx/v1/requests/ID%2Fevents`` would reach the events route: paths match exactly,
-    in one spelling)."""
+    in one spelling).  Not in a model's alias, which may hold a ``/`` and which a client
+    may encode (``/v1/models/org%2Fm2``): that route takes the rest of the path whole."""
     if scope.get("http_version", "1.1") not in ("1.0", "1.1"):
         return 505, "this service speaks HTTP/1.1"
-    if b"%2f" in (scope.get("raw_path") or b"").lower():
+    raw = (scope.get("raw_path") or b"").lower()
+    if b"%2f" in raw and not raw.startswith(b"/v1/models/"):
         return 404, "a path may not spell / as %2F"
     return None
 

@@ -724,6 +724,7 @@ def test_request_targets_and_host_headers_on_the_wire(served: Served) -> None:
     assert status(b"/v1/models", local) == 401
     for target in (b"/v1%2Fmodels", b"/v1%2fmodels", b"/aotx/v1/requests/x%2Fevents"):
         assert status(target, local) == 404, target
+    assert status(b"/v1/models/org%2Fm2", local) == 401  # an alias may hold a / (encoded)
 
 
 def test_every_timeout_answers_408_request_timeout(served: Served) -> None:
