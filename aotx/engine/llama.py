@@ -200,7 +200,7 @@ class LlamaEngine:
         # the KV buffer llama.cpp clears is committed as cells are written (residency.py)
         self.ctx, self.kv_released = create_uncommitted(
             lambda: llama_cpp.llama_init_from_model(self.model, cparams),
-            int(self.kv_cell_bytes * cells) // 2)
+            int(self.kv_cell_bytes * cells))
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
             raise EngineError(f"llama.cpp could not create a context ({cells} KV cells of "

@@ -20,9 +20,13 @@ engine (``aotx.device.runtime``).
 Handed back only after the context exists, the whole buffer would still be resident
 for the moment between (1.6 GB at the defaults: the machine would need the whole
 reservation free at start).  So while llama.cpp creates the context, a thread
-(:class:`ReleasingWhile`) hands back, every few milliseconds, the pages of the new
-large mappings that the clear has made resident (``mincore``) and that hold zeros: the
-clear writes only zeros, so a page it writes again after that reads the same.
+(:class:`ReleasingWhile`) hands back, every few milliseconds, the pages the clear has
+made resident (``mincore``) and that hold zeros, in the KV buffer's own mapping only:
+a new mapping of the buffer's size, give or take its allocator's header.  Its only
+writer then is the clear, which writes zeros, so a page it writes again after its
+release reads the same.  Other large allocations made meanwhile (the scheduler's
+tables, filled right after they are zeroed) are left to the pass after creation; so
+is a KV mapping the kernel merged with another new one (its size is not the buffer's).
 """
 
 from __future__ import annotations
@@ -43,18 +47,22 @@ MADV_DONTNEED = 4  # Linux
 CHUNK_PAGES = (64 << 20) // PAGE
 
 Region = tuple[int, int]  # [start, end) of a mapping
+#: How much larger than the KV bytes its mapping may be: the allocator's header and
+#: alignment, and the tensors' padding to ggml's alignment.
+KV_SLACK = 1 << 20
 T = TypeVar("T")
 
 
-def create_uncommitted(create: Callable[[], T], min_bytes: int) -> tuple[T, int]:
-    """``create()`` (a llama.cpp context), with the zero pages of the new mappings of at
-    least ``min_bytes`` handed back as it runs and once it has returned; and the bytes
-    released (a page the clear wrote again after its release counts again)."""
-    before = anonymous_mappings()
-    with ReleasingWhile(before, min_bytes) as early:
+def create_uncommitted(create: Callable[[], T], kv_bytes: int) -> tuple[T, int]:
+    """``create()`` (a llama.cpp context whose KV buffer is ``kv_bytes``), with the zero
+    pages of its KV buffer handed back as the clear goes, and those of the new mappings of
+    at least half that size once it has returned; and the bytes released (a page the
+    clear wrote again after its release counts again)."""
+    with ReleasingWhile(kv_bytes, kv_bytes + KV_SLACK) as early:
         made = create()
-    return made, early.released + release_zero_pages(new_regions(before, anonymous_mappings()),
-                                                      min_bytes)
+    assert early.before is not None
+    return made, early.released + release_zero_pages(
+        new_regions(early.before, anonymous_mappings()), kv_bytes // 2)
 
 
 def available_bytes() -> int:
@@ -160,24 +168,30 @@ def release_resident_zero_pages(regions: set[Region], min_bytes: int) -> int:
 
 
 class ReleasingWhile:
-    """``with ReleasingWhile(before, min_bytes): create_the_context()``: a thread hands
-    back the resident zero pages of the mappings of at least ``min_bytes`` that are new
-    since ``before``, every ``interval`` seconds, until the block ends (the module's
-    docstring says why it is safe)."""
+    """``with ReleasingWhile(low, high): create_the_context()``: a thread hands back the
+    resident zero pages of each mapping new since the block began whose size is from
+    ``low`` to ``high`` bytes, every ``interval`` seconds, until the block ends (the
+    module's docstring says why only those)."""
 
-    def __init__(self, before: set[Region], min_bytes: int, interval: float = 0.002) -> None:
-        self.before, self.min_bytes, self.interval = before, min_bytes, interval
+    def __init__(self, low: int, high: int, interval: float = 0.002) -> None:
+        self.low, self.high, self.interval = low, high, interval
+        self.before: set[Region] | None = None  # taken once the thread (its stack) exists
         self.released = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-release", daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.released += release_resident_zero_pages(
-                new_regions(self.before, anonymous_mappings()), self.min_bytes)
+            if self.before is None:
+                continue
+            # not a mapping's first page: the allocator writes its header there at once
+            sized = {(lo + PAGE, hi) for lo, hi in new_regions(self.before, anonymous_mappings())
+                     if self.low <= hi - lo <= self.high}
+            self.released += release_resident_zero_pages(sized, 0)
 
     def __enter__(self) -> ReleasingWhile:
         self._thread.start()
+        self.before = anonymous_mappings()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,

@@ -83,28 +83,49 @@ def test_a_mapping_merged_with_an_older_one_counts_only_for_its_new_part() -> No
     assert new_regions(before, before) == set()
 
 
+def clear(start: int, pages: int) -> None:
+    """Zeros from the second page on, about 1 MiB at a time, as llama.cpp's memset goes
+    (the GIL released), a little slower than a scan."""
+    for at in range(1, pages, 255):
+        ctypes.memset(start + at * PAGE, 0, min(255, pages - at) * PAGE)
+        if at % 2040 == 1:
+            time.sleep(0.003)
+
+
 def test_pages_are_handed_back_while_a_clear_runs() -> None:
-    """ReleasingWhile: while another thread clears a new mapping page by page (as
-    llama.cpp's memset does, the GIL released), the pages it has written go back to the
-    kernel as it goes; a page that holds data stays, and the content reads unchanged."""
+    """ReleasingWhile: while another thread clears a new mapping of the size it watches,
+    the pages the clear has written go back to the kernel as it goes; the first page (an
+    allocator's header) stays, and the content reads unchanged."""
     pages = 16384  # 64 MiB
-    before = anonymous_mappings()
-    region = mmap.mmap(-1, pages * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    with ReleasingWhile(pages * PAGE, pages * PAGE + 4 * PAGE, interval=0.001) as early:
+        region = mmap.mmap(-1, pages * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+        region[1] = 7  # a header, as malloc writes it
+        clear(start, pages)
+        deadline = time.monotonic() + 10  # (a loaded machine may run the thread late)
+        while early.released < (pages - 1) * PAGE and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert early.released >= (pages - 1) * PAGE  # before the block ends
     try:
-        region[5 * PAGE + 1] = 7  # data, not the clear's
-        with ReleasingWhile(before, pages * PAGE // 2, interval=0.001) as early:
-            for at in range(256, pages, 256):  # 1 MiB at a time, as a memset goes
-                ctypes.memset(start + at * PAGE, 0, 256 * PAGE)
-                if at % 2048 == 256:
-                    time.sleep(0.003)  # a clear slower than a scan: the thread keeps up
-            deadline = time.monotonic() + 10  # (a loaded machine may run the thread late)
-            while early.released < (pages - 256) * PAGE and time.monotonic() < deadline:
-                time.sleep(0.005)
-            assert early.released >= (pages - 256) * PAGE  # before the block ends
         assert resident_bytes(start) < pages * PAGE // 4  # (a merged neighbour counts too)
-        assert region[5 * PAGE + 1] == 7 and region[5 * PAGE:6 * PAGE].count(0) == PAGE - 1
-        assert region[6 * PAGE:].count(0) == (pages - 6) * PAGE
+        assert region[1] == 7 and region[:PAGE].count(0) == PAGE - 1
+        assert region[PAGE:].count(0) == (pages - 1) * PAGE
+    finally:
+        region.close()
+
+
+def test_a_mapping_of_another_size_is_left_to_the_pass_after() -> None:
+    """Only the KV buffer's own mapping is released while the context is created: other
+    large allocations are filled right after they are zeroed."""
+    pages = 4096  # 16 MiB, where 64 MiB are watched
+    with ReleasingWhile(4 * pages * PAGE, 4 * pages * PAGE + 4 * PAGE,
+                        interval=0.001) as early:
+        region = mmap.mmap(-1, pages * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+        clear(start, pages)
+        time.sleep(0.05)
+    try:
+        assert early.released == 0 and resident_bytes(start) >= (pages - 1) * PAGE
     finally:
         region.close()
 
