@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -47,7 +48,7 @@ class Child:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL,
-                                     preexec_fn=_end_with_parent)
+                                     preexec_fn=_end_with(os.getpid()))
         self.started_at = time.monotonic()
         log.info("event=serve.started component=%s pid=%d", self.name, self.proc.pid)
 
@@ -55,11 +56,20 @@ class Child:
         return self.proc is not None and self.proc.poll() is None
 
 
-def _end_with_parent() -> None:
-    """In a child, before it runs: SIGTERM when the supervisor dies (killed, or its
-    output closed under it), so that no component serves on unsupervised."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+#: prctl, looked up here: a child between fork and exec should not load libraries.
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
+def _end_with(parent: int) -> Callable[[], None]:
+    """For a child, before it runs: SIGTERM when the supervisor dies (killed, or its
+    output closed under it), so that no component serves on unsupervised; and if it
+    died already, between the fork and this, no start at all."""
+    def arm() -> None:
+        if _PRCTL is not None:
+            _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
+    return arm
 
 
 def _wait_ready(url: str, children: list[Child], timeout: float,
@@ -68,14 +78,18 @@ def _wait_ready(url: str, children: list[Child], timeout: float,
     while time.monotonic() < deadline and not stopping():
         if any(c.proc is not None and c.proc.poll() is not None for c in children):
             return False
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return True
-        except (urllib.error.URLError, OSError):
-            pass
+        if _ready(url):
+            return True
         time.sleep(0.1)
     return False
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return bool(r.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 def serve(paths: RuntimePaths, host: str, port: int, models_file: str | None,
@@ -112,15 +126,11 @@ def serve(paths: RuntimePaths, host: str, port: int, models_file: str | None,
         if _wait_ready(url + "/readyz", children, timeout=600, stopping=lambda: stopping) \
                 and not stopping:
             _banner(url, paths.state_dir, paths.admin_token)
-        elif not stopping:
-            if children[0].proc is not None and children[0].proc.poll() == EX_CONFIG:
-                # its reason is on stderr above; restarting it would be refused again
-                log.error("event=serve.refused component=device")
-                return EX_CONFIG
+        elif not stopping and children[0].proc is not None \
+                and children[0].proc.poll() != EX_CONFIG:  # (_supervise stops for that)
             log.error("event=serve.not_ready url=%s", url)
-        _supervise(children, DeviceWatch(paths.socket, settings.hang_seconds),
-                   lambda: stopping)
-        return 0
+        return _supervise(children, DeviceWatch(paths.socket, settings.hang_seconds),
+                          lambda: stopping, ready=lambda: _ready(url + "/readyz"))
     finally:
         _stop_all(children)
 
@@ -141,18 +151,29 @@ def _banner(url: str, state_dir: str, token_path: str) -> None:
               flush=True)
     except BrokenPipeError:
         log.warning("event=serve.stdout_closed")
+        # what is left in the buffer would fail again at exit ("Exception ignored", 120)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
-def _supervise(children: list[Child], watch: DeviceWatch, stopping: Callable[[], bool]) -> None:
-    """Restart what exits and health-check the device, until told to stop."""
+def _supervise(children: list[Child], watch: DeviceWatch, stopping: Callable[[], bool],
+               ready: Callable[[], bool]) -> int:
+    """Restart what exits and health-check the device, until told to stop (0), or until
+    a device that was never ready refuses its models file (EX_CONFIG)."""
+    device, was_ready = children[0], False
     try:
         while not stopping():
             now = time.monotonic()
+            if not was_ready and device.proc is not None:
+                if device.proc.poll() == EX_CONFIG:  # its reason is on stderr above:
+                    log.error("event=serve.refused component=device")  # it would be again
+                    return EX_CONFIG
+                was_ready = device.alive() and ready()
             for c in children:
                 if _restart_if_exited(c, now) and c.name == "device":
                     watch.device_started()
-            _check_device(children[0], children[1], watch, now)
+            _check_device(device, children[1], watch, now)
             time.sleep(0.1)
+        return 0
     finally:
         watch.close()
 
