@@ -48,6 +48,18 @@ def assert_turn_shows_device_bytes(svc: Service, page, n: int, timeout: int) -> 
         assert c.read_all(rid).decode("utf-8", errors="replace").strip() == shown.strip()
 
 
+def signed_in(browser, svc: Service, token: str, prompt: str):  # type: ignore[no-untyped-def]
+    """A new page signed in with ``token``, ``prompt`` sent."""
+    page = browser.new_page()
+    page.goto(svc.url + "/console/")
+    page.fill("#token", token)
+    page.click("#signin-button")
+    page.wait_for_selector("#app:not([hidden])")
+    page.fill("#prompt", prompt)
+    page.click("#send")
+    return page
+
+
 def test_console_sign_in_chat_live_and_policy(csvc: Service, browser) -> None:
     ctx = browser.new_context()
     page = ctx.new_page()
@@ -107,13 +119,7 @@ def test_console_shows_403_for_a_limited_token(csvc: Service, browser) -> None:
                         csvc.state_dir, "--principal", "viewer", "--actions", "read"],
                        capture_output=True, text=True, check=True)
     token = r.stdout.strip().splitlines()[-1]
-    page = browser.new_page()
-    page.goto(csvc.url + "/console/")
-    page.fill("#token", token)
-    page.click("#signin-button")
-    page.wait_for_selector("#app:not([hidden])")
-    page.fill("#prompt", "hello")
-    page.click("#send")
+    page = signed_in(browser, csvc, token, "hello")
     page.wait_for_selector("#message:not([hidden])")
     assert "403" in page.inner_text("#message")
     page.wait_for_function("document.getElementById('policy-status').textContent.includes('403')")
@@ -133,13 +139,7 @@ def test_an_error_in_the_stream_is_shown_with_its_status(csvc: Service, browser)
                               check=True).stdout
     made = cli("create", "--principal", "streamer").strip().splitlines()
     token, tid = made[-1], made[0].split()[1]
-    page = browser.new_page()
-    page.goto(csvc.url + "/console/")
-    page.fill("#token", token)
-    page.click("#signin-button")
-    page.wait_for_selector("#app:not([hidden])")
-    page.fill("#prompt", "Write a long story about a lighthouse keeper.")
-    page.click("#send")
+    page = signed_in(browser, csvc, token, "Write a long story about a lighthouse keeper.")
     page.wait_for_function("document.querySelector('.turn.bot .text').textContent.length > 20")
     cli("revoke", tid)
     page.wait_for_selector("#message:not([hidden])", timeout=30_000)
