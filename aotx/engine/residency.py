@@ -32,10 +32,11 @@ is a KV mapping the kernel merged with another new one (its size is not the buff
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import TypeVar
 
@@ -114,17 +115,29 @@ def new_regions(before: set[Region], after: set[Region]) -> set[Region]:
 def release_zero_pages(regions: set[Region], min_bytes: int) -> int:
     """Hand back the all-zero pages of each region of at least ``min_bytes``; returns the
     bytes released."""
-    if not sys.platform.startswith("linux"):
+    libc = _libc()
+    if libc is None:
         return 0
+    return sum(_release_chunk(libc, at, pages) for at, pages in _chunks(regions, min_bytes))
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """libc with ``madvise`` and ``mincore`` typed, loaded once (None off Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    released = 0
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return libc
+
+
+def _chunks(regions: set[Region], min_bytes: int) -> Iterator[tuple[int, int]]:
+    """(address, pages) of each scan chunk of the regions of at least ``min_bytes``."""
     for start, end in sorted(regions):
-        if end - start < min_bytes:
-            continue
-        for at in range(start, end, CHUNK_PAGES * PAGE):
-            released += _release_chunk(libc, at, min(CHUNK_PAGES, (end - at) // PAGE))
-    return released
+        if end - start >= min_bytes:
+            for at in range(start, end, CHUNK_PAGES * PAGE):
+                yield at, min(CHUNK_PAGES, (end - at) // PAGE)
 
 
 def _release_chunk(libc: ctypes.CDLL, at: int, pages: int) -> int:
@@ -142,29 +155,23 @@ def _release_chunk(libc: ctypes.CDLL, at: int, pages: int) -> int:
 def release_resident_zero_pages(regions: set[Region], min_bytes: int) -> int:
     """As :func:`release_zero_pages`, but only the pages that are resident (``mincore``):
     a pass costs a bit a page, not a read of every page."""
-    if not sys.platform.startswith("linux"):
+    libc = _libc()
+    if libc is None:
         return 0
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    released = 0
-    for start, end in sorted(regions):
-        if end - start < min_bytes:
-            continue
-        for at in range(start, end, CHUNK_PAGES * PAGE):
-            pages = min(CHUNK_PAGES, (end - at) // PAGE)
-            vec = np.zeros(pages, np.uint8)
-            if libc.mincore(at, pages * PAGE, vec.ctypes.data) != 0:
-                continue  # unmapped meanwhile: nothing of ours
-            resident = np.flatnonzero(vec & 1)
-            if resident.size == 0:
-                continue
-            # the resident runs, each released where it holds zeros
-            breaks = np.flatnonzero(np.diff(resident) != 1) + 1
-            for run in np.split(resident, breaks):
-                first = int(run[0])
-                released += _release_chunk(libc, at + first * PAGE, int(run[-1]) + 1 - first)
-    return released
+    return sum(_release_resident(libc, at, pages) for at, pages in _chunks(regions, min_bytes))
+
+
+def _release_resident(libc: ctypes.CDLL, at: int, pages: int) -> int:
+    vec = np.zeros(pages, np.uint8)
+    if libc.mincore(at, pages * PAGE, vec.ctypes.data) != 0:
+        return 0  # unmapped meanwhile: nothing of ours
+    resident = np.flatnonzero(vec & 1)
+    if resident.size == 0:
+        return 0
+    # the resident runs, each released where it holds zeros
+    breaks = np.flatnonzero(np.diff(resident) != 1) + 1
+    return sum(_release_chunk(libc, at + int(run[0]) * PAGE, int(run[-1]) + 1 - int(run[0]))
+               for run in np.split(resident, breaks))
 
 
 class ReleasingWhile:
