@@ -37,10 +37,15 @@ def resident_bytes(start: int) -> int:
     raise AssertionError("no mapping holds the address")
 
 
+def anonymous(pages: int) -> tuple[mmap.mmap, int]:
+    """A new private anonymous mapping of ``pages`` pages, and its address."""
+    region = mmap.mmap(-1, pages * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return region, ctypes.addressof(ctypes.c_char.from_buffer(region))
+
+
 def test_only_zero_pages_are_released_and_the_content_is_unchanged() -> None:
     before = anonymous_mappings()
-    region = mmap.mmap(-1, PAGES * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    region, start = anonymous(PAGES)
     try:
         new = anonymous_mappings() - before
         assert any(lo <= start and start + PAGES * PAGE <= hi for lo, hi in new)
@@ -66,8 +71,7 @@ def test_only_zero_pages_are_released_and_the_content_is_unchanged() -> None:
 
 
 def test_regions_under_the_threshold_are_left_alone() -> None:
-    region = mmap.mmap(-1, 16 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    region, start = anonymous(16)
     try:
         region.write(bytes(16 * PAGE))
         assert release_zero_pages({(start, start + 16 * PAGE)}, 17 * PAGE) == 0
@@ -98,8 +102,7 @@ def test_pages_are_handed_back_while_a_clear_runs() -> None:
     allocator's header) stays, and the content reads unchanged."""
     pages = 16384  # 64 MiB
     with ReleasingWhile(pages * PAGE, pages * PAGE + 4 * PAGE, interval=0.001) as early:
-        region = mmap.mmap(-1, pages * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+        region, start = anonymous(pages)
         region[1] = 7  # a header, as malloc writes it
         clear(start, pages)
         deadline = time.monotonic() + 10  # (a loaded machine may run the thread late)
@@ -120,8 +123,7 @@ def test_a_mapping_of_another_size_is_left_to_the_pass_after() -> None:
     pages = 4096  # 16 MiB, where 64 MiB are watched
     with ReleasingWhile(4 * pages * PAGE, 4 * pages * PAGE + 4 * PAGE,
                         interval=0.001) as early:
-        region = mmap.mmap(-1, pages * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+        region, start = anonymous(pages)
         clear(start, pages)
         time.sleep(0.05)
     try:
@@ -131,8 +133,7 @@ def test_a_mapping_of_another_size_is_left_to_the_pass_after() -> None:
 
 
 def test_a_resident_scan_leaves_pages_that_are_not_resident() -> None:
-    region = mmap.mmap(-1, 64 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    region, start = anonymous(64)
     try:
         region[: 8 * PAGE] = bytes(8 * PAGE)  # 8 resident pages of zeros, 56 never touched
         assert release_resident_zero_pages({(start, start + 64 * PAGE)}, 64 * PAGE) == 8 * PAGE
