@@ -8,7 +8,8 @@ Each round starts a default service (no models file) from the ``before`` tree, r
 ``bench_serve``'s streaming load at each N (temperature 0, distinct prompts, a fresh
 connection per request), stops it, then does the same from the ``after`` tree (the
 working tree by default).  Both use this interpreter and its packages; only the
-``aotx`` package differs (``PYTHONPATH``).  Per N it prints each round's tok/s and
+``aotx`` package differs (``PYTHONPATH``; a tree that also holds a ``llama_cpp`` package,
+for example a link to another build's, runs on that one).  Per N it prints each round's tok/s and
 inter-token p50, and the median of the rounds' after / before ratios: this VM's speed
 drifts, so only ratios of figures measured minutes apart count.
 """
@@ -46,7 +47,10 @@ def main() -> None:
     got: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for r in range(args.rounds):
         for name, tree in trees.items():
-            with running_service(models="", env={"PYTHONPATH": tree}) as svc:
+            # PYTHONSAFEPATH: ``python -m aotx`` would otherwise import the package from
+            # the current directory, before PYTHONPATH (both trees would be this one).
+            env = {"PYTHONPATH": tree, "PYTHONSAFEPATH": "1"}
+            with running_service(models="", env=env) as svc:
                 asyncio.run(run_load(svc.url, svc.headers, "smollm2", 1, 1, 16, 900))  # warm
                 for n in clients:
                     out = asyncio.run(run_load(svc.url, svc.headers, "smollm2", n,
