@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .. import wire
-from ..engine.chunking import chunk_cost
+from ..engine.chunking import apart_rows, chunk_cost
 from ..engine.embedding import Embedder, Embeddings, EmbedQueue
 from ..engine.fair import common_prefix
 from ..engine.grammar import GrammarCompiler
@@ -102,7 +102,7 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
         free_sampler=lambda s: s.free(),  # type: ignore[attr-defined]
         on_step=on_step, on_terminal=on_terminal,
         encode=encoder.encode if encoder is not None else None,
-        prompts_per_step=spec.prompts_per_step, prompts_apart=not engine.flash_attention,
+        prompts_per_step=spec.prompts_per_step, apart_rows=apart_rows(engine),
         spill_bytes=default_budget(spec.kv_spill) if chat else 0,
         chunk_cost=chunk_cost(engine) if chat else None)
     if chat:

@@ -15,7 +15,7 @@ installed package, never by a fixed path.
     kv_type = "f16"          # or "q8_0": half the bytes a cell
     kv_spill = "auto"        # host memory for conversations whose sequence was reused (0: none)
     prompts_per_step = 1     # requests evaluating their prompts at once (0: all)
-    flash_attention = true   # false: none (bit-for-bit answers, more memory)
+    flash_attention = true   # false: none (more memory; exact answers on any build)
     embedding_context = 512  # tokens of one /v1/embeddings input (mean pooling)
 
     [[model]]

@@ -18,17 +18,22 @@ evaluated again, with the same tokens at the same positions.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import llama_cpp
+
+from .llama import loaded_library
 
 if TYPE_CHECKING:
     from .interface import Engine
     from .llama import LlamaEngine
     from .request import Request
 
-#: ggml-cpu's GGML_FA_TILE_Q: query rows per stream from which flash attention tiles.
+#: ggml-cpu's GGML_FA_TILE_Q: query rows per stream from which upstream flash attention
+#: tiles.  aotx's build (scripts/setup, scripts/llama-flash-attention.patch) tiles from 8.
 FA_TILE = 64
 #: How much slower the row-at-a-time path is per attended cell than the tiled one (and
 #: than the model's matrix products) on the reference machine: a cell costs 10.7 µs a
@@ -76,15 +81,17 @@ class ChunkCost:
 
 
 def widen_final(engine: Engine, req: Request, take: int, budget: int,
-                cost: ChunkCost | None) -> int:
+                cost: ChunkCost | None, rows: int = 2) -> int:
     """How many held tokens to evaluate again with ``req``'s final chunk of ``take``
     (cut back already): where flash attention tiles from 64 rows, as ``cost`` says; else
-    one, to a chunk of one row: llama.cpp computes a row alone otherwise than among
-    others (its logits differ at depth 586, not with two rows), so a prompt cached but
-    for its last token would answer otherwise than the same prompt evaluated afresh."""
+    enough for ``rows`` rows (:func:`apart_rows`), where the prompt holds them: a chunk of
+    fewer is computed otherwise than a fresh prompt's rows are, so a prompt cached but
+    for its last tokens would answer otherwise than the same prompt evaluated afresh."""
     if cost is not None:
         return cost.widen_held(engine, req, take, budget)
-    return move_back(engine, req, min(1, held_room(req, take, budget))) if take == 1 else 0
+    if take >= rows:
+        return 0
+    return move_back(engine, req, min(rows - take, held_room(req, take, budget)))
 
 
 def held_room(req: Request, take: int, budget: int) -> int:
@@ -104,17 +111,56 @@ def move_back(engine: Engine, req: Request, back: int) -> int:
     return back
 
 
+@functools.cache
+def fa_tile_min_rows() -> int:
+    """Query rows per KV stream from which the loaded ggml-cpu's flash attention tiles:
+    8 where built with aotx's patch (it says so through ``ggml_cpu_fa_tile_min_rows``),
+    else upstream's 64."""
+    try:
+        lib = ctypes.CDLL(loaded_library("libggml-cpu.so"))
+    except OSError:  # a build without a CPU backend of that name
+        return FA_TILE
+    report = getattr(lib, "ggml_cpu_fa_tile_min_rows", None)
+    if report is None:
+        return FA_TILE
+    report.restype, report.argtypes = ctypes.c_int, []
+    return int(report())
+
+
+def _tiles(engine: LlamaEngine) -> bool:
+    """Does ``engine`` evaluate prompt chunks with the CPU's flash attention over f16
+    cells in a KV stream per sequence (the default), whose cut-back cells can be
+    evaluated again?  Not without flash attention (every chunk is a matrix product), not
+    in one pool, not on a GPU, not with a ``q8_0`` cache (the tiled path reads only f16
+    or f32 cells), not for a recurrent or hybrid model's state or a sliding window's."""
+    lib, model, c = llama_cpp, engine.model, engine.config
+    return not (not engine.flash_attention or c.unified or c.gpu_layers or c.kv_type != "f16"
+                or engine.n_swa or lib.llama_model_is_recurrent(model)
+                or lib.llama_model_is_hybrid(model))
+
+
 def chunk_cost(engine: LlamaEngine) -> ChunkCost | None:
-    """The cost model for a model whose chunks are widened: with flash attention
-    (``flash_attention = true``: without it every chunk is a matrix product), a KV stream
-    per sequence (not one pool), on the CPU, with an f16 cache (the tiled path reads
-    only f16 or f32 cells: with q8_0 a 65-token chunk at depth 450 took 303 ms, a
-    33-token one 155), where cut-back cells can be evaluated again (not a recurrent or
-    hybrid model's state, not a sliding window's)."""
-    lib, model = llama_cpp, engine.model
-    c = engine.config
-    if (not engine.flash_attention or c.unified or c.gpu_layers or c.kv_type != "f16"
-            or engine.n_swa or lib.llama_model_is_recurrent(model)
-            or lib.llama_model_is_hybrid(model)):
+    """The cost model for a model whose final chunks are widened to a tile: where
+    :func:`_tiles` and the library tiles only from 64 rows (with q8_0 a 65-token chunk at
+    depth 450 took 303 ms, a 33-token one 155).  From 8 rows (aotx's build) a chunk below
+    8 costs less as it is than widened (4 rows at depth 1000: 66 ms, a tile of 8: 110),
+    and anything longer tiles already."""
+    if fa_tile_min_rows() < FA_TILE or not _tiles(engine):
         return None
-    return ChunkCost.of(lib, model)
+    return ChunkCost.of(llama_cpp, engine.model)
+
+
+def apart_rows(engine: LlamaEngine) -> int:
+    """The fewest rows a final prompt chunk has, its prompt permitting, with prompt
+    chunks in ``llama_decode`` calls of their own (``Scheduler.apart_rows``); 0: no
+    such rule.  So that an answer does not depend on the load or on what was cached:
+    llama.cpp splits a batch into micro-batches of equal rows per stream (a prompt's
+    first row would go with the running streams' one each), and computes a row alone
+    otherwise than among others.  Without flash attention, 2.  With it, on a build
+    that tiles from 8 rows (aotx's), 8: every prompt row from there on is computed by
+    the tiled path, each the same whatever else shares its tile, and fewer rows take
+    the row path.  On an upstream build, 0: chunks below 64 rows take the row path
+    alone or beside others."""
+    if not engine.flash_attention:
+        return 2
+    return fa_tile_min_rows() if fa_tile_min_rows() < FA_TILE and _tiles(engine) else 0

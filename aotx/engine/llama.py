@@ -61,7 +61,7 @@ class _ThreadpoolParams(ctypes.Structure):
 _ggml: tuple[ctypes.CDLL, ctypes.CDLL] | None = None
 
 
-def _loaded_library(stem: str) -> str:
+def loaded_library(stem: str) -> str:
     """The file of ``stem`` (``libggml-cpu.so``) that the process has already mapped
     as a dependency of libllama, so that ``ctypes.CDLL`` returns that same library.
 
@@ -92,8 +92,8 @@ def _ggml_libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     thread-pool functions it does not bind."""
     global _ggml
     if _ggml is None:
-        base = ctypes.CDLL(_loaded_library("libggml-base.so"))
-        cpu = ctypes.CDLL(_loaded_library("libggml-cpu.so"))
+        base = ctypes.CDLL(loaded_library("libggml-base.so"))
+        cpu = ctypes.CDLL(loaded_library("libggml-cpu.so"))
         base.ggml_threadpool_params_init.argtypes = [ctypes.POINTER(_ThreadpoolParams),
                                                      ctypes.c_int]
         base.ggml_threadpool_params_init.restype = None

@@ -59,9 +59,8 @@ class Scheduler:
                  on_terminal: Callable[[Request], None] = lambda r: None,
                  encode: Callable[[MediaSegment], Any] | None = None,
                  prompts_per_step: int = 1, spill_bytes: int = 0,
-                 chunk_cost: ChunkCost | None = None, prompts_apart: bool = False) -> None:
-        self.engine = engine
-        self.prompts_apart = prompts_apart  # _choose: without flash attention, for bit-exactness
+                 chunk_cost: ChunkCost | None = None, apart_rows: int = 0) -> None:
+        self.engine, self.apart_rows = engine, apart_rows  # chunking.apart_rows; _choose
         # Widened chunks (chunking.py) only one prompt a step: llama.cpp splits two prompts
         self.chunk_cost = chunk_cost if prompts_per_step == 1 else None  # into equal rows
         self.batch = batch
@@ -363,7 +362,7 @@ class Scheduler:
                                list[tuple[Request, int]], tuple[Request, MediaSegment] | None]:
         """The step's batch entries, samples and advances, and at most one media segment."""
         # Each request's tokens for this step: one for a running sequence, a prompt chunk
-        # for one being prepared.  With ``prompts_apart`` a step holds one kind or the other,
+        # for one being prepared.  With ``apart_rows`` a step holds one kind or the other,
         # taking turns while both wait: llama.cpp computes a prompt's rows that share a
         # micro-batch with other streams otherwise than alone, and on a CPU the two cost
         # the same apart as together, one graph's setup aside.  An image or audio segment
@@ -371,9 +370,9 @@ class Scheduler:
         chosen: list[tuple[Request, list[BatchEntry], bool]] = []
         media: tuple[Request, MediaSegment] | None = None
         running = sum(1 for r in self.active if r.phase is Phase.RUNNING)
-        prompts = not running or not self.prompts_apart or (self._prompt_turn and any(
+        prompts = not running or not self.apart_rows or (self._prompt_turn and any(
             r.phase is Phase.PREPARING for r in self.active))
-        decode = not (self.prompts_apart and prompts)
+        decode = not (self.apart_rows and prompts)
         self._prompt_turn = not prompts
         budget = (self.batch - running * decode) if prompts else 0
         for req in self.active:
@@ -391,8 +390,9 @@ class Scheduler:
                 take = min(budget, end - req.n_past)
                 if req.background:  # small steps: foreground work waits at most one of them
                     take = min(take, BACKGROUND_CHUNK)
-                elif take == end - req.n_past and (self.chunk_cost or self.prompts_apart):
-                    take += widen_final(self.engine, req, take, budget, self.chunk_cost)
+                elif take == end - req.n_past and (self.chunk_cost or self.apart_rows):
+                    take += widen_final(self.engine, req, take, budget, self.chunk_cost,
+                                        self.apart_rows)
                 last = req.n_past + take == len(req.prefill)
                 chosen.append((req, [BatchEntry(req.prefill[p], p, req.seq,
                                                 last and p == req.n_past + take - 1)

@@ -1,14 +1,15 @@
 """A later turn of a long conversation through the service and the official ``openai``
-client: the device evaluates its short new part widened to 65 tokens over the cached
-conversation (engine/chunking.py), and counts them in ``aotx_prompt_tokens_total``; not
-with several prompts a step (``prompts_per_step = 0``)."""
+client: the device evaluates only its short new part over the cached conversation, a
+chunk that aotx's build of llama.cpp tiles (from 8 rows; an upstream build would widen it
+to 65 tokens, engine/chunking.py), and counts it in ``aotx_prompt_tokens_total``; the
+same with several prompts a step (``prompts_per_step = 0``)."""
 
 from __future__ import annotations
 
 import openai
 import pytest
 
-from aotx.engine.chunking import FA_TILE
+from aotx.engine.chunking import FA_TILE, fa_tile_min_rows
 
 from ..helpers import SMALL_MODELS, Service, running_service
 from .test_e2e_choices import prompt_tokens_evaluated
@@ -37,10 +38,11 @@ def later_turn(service: Service, oai: openai.OpenAI) -> tuple[int, int]:
     return new, evaluated
 
 
-def test_a_later_turn_evaluates_one_tile_over_the_cached_conversation(
+def test_a_later_turn_evaluates_only_its_new_tokens_over_the_cached_conversation(
         service: Service, oai: openai.OpenAI) -> None:
     new, evaluated = later_turn(service, oai)
-    assert evaluated == FA_TILE + 1, (evaluated, new)
+    assert fa_tile_min_rows() <= new <= evaluated <= new + 2, (evaluated, new)  # (and the
+    # template's end of the reply, which stopped at max_tokens): one chunk, tiled
 
 
 def test_with_several_prompts_a_step_chunks_are_not_widened() -> None:

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from aotx.engine.chunking import apart_rows
 from aotx.engine.scheduler import Request, Scheduler
 from aotx.wire import Phase
 
@@ -27,7 +28,7 @@ def test_real_engine_batches_sequences_together() -> None:
         tmpl = ChatTemplate(engine.metadata("tokenizer.chat_template"))
         sched = Scheduler(engine, 4, 256, threading.Lock(),
                           make_sampler=lambda r: Sampler(r.temperature, r.top_p, r.seed),
-                          free_sampler=lambda s: s.free())
+                          free_sampler=lambda s: s.free(), apart_rows=apart_rows(engine))
         reqs = []
         for i, q in enumerate(["Name a color.", "Count to five.", "Say hello.", "Name a fruit."]):
             prompt = engine.tokenize(tmpl.render([{"role": "user", "content": q}]), False)
@@ -40,9 +41,9 @@ def test_real_engine_batches_sequences_together() -> None:
         assert all(r.phase is Phase.COMPLETED for r in reqs)
         assert all(r.out for r in reqs)
         # Four sequences decoding together need about as many steps as the longest
-        # one alone (plus a step for each later prompt: one is evaluated at a time),
-        # far fewer than the sum of their tokens.
-        assert steps <= max(r.sampled for r in reqs) + len(reqs)
+        # one alone (plus a step for each later prompt: one is evaluated at a time, in
+        # a step of its own beside running streams), far fewer than the sum of their tokens.
+        assert steps <= max(r.sampled for r in reqs) + 2 * len(reqs)
         assert steps < sampled
         n_prompt, n_gen = engine.perf()
         assert n_prompt + n_gen > 0
@@ -61,7 +62,8 @@ def test_real_engine_prefix_reuse_evaluates_fewer_tokens_with_the_same_output() 
         eng = LlamaEngine(EngineConfig(path=default_model_path(), slots=slots, slot_context=512,
                                        batch=256))
         sch = Scheduler(eng, slots, 256, threading.Lock(),
-                        make_sampler=lambda r: Sampler(0.0, 1.0, 0), free_sampler=lambda s: s.free())
+                        make_sampler=lambda r: Sampler(0.0, 1.0, 0), free_sampler=lambda s: s.free(),
+                        apart_rows=apart_rows(eng))
         return eng, sch
 
     def request(eng: LlamaEngine, n: int, question: str) -> Request:
@@ -115,7 +117,7 @@ def test_real_engine_copied_prefix_gives_the_same_output() -> None:
             tmpl = ChatTemplate(eng.metadata("tokenizer.chat_template"))
             sch = Scheduler(eng, 4, 256, threading.Lock(),
                             make_sampler=lambda r: Sampler(0.0, 1.0, 0),
-                            free_sampler=lambda s: s.free())
+                            free_sampler=lambda s: s.free(), apart_rows=apart_rows(eng))
             if not copy:  # (all start at once: no request has evaluated a prefix to copy)
                 sch.engine = _NoCopy(eng)  # type: ignore[assignment]
                 sch.prompts_per_step = 0
@@ -155,8 +157,9 @@ class _NoCopy:
 @pytest.mark.skipif(os.environ.get("AOTX_SKIP_MODEL") == "1", reason="model tests disabled")
 def test_a_stream_per_sequence_answers_the_same_beside_others_as_alone() -> None:
     """The default KV layout's promise (docs/operations.md, "Memory sizing"): a greedy
-    answer does not depend on what else runs.  Five prompts evaluated and decoded
-    together give the tokens each gives alone.  (A shared pool does not keep this: its
+    answer does not depend on what else runs.  Five prompts, each evaluated in a
+    ``llama_decode`` of its own as the scheduler does (``apart_rows``), then decoded
+    together, give the tokens each gives alone.  (A shared pool does not keep this: its
     answers first differ at tokens 4 to 23, docs/performance.md.)"""
     from aotx.device.models import default_model_path
     from aotx.device.template import ChatTemplate
@@ -175,11 +178,11 @@ def test_a_stream_per_sequence_answers_the_same_beside_others_as_alone() -> None
         prompts = [engine.tokenize(tmpl.render([{"role": "user", "content": q}]), False)
                    for q in qs]
         samplers = [Sampler(0.0, 1.0, 0) for _ in qs]
-        entries = [BatchEntry(tok, i, s, i == len(p) - 1)
-                   for s, p in enumerate(prompts) for i, tok in enumerate(p)]
-        assert engine.decode(entries) == 0
-        rows = [i for i, e in enumerate(entries) if e.logits]
-        out = [[engine.sample(samplers[s], rows[s])] for s in range(len(qs))]
+        out = []
+        for s, p in enumerate(prompts):
+            assert engine.decode([BatchEntry(tok, i, s, i == len(p) - 1)
+                                  for i, tok in enumerate(p)]) == 0
+            out.append([engine.sample(samplers[s], len(p) - 1)])
         for k in range(steps):
             assert engine.decode([BatchEntry(out[s][-1], len(prompts[s]) + k, s, True)
                                   for s in range(len(qs))]) == 0

@@ -1,6 +1,7 @@
-"""A later turn of a long conversation on the real model: its short final prompt chunk is
-widened over the tokens the sequence holds (engine/chunking.py), and the answer is the
-one the whole prompt evaluated from scratch gives."""
+"""A later turn of a long conversation on the real model: its short final prompt chunk,
+as it is or widened over the tokens the sequence holds (engine/chunking.py), answers as
+the whole prompt evaluated from scratch does; and the build's flash attention tiles from
+8 rows (scripts/llama-flash-attention.patch), so that aotx widens nothing."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import threading
 
 import pytest
 
-from aotx.engine.chunking import FA_TILE, chunk_cost
+from aotx.engine import chunking
+from aotx.engine.chunking import FA_TILE, ChunkCost, chunk_cost, fa_tile_min_rows
 from aotx.engine.scheduler import Request, Scheduler
 
 from ..unit.test_scheduler import run_until_idle, submit
@@ -23,7 +25,17 @@ FOLLOW_UP = ("And on day 5? Answer with the number, then say whether it was more
              "on day 3 or fewer.")
 
 
+def test_the_build_tiles_flash_attention_from_8_rows() -> None:
+    import llama_cpp  # noqa: F401  (loads libggml-cpu, where the patch reports itself)
+
+    assert fa_tile_min_rows() == 8
+
+
 def test_a_later_turn_is_widened_and_answers_as_the_whole_prompt_does() -> None:
+    """The widening that an upstream build (tiles from 64 rows) gets: ``ChunkCost`` is
+    made here whatever the build, since aotx's own widens nothing."""
+    import llama_cpp
+
     from aotx.device.models import default_model_path
     from aotx.device.template import ChatTemplate
     from aotx.engine.llama import EngineConfig, LlamaEngine
@@ -33,8 +45,7 @@ def test_a_later_turn_is_widened_and_answers_as_the_whole_prompt_does() -> None:
                                       batch=512))
     try:
         tmpl = ChatTemplate(engine.metadata("tokenizer.chat_template"))
-        cost = chunk_cost(engine)
-        assert cost is not None
+        cost = ChunkCost.of(llama_cpp, engine.model)
 
         def scheduler(widen: bool) -> Scheduler:
             return Scheduler(engine, 2, 512, threading.Lock(),
@@ -76,11 +87,11 @@ def test_a_later_turn_is_widened_and_answers_as_the_whole_prompt_does() -> None:
         engine.close()
 
 
-def test_only_flash_attention_on_f16_cells_is_widened() -> None:
+def test_only_flash_attention_on_f16_cells_is_widened(monkeypatch: pytest.MonkeyPatch) -> None:
     """ggml's tiled flash attention reads f16 or f32 cells only: with q8_0 a wider chunk
     would only cost more (65 tokens at depth 450: 303 ms, 33 tokens: 155).  Without flash
     attention (``flash_attention = false``) every chunk is a matrix product: nothing to
-    widen."""
+    widen.  And with a build that tiles from 8 rows (aotx's) nothing is widened at all."""
     from aotx.device.models import default_model_path
     from aotx.engine.llama import EngineConfig, LlamaEngine
 
@@ -90,6 +101,9 @@ def test_only_flash_attention_on_f16_cells_is_widened() -> None:
                                           kv_type=kv_type, flash_attention=flash))
         try:
             assert engine.flash_attention is (flash or kv_type == "q8_0")
-            assert (chunk_cost(engine) is not None) is widened
+            assert chunk_cost(engine) is None  # this build: tiles from 8 rows
+            with monkeypatch.context() as m:
+                m.setattr(chunking, "fa_tile_min_rows", lambda: FA_TILE)  # upstream's
+                assert (chunk_cost(engine) is not None) is widened
         finally:
             engine.close()

@@ -91,14 +91,14 @@ class ScriptedEngine:
 
 
 def make(slots: int = 4, batch: int = 64, prompts_per_step: int = 1,
-         spill_bytes: int = 0, prompts_apart: bool = False) -> tuple[Scheduler, ScriptedEngine]:
+         spill_bytes: int = 0, apart_rows: int = 0) -> tuple[Scheduler, ScriptedEngine]:
     """A scheduler on the scripted engine; ``prompts_per_step=0`` starts every request
     that has a sequence at once (prompts evaluated together)."""
     engine = ScriptedEngine()
     sched = Scheduler(engine, slots, batch, threading.Lock(), make_sampler=lambda r: r,
                       free_sampler=lambda s: None, encode=lambda seg: f"embd{seg.start}",
                       prompts_per_step=prompts_per_step, spill_bytes=spill_bytes,
-                      prompts_apart=prompts_apart)
+                      apart_rows=apart_rows)
     return sched, engine
 
 
@@ -157,10 +157,10 @@ def test_new_requests_join_between_steps() -> None:
 
 
 def test_apart_prompt_chunks_and_running_tokens_take_turns() -> None:
-    # Without flash attention (prompts_apart): a long prompt (three chunks of a 16-token
+    # Without flash attention (apart_rows = 2): a long prompt (three chunks of a 16-token
     # batch) beside a running sequence; no step holds both, and the two kinds alternate,
     # so neither waits more than a step.
-    sched, engine = make(batch=16, prompts_apart=True)
+    sched, engine = make(batch=16, apart_rows=2)
     a, b = req(1, [1] * 30), req(2, [2] * 3, prompt_len=40)
     submit(sched, a)
     sched.step()  # a's prompt: the running sequences' turn next
@@ -177,7 +177,7 @@ def test_apart_prompt_chunks_and_running_tokens_take_turns() -> None:
 def test_apart_a_final_chunk_is_never_one_row() -> None:
     # An identical prompt, cached but for its last token: that token is evaluated with
     # the one before it (llama.cpp computes a row alone otherwise than among others).
-    sched, engine = make(slots=1, prompts_apart=True)
+    sched, engine = make(slots=1, apart_rows=2)
     a = req(1, [1, 1], prompt_len=40)
     submit(sched, a)
     run_until_idle(sched)
