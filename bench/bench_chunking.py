@@ -1,12 +1,14 @@
-"""What a prompt chunk costs at depth, by its length: llama.cpp's CPU flash attention
-tiles only from 64 query rows per KV stream (engine/chunking.py).
+"""What a prompt chunk costs at depth, by its length: upstream llama.cpp's CPU flash
+attention tiles only from 64 query rows per KV stream, aotx's build from 8
+(engine/chunking.py).
 
     PYTHONPATH=. .venv/bin/python bench/bench_chunking.py [--depths 450,1000] [--reps 2]
 
 On the embedded model at aotx's defaults (16 streams of 4096 cells), for each depth it
 fills sequence 0 with that many tokens, then evaluates chunks of each length after them
-(cut back after each), and prints the median time of ``--reps`` and what the cost model
-decides for that chunk: widened (to 65 tokens) or not.
+(cut back after each), and prints the median time of ``--reps`` and what the upstream
+build's cost model decides for that chunk: widened (to 65 tokens) or not.  With another
+build's ``llama_cpp`` package first on ``PYTHONPATH`` it measures that build.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import llama_cpp  # noqa: E402
+
 from aotx.device.models import default_model_path  # noqa: E402
-from aotx.engine.chunking import chunk_cost  # noqa: E402
+from aotx.engine.chunking import ChunkCost, chunk_cost, fa_tile_min_rows  # noqa: E402
 from aotx.engine.llama import BatchEntry, EngineConfig, LlamaEngine  # noqa: E402
 
 LENGTHS = (16, 24, 33, 48, 63, 64, 65, 96, 128)
@@ -32,8 +36,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     args = ap.parse_args()
     engine = LlamaEngine(EngineConfig(path=default_model_path()))
-    cost = chunk_cost(engine)
-    assert cost is not None
+    # the upstream cost model, whatever this build: aotx's own (tiles from 8) widens nothing
+    cost = ChunkCost.of(llama_cpp, engine.model)
+    print(f"this build's flash attention tiles from {fa_tile_min_rows()} rows; aotx widens "
+          f"{'as below' if chunk_cost(engine) else 'nothing (the column: an upstream build)'}",
+          flush=True)
     words = " ".join(f"word{i}" for i in range(4000))
     tokens = engine.tokenize(words, False)
     for depth in (int(d) for d in args.depths.split(",")):
