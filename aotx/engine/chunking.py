@@ -1,19 +1,25 @@
 """Prompt chunks sized for llama.cpp's CPU flash attention (``flash_attention = true``, the
-default), and without it never a chunk of one row (:func:`widen_final`).
+default) and for answers that do not depend on the load (:func:`widen_final`).
 
-llama.cpp's CPU flash attention (ggml-cpu ``ops.cpp``) takes its tiled, GEMM-like path
-only for micro-batches with at least ``GGML_FA_TILE_Q`` (64) query rows per KV stream;
-below that it walks every cached cell once per query row, one row at a time.  With a
-KV stream per sequence (aotx's default), the rows of a stream are its own new tokens,
-so a later turn of a long conversation (30 new tokens at depth 450) takes the slow path:
-measured on the embedded model at depth 450, a 33-token chunk took 248 ms, a 63-token one
-470 ms and a 64-token one 210 ms (``bench/bench_chunking.py``).
+Upstream llama.cpp's CPU flash attention (ggml-cpu ``ops.cpp``) takes its tiled,
+GEMM-like path only for micro-batches with at least ``GGML_FA_TILE_Q`` (64) query rows
+per KV stream; below that it walks every cached cell once per query row.  With a KV
+stream per sequence (aotx's default), a later turn of a long conversation (30 new
+tokens at depth 450) took that path: a 33-token chunk 248 ms, a 64-token one 210
+(``bench/bench_chunking.py``).  aotx's build (scripts/llama-flash-attention.patch) tiles
+from 8 rows and says so (:func:`fa_tile_min_rows`).
 
-So a prompt's last chunk of fewer than 65 tokens (64 would lose one row to a micro-batch
-shared with running sequences: llama.cpp splits a multi-stream batch into equal rows per
-stream) is widened backwards over tokens the sequence already holds, when the cost model
-below says the longer chunk is cheaper: the cells are cut back and those tokens are
-evaluated again, with the same tokens at the same positions.
+- **aotx's build, or no flash attention** (:func:`apart_rows`: 8, or 2): prompt chunks
+  get steps of their own, one prompt a step, and a final chunk of fewer rows takes
+  held tokens before it up to that many, so that every prompt row is computed as the
+  same prompt's rows are when it is evaluated afresh.
+- **An upstream build with flash attention** (:func:`chunk_cost`): a prompt's last
+  chunk of fewer than 65 tokens (64 would lose one row to a micro-batch shared with
+  running sequences: llama.cpp splits a multi-stream batch into equal rows per stream)
+  is widened to 65 where the cost model below says that is cheaper.
+
+Either way the cells are cut back and those tokens evaluated again, with the same
+tokens at the same positions.
 """
 
 from __future__ import annotations

@@ -390,14 +390,15 @@ class Scheduler:
                 take = min(budget, end - req.n_past)
                 if req.background:  # small steps: foreground work waits at most one of them
                     take = min(take, BACKGROUND_CHUNK)
-                elif take == end - req.n_past and (self.chunk_cost or self.apart_rows):
-                    take += widen_final(self.engine, req, take, budget, self.chunk_cost,
-                                        self.apart_rows)
+                cost = None if req.background else self.chunk_cost  # (no 65-row chunks)
+                if take == end - req.n_past and (cost or self.apart_rows):
+                    take += widen_final(self.engine, req, take, budget, cost, self.apart_rows)
                 last = req.n_past + take == len(req.prefill)
                 chosen.append((req, [BatchEntry(req.prefill[p], p, req.seq,
                                                 last and p == req.n_past + take - 1)
                                      for p in range(req.n_past, req.n_past + take)], last))
-                budget -= take
+                # apart: one prompt a step (llama.cpp would split two into equal rows)
+                budget = 0 if self.apart_rows else budget - take
         # llama.cpp computes a multi-stream batch fastest when its sequences (KV
         # streams) come in ascending order: a reversed or shuffled order measured
         # at half the throughput.  Order the batch by sequence id.

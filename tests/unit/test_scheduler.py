@@ -194,6 +194,47 @@ def test_apart_a_final_chunk_is_never_one_row() -> None:
     assert (sched.prompt_tokens_looked_up, sched.reused_tokens) == (80, 39)
 
 
+def test_apart_a_final_chunk_has_the_builds_tile_rows() -> None:
+    # Flash attention on aotx's build (apart_rows = 8): a prompt cached but for its last
+    # three tokens evaluates them with the five before, so that all eight are tiled as
+    # the same prompt's rows are when it is evaluated afresh.
+    sched, engine = make(slots=1, apart_rows=8)
+    a = req(1, [1, 1], prompt_len=40)
+    submit(sched, a)
+    run_until_idle(sched)
+    b = req(2, [2], prompt_len=40)
+    b.prompt = list(a.prompt[:37]) + [7, 7, 7]
+    submit(sched, b)
+    sched.step()
+    assert b.reused_tokens == 37 and [e.pos for e in engine.steps[-1]] == list(range(32, 40))
+    assert engine.trims[-1] == (b.seq, 32)
+
+
+def test_apart_one_prompt_a_step_even_when_all_start_at_once() -> None:
+    # prompts_per_step = 0 starts every request, but with apart_rows a step still holds
+    # one prompt's chunk: llama.cpp would cut two prompts into equal rows per stream.
+    sched, engine = make(slots=4, prompts_per_step=0, apart_rows=8)
+    rs = [req(i, [i] * 2, prompt_len=20 + i) for i in range(1, 4)]
+    for r in rs:
+        submit(sched, r)
+    run_until_idle(sched)
+    assert all(len({e.seq for e in step}) == 1 for step in engine.steps
+               if any(not e.logits for e in step))
+    assert [bytes(r.out) for r in rs] == [b"aa", b"bb", "éé".encode()]
+
+
+def test_a_background_final_chunk_is_widened_to_the_tile_rows_too() -> None:
+    # Policy work goes 16 tokens a step: 35 are 16, 16 and a last 3, which takes the 5
+    # before it (a 65-row widening, the upstream build's, is not for background work).
+    sched, engine = make(slots=1, apart_rows=8)
+    b = req(2, [2], prompt_len=35)
+    b.background = True
+    submit(sched, b)
+    run_until_idle(sched)
+    prompt_steps = [[e.pos for e in step] for step in engine.steps if len(step) > 1]
+    assert prompt_steps == [list(range(0, 16)), list(range(16, 32)), list(range(27, 35))]
+
+
 def test_queue_waits_for_a_free_sequence() -> None:
     sched, _ = make(slots=2, prompts_per_step=0)
     rs = [req(i, [1] * 3) for i in range(1, 6)]
