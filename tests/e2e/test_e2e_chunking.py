@@ -46,10 +46,11 @@ def test_a_later_turn_evaluates_only_its_new_tokens_over_the_cached_conversation
 
 
 def test_with_several_prompts_a_step_chunks_are_not_widened() -> None:
-    # llama.cpp would split two prompts of a step into equal rows: no widening then
+    # An upstream build widens nothing then (llama.cpp would split two prompts of a step
+    # into equal rows); aotx's build widens nothing at all, and holds one prompt a step
     with running_service(models=SMALL_MODELS + "prompts_per_step = 0\n") as svc:
         oai = openai.OpenAI(base_url=svc.url + "/v1", api_key=svc.token, max_retries=0,
                             timeout=120)
         new, evaluated = later_turn(svc, oai)
-    assert new <= evaluated < FA_TILE, (evaluated, new)  # its own tokens (and the
-    # assistant's end marker, which the reply itself did not sample), not a tile
+    assert new <= evaluated <= new + 2 < FA_TILE, (evaluated, new)  # its own tokens (and
+    # the template's end of the reply), not a tile
