@@ -93,15 +93,29 @@ def test_json_schema_stream_validates(oai: openai.OpenAI, temperature: float,
     jsonschema.validate(json.loads(text), PERSON)
 
 
-# (at 1.2 this model runs a string past max_tokens for about 5 seeds in 12: seed 2 stops)
-@pytest.mark.parametrize("temperature, seed", [(0, 1), (1.2, 2)])
-def test_json_object_is_one_object(oai: openai.OpenAI, temperature: float,
-                                   seed: int) -> None:
+def test_json_object_is_one_object(oai: openai.OpenAI) -> None:
     r = oai.chat.completions.create(model="smollm2", messages=ASK, max_tokens=200,
-                                    temperature=temperature, seed=seed,
+                                    temperature=0, seed=1,
                                     response_format={"type": "json_object"})
     assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
     assert r.choices[0].finish_reason == "stop"
+
+
+def test_json_object_holds_at_a_high_temperature(oai: openai.OpenAI) -> None:
+    """At 1.2 this model runs a string past max_tokens in some samples (about 5 in 12,
+    and which ones changes with the build's numerics): every choice that stops is one
+    object, every other is cut off inside one, and some stop."""
+    r = oai.chat.completions.create(model="smollm2", messages=ASK, max_tokens=200,
+                                    temperature=1.2, seed=2, n=6,
+                                    response_format={"type": "json_object"})
+    stopped = [c for c in r.choices if c.finish_reason == "stop"]
+    assert stopped and all(isinstance(json.loads(c.message.content or ""), dict)
+                           for c in stopped)
+    for c in r.choices:
+        if c.finish_reason != "stop":
+            assert c.finish_reason == "length" and (c.message.content or "").startswith("{")
+            with pytest.raises(json.JSONDecodeError):
+                json.loads(c.message.content or "")
 
 
 class Pet(pydantic.BaseModel):
