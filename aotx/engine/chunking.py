@@ -7,12 +7,14 @@ per KV stream; below that it walks every cached cell once per query row.  With a
 stream per sequence (aotx's default), a later turn of a long conversation (30 new
 tokens at depth 450) took that path: a 33-token chunk 248 ms, a 64-token one 210
 (``bench/bench_chunking.py``).  aotx's build (scripts/llama-flash-attention.patch) tiles
-from 8 rows and says so (:func:`fa_tile_min_rows`).
+every chunk, from one row, each row the same bits whatever chunk it came in, and says so
+(:func:`fa_tile_min_rows`: 1).
 
-- **aotx's build, or no flash attention** (:func:`apart_rows`: 8, or 2): prompt chunks
-  get steps of their own, one prompt a step, and a final chunk of fewer rows takes
-  held tokens before it up to that many, so that every prompt row is computed as the
-  same prompt's rows are when it is evaluated afresh.
+- **aotx's build, or no flash attention** (:func:`apart_rows`: 1, or 2): prompt chunks
+  get steps of their own, one prompt a step; without flash attention a final chunk of
+  one row also takes the held token before it, so that every prompt row is computed as
+  the same prompt's rows are when it is evaluated afresh (on aotx's build every chunk
+  already is).
 - **An upstream build with flash attention** (:func:`chunk_cost`): a prompt's last
   chunk of fewer than 65 tokens (64 would lose one row to a micro-batch shared with
   running sequences: llama.cpp splits a multi-stream batch into equal rows per stream)
@@ -120,7 +122,7 @@ def move_back(engine: Engine, req: Request, back: int) -> int:
 @functools.cache
 def fa_tile_min_rows() -> int:
     """Query rows per KV stream from which the loaded ggml-cpu's flash attention tiles:
-    8 where built with aotx's patch (it says so through ``ggml_cpu_fa_tile_min_rows``),
+    1 where built with aotx's patch (it says so through ``ggml_cpu_fa_tile_min_rows``),
     else upstream's 64."""
     try:
         lib = ctypes.CDLL(loaded_library("libggml-cpu.so"))
@@ -148,9 +150,8 @@ def _tiles(engine: LlamaEngine) -> bool:
 def chunk_cost(engine: LlamaEngine) -> ChunkCost | None:
     """The cost model for a model whose final chunks are widened to a tile: where
     :func:`_tiles` and the library tiles only from 64 rows (with q8_0 a 65-token chunk at
-    depth 450 took 303 ms, a 33-token one 155).  From 8 rows (aotx's build) a chunk below
-    8 costs less as it is than widened (4 rows at depth 1000: 66 ms, a tile of 8: 110),
-    and anything longer tiles already."""
+    depth 450 took 303 ms, a 33-token one 155).  On aotx's build every chunk tiles as it
+    is, with no padding: nothing to widen."""
     if fa_tile_min_rows() < FA_TILE or not _tiles(engine):
         return None
     return ChunkCost.of(llama_cpp, engine.model)
@@ -162,11 +163,11 @@ def apart_rows(engine: LlamaEngine) -> int:
     such rule.  So that an answer does not depend on the load or on what was cached:
     llama.cpp splits a batch into micro-batches of equal rows per stream (a prompt's
     first row would go with the running streams' one each), and computes a row alone
-    otherwise than among others.  Without flash attention, 2.  With it, on a build
-    that tiles from 8 rows (aotx's), 8: every prompt row from there on is computed by
-    the tiled path, each the same whatever else shares its tile, and fewer rows take
-    the row path.  On an upstream build, 0: chunks below 64 rows take the row path
-    alone or beside others."""
+    otherwise than among others.  Without flash attention, 2.  With it, on aotx's
+    build, 1 (what ``ggml_cpu_fa_tile_min_rows`` reports): every chunk, one row or
+    many, is tiled and each row computed the same whatever else shares its tile, so
+    only the steps apart remain (a build that tiled from 8 rows got 8).  On an upstream
+    build, 0: chunks below 64 rows take the row path alone or beside others."""
     if not engine.flash_attention:
         return 2
     return fa_tile_min_rows() if fa_tile_min_rows() < FA_TILE and _tiles(engine) else 0

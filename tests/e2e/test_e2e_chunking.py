@@ -1,7 +1,7 @@
 """A later turn of a long conversation through the service and the official ``openai``
 client: the device evaluates only its short new part over the cached conversation, a
-chunk that aotx's build of llama.cpp tiles (from 8 rows; an upstream build would widen it
-to 65 tokens, engine/chunking.py), and counts it in ``aotx_prompt_tokens_total``; the
+chunk that aotx's build of llama.cpp tiles (every chunk does; an upstream build would
+widen it to 65 tokens, engine/chunking.py), and counts it in ``aotx_prompt_tokens_total``; the
 same with several prompts a step (``prompts_per_step = 0``)."""
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """A long prompt's answer (its tokens and their logprobs, to the bit) is the same alone,
 as one of ``n`` choices and beside other requests, through the service and the official
 ``openai`` client: without flash attention (``flash_attention = false``), and with it (the
-default) on aotx's build of llama.cpp, where a prompt's rows from 8 a chunk are tiled and
-a decode row takes the row path alone or beside others (scripts/llama-flash-attention.patch).
+default) on aotx's build of llama.cpp, where every row, a prompt's or a decode step's, takes
+one tiled path that computes it the same whatever chunk it came in
+(scripts/llama-flash-attention.patch).
 An upstream build's flash attention does not keep this: the prompt's chunks fall
 otherwise with other streams running or a prefix cached, and a deep stream decoding alone
 splits its cache across threads.  And without flash attention a later turn is not

@@ -140,7 +140,7 @@ def test_another_principals_cached_prompt_costs_a_fresh_prompt(isvc: Service) ->
         own, t_own = chat(a)
     assert fresh > 500
     assert other >= fresh - 5  # evaluated again: only the template's fixed start is shared
-    assert own <= 8  # the principal's own cache still works (a final chunk has 8 rows)
+    assert own == 1  # the principal's own cache still works (the last token, for logits)
     assert t_other > 0.5 * t_fresh and t_own * 2 < t_other, (t_fresh, t_other, t_own)
 
 

@@ -1,7 +1,8 @@
 """A later turn of a long conversation on the real model: its short final prompt chunk,
 as it is or widened over the tokens the sequence holds (engine/chunking.py), answers as
-the whole prompt evaluated from scratch does; and the build's flash attention tiles from
-8 rows (scripts/llama-flash-attention.patch), so that aotx widens nothing."""
+the whole prompt evaluated from scratch does; and the build's flash attention tiles every
+chunk, one row or 512, the same to the bit (scripts/llama-flash-attention.patch), so that
+aotx widens nothing."""
 
 from __future__ import annotations
 
@@ -25,10 +26,63 @@ FOLLOW_UP = ("And on day 5? Answer with the number, then say whether it was more
              "on day 3 or fewer.")
 
 
-def test_the_build_tiles_flash_attention_from_8_rows() -> None:
+def test_the_build_tiles_flash_attention_from_one_row() -> None:
     import llama_cpp  # noqa: F401  (loads libggml-cpu, where the patch reports itself)
 
-    assert fa_tile_min_rows() == 8
+    assert fa_tile_min_rows() == 1
+
+
+def test_a_prompt_is_computed_the_same_whatever_its_chunks() -> None:
+    """Flash attention on, a stream per sequence (the defaults): a 300-token prompt
+    evaluated in chunks of 256, of 33, of 7, a row at a time, or cut unevenly, gives the
+    same last logits to the bit, so neither the load (which sizes the chunks) nor a
+    cached prefix changes an answer; and so does the same text's end decoded a row a
+    step beside other streams, so a reply's cells, which a later turn reuses, are what
+    the same text sent afresh computes.  Upstream's build and aotx's before 1-row
+    tiles both fail this (the previous one by up to 0.86 at cuts of 7)."""
+    import numpy as np
+
+    from aotx.device.models import default_model_path
+    from aotx.engine.llama import BatchEntry, EngineConfig, LlamaEngine
+
+    engine = LlamaEngine(EngineConfig(path=default_model_path(), slots=6, slot_context=512))
+    try:
+        assert engine.flash_attention
+        tokens = engine.tokenize(STORY, False)[:300]
+        assert len(tokens) == 300
+
+        def last_logits(cuts: list[int]) -> np.ndarray:
+            engine.clear_sequence(1)
+            start, i = 0, 0
+            while start < len(tokens):
+                part = tokens[start:start + cuts[i % len(cuts)]]
+                i += 1
+                assert engine.decode([BatchEntry(t, start + j, 1, start + j == len(tokens) - 1)
+                                      for j, t in enumerate(part)]) == 0
+                start += len(part)
+            return engine.logits_rows([len(part) - 1])[0].copy()
+
+        whole = last_logits([256])
+        for cuts in ([33], [7], [1], [5, 1, 13], [299, 1]):
+            assert np.array_equal(last_logits(cuts), whole), cuts
+
+        # its last 60 tokens one a step beside four other streams, as a reply's tokens are
+        # decoded: the cells a later turn reuses are what the text sent afresh computes
+        engine.clear_sequence(1)
+        assert engine.decode([BatchEntry(t, j, 1, False) for j, t in enumerate(tokens[:240])]) == 0
+        others = engine.tokenize("The quick brown fox jumps over the lazy dog. " * 30, False)
+        for seq in range(2, 6):
+            engine.clear_sequence(seq)
+            assert engine.decode([BatchEntry(t, j, seq, False)
+                                  for j, t in enumerate(others[:20 * seq])]) == 0
+        for k in range(240, 300):
+            batch = [BatchEntry(tokens[k], k, 1, True)] + [
+                BatchEntry(others[k - 240 + seq], 20 * seq + k - 240, seq, True)
+                for seq in range(2, 6)]
+            assert engine.decode(batch) == 0
+        assert np.array_equal(engine.logits_rows([0])[0], whole)
+    finally:
+        engine.close()
 
 
 def test_a_later_turn_is_widened_and_answers_as_the_whole_prompt_does() -> None:
@@ -91,7 +145,7 @@ def test_only_flash_attention_on_f16_cells_is_widened(monkeypatch: pytest.Monkey
     """ggml's tiled flash attention reads f16 or f32 cells only: with q8_0 a wider chunk
     would only cost more (65 tokens at depth 450: 303 ms, 33 tokens: 155).  Without flash
     attention (``flash_attention = false``) every chunk is a matrix product: nothing to
-    widen.  And with a build that tiles from 8 rows (aotx's) nothing is widened at all."""
+    widen.  And with a build that tiles every chunk (aotx's) nothing is widened at all."""
     from aotx.device.models import default_model_path
     from aotx.engine.llama import EngineConfig, LlamaEngine
 
@@ -101,7 +155,7 @@ def test_only_flash_attention_on_f16_cells_is_widened(monkeypatch: pytest.Monkey
                                           kv_type=kv_type, flash_attention=flash))
         try:
             assert engine.flash_attention is (flash or kv_type == "q8_0")
-            assert chunk_cost(engine) is None  # this build: tiles from 8 rows
+            assert chunk_cost(engine) is None  # this build: tiles every chunk
             with monkeypatch.context() as m:
                 m.setattr(chunking, "fa_tile_min_rows", lambda: FA_TILE)  # upstream's
                 assert (chunk_cost(engine) is not None) is widened

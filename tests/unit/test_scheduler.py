@@ -195,9 +195,10 @@ def test_apart_a_final_chunk_is_never_one_row() -> None:
 
 
 def test_apart_a_final_chunk_has_the_builds_tile_rows() -> None:
-    # Flash attention on aotx's build (apart_rows = 8): a prompt cached but for its last
-    # three tokens evaluates them with the five before, so that all eight are tiled as
-    # the same prompt's rows are when it is evaluated afresh.
+    # A build whose flash attention tiles from 8 rows (apart_rows = 8, aotx's before it
+    # tiled every chunk): a prompt cached but for its last three tokens evaluates them
+    # with the five before, so that all eight are tiled as the same prompt's rows are
+    # when it is evaluated afresh.
     sched, engine = make(slots=1, apart_rows=8)
     a = req(1, [1, 1], prompt_len=40)
     submit(sched, a)
