@@ -18,7 +18,11 @@ from ..helpers import Service, eventually, running_service
 from .test_e2e_foundation import poll_until_terminal
 from .test_e2e_grants import client, mint
 
-FACT = [{"role": "user", "content": "My name is Alice and I live in Paris. I work as a nurse."}]
+# Which wordings SmolLM2 turns into a fact that memory.decide keeps, at temperature 0,
+# follows the build's last bits: with "... in Paris. I work as a nurse." it now writes "a
+# skilled nurse who works in a hospital", which the source backs too little.
+FACT = [{"role": "user",
+         "content": "My name is Alice and I live in Paris, where I work as a nurse."}]
 QUESTION = [{"role": "user", "content": "What do you know about me?"}]
 POLICY_ADMIN = "submit,read,cancel,policy-read,policy-control"
 

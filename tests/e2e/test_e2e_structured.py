@@ -94,7 +94,9 @@ def test_json_schema_stream_validates(oai: openai.OpenAI, temperature: float,
 
 
 def test_json_object_is_one_object(oai: openai.OpenAI) -> None:
-    r = oai.chat.completions.create(model="smollm2", messages=ASK, max_tokens=200,
+    # (greedy, ASK's person runs a number on past any max_tokens: ",000,000,..." a token)
+    ask = [{"role": "user", "content": "Describe a fictional person as a JSON object."}]
+    r = oai.chat.completions.create(model="smollm2", messages=ask, max_tokens=200,
                                     temperature=0, seed=1,
                                     response_format={"type": "json_object"})
     assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
