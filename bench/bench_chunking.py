@@ -1,8 +1,9 @@
 """What a prompt chunk costs at depth, by its length: upstream llama.cpp's CPU flash
-attention tiles only from 64 query rows per KV stream, aotx's build from 8
+attention tiles only from 64 query rows per KV stream, aotx's build every chunk
 (engine/chunking.py).
 
     PYTHONPATH=. .venv/bin/python bench/bench_chunking.py [--depths 450,1000] [--reps 2]
+        [--lengths 16,24,33,48,63,64,65,96,128]
 
 On the embedded model at aotx's defaults (16 streams of 4096 cells), for each depth it
 fills sequence 0 with that many tokens, then evaluates chunks of each length after them
@@ -34,9 +35,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--depths", default="450,1000")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     args = ap.parse_args()
     engine = LlamaEngine(EngineConfig(path=default_model_path()))
-    # the upstream cost model, whatever this build: aotx's own (tiles from 8) widens nothing
+    # the upstream cost model, whatever this build: aotx's own (tiles every chunk) widens nothing
     cost = ChunkCost.of(llama_cpp, engine.model)
     print(f"this build's flash attention tiles from {fa_tile_min_rows()} rows; aotx widens "
           f"{'as below' if chunk_cost(engine) else 'nothing (the column: an upstream build)'}",
@@ -48,7 +50,7 @@ def main() -> None:
         for s in range(0, depth, 256):
             part = tokens[s:min(depth, s + 256)]
             assert engine.decode([BatchEntry(t, s + i, 0, False) for i, t in enumerate(part)]) == 0
-        for n in LENGTHS:
+        for n in (int(n) for n in args.lengths.split(",")):
             times = []
             for _ in range(args.reps):
                 t0 = time.perf_counter()
