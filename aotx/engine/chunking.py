@@ -41,7 +41,8 @@ if TYPE_CHECKING:
     from .request import Request
 
 #: ggml-cpu's GGML_FA_TILE_Q: query rows per stream from which upstream flash attention
-#: tiles.  aotx's build (scripts/setup, scripts/llama-flash-attention.patch) tiles from 8.
+#: tiles.  aotx's build (scripts/setup, scripts/llama-flash-attention.patch) tiles every
+#: chunk, from one row.
 FA_TILE = 64
 #: How much slower the row-at-a-time path is per attended cell than the tiled one (and
 #: than the model's matrix products) on the reference machine: a cell costs 10.7 µs a
