@@ -27,8 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def measure(cases: list[tuple[int, int]], steps: int, flash: bool) -> dict[str, float]:
-    """Median ms of a decode step for each (sequences, depth), in this process."""
-    sys.path.insert(0, ROOT)
+    """Median ms of a decode step for each (sequences, depth), in this process (its
+    PYTHONPATH holds the checkout: main sets it)."""
     from aotx.device.models import default_model_path
     from aotx.engine.llama import BatchEntry, EngineConfig, LlamaEngine
 
@@ -67,7 +67,7 @@ def main() -> None:
         print(json.dumps(measure(cases, args.steps, args.child == "fa")))
         return
     configs = [("this build", None, "fa"), ("this build, no flash attention", None, "nofa")]
-    configs += [(f"{name}", path, "fa") for name, path in
+    configs += [(name, path, "fa") for name, path in
                 (b.split("=", 1) for b in args.build)]
     results: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in configs}
     for _ in range(args.rounds):
