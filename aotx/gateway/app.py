@@ -119,8 +119,9 @@ def _handle_errors(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception) -> Response:
         # A bug: the standard object with a fixed message, never the exception's text
         # (it may hold a path).  Starlette re-raises it after this answer, and uvicorn
-        # logs the traceback.
-        return json_response(error_body(500, INTERNAL), 500)
+        # logs the traceback and then closes the connection: ``Connection: close`` says
+        # so, and a pooled client opens a new one instead of failing its next request.
+        return json_response(error_body(500, INTERNAL), 500, {"Connection": "close"})
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:

@@ -42,6 +42,18 @@ CREATE INDEX IF NOT EXISTS responses_age ON responses (checked_at);
 """
 SWEEP_ROWS = 64  # rows read from the table at once; a sweep checks every due row
 RECHECK_S = 60.0
+_U64 = 1 << 64
+
+
+def _i64(epoch: int) -> int:
+    """An epoch (u64: device id << 48 | count, so 2^63 and above for device ids from
+    0x8000, and any 16 hex digits of an id) as the signed 64-bit integer SQLite holds:
+    the same bits, so an epoch below 2^63 is stored as itself."""
+    return epoch - _U64 if epoch >= 1 << 63 else epoch
+
+
+def _u64(stored: int) -> int:
+    return stored + _U64 if stored < 0 else stored
 
 
 @dataclass(frozen=True)
@@ -76,7 +88,7 @@ class ResponseStore:
             echo: dict[str, Any], items: list[dict[str, Any]],
             context: list[dict[str, Any]]) -> Stored:
         self.db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, NULL, ?, ?, ?)",
-                        (epoch, identity, principal, created_at, created_at,
+                        (_i64(epoch), identity, principal, created_at, created_at,
                          orjson.dumps(echo).decode(),
                          orjson.dumps(items).decode(), orjson.dumps(context).decode()))
         return Stored(created_at, echo, items, context)
@@ -85,14 +97,14 @@ class ResponseStore:
         """A response not stored (``store: false``, or a chat completion's request read
         as a response): a row with its creation time only, kept as a stored one is."""
         self.db.execute("INSERT OR IGNORE INTO responses VALUES (?, ?, ?, ?, ?, NULL, '{}', "
-                        "'[]', '[]')", (epoch, identity, principal, created_at, created_at))
+                        "'[]', '[]')", (_i64(epoch), identity, principal, created_at, created_at))
         got = self.get(principal, epoch, identity)
         return got if got is not None else Stored(created_at, {}, [], [])
 
     def get(self, principal: int, epoch: int, identity: bytes) -> Stored | None:
         row = self.db.execute("SELECT created_at, echo, input, context FROM responses "
                               "WHERE epoch=? AND identity=? AND principal=?",
-                              (epoch, identity, principal)).fetchone()
+                              (_i64(epoch), identity, principal)).fetchone()
         if row is None:
             return None
         if row[1] is None:
@@ -107,7 +119,7 @@ class ResponseStore:
         """Forget the response's input and fields; keep a tombstone (see the module)."""
         now = time.time()
         self.db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, NULL, NULL, "
-                        "NULL)", (epoch, identity, principal, now, now, now))
+                        "NULL)", (_i64(epoch), identity, principal, now, now, now))
 
     def due(self, epoch: int, retention_s: float) -> list[tuple[int, int, bytes]]:
         """Drop what an ended epoch leaves; (principal, epoch, identity) of the rows to
@@ -116,20 +128,20 @@ class ResponseStore:
         # (Every other epoch is an ended one: a gateway's store holds its device's rows
         # only, and a device id changed between activations changes the epoch's order.)
         self.db.execute("DELETE FROM responses WHERE epoch != ? AND (deleted_at IS NULL OR "
-                        "deleted_at < ?)", (epoch, now - retention_s))
+                        "deleted_at < ?)", (_i64(epoch), now - retention_s))
         rows = self.db.execute("SELECT principal, epoch, identity FROM responses "
                                "WHERE epoch = ? AND created_at < ? AND checked_at < ? "
                                "ORDER BY checked_at LIMIT ?",
-                               (epoch, now - retention_s, now - RECHECK_S, SWEEP_ROWS))
-        return [(int(p), int(e), bytes(i)) for p, e, i in rows.fetchall()]
+                               (_i64(epoch), now - retention_s, now - RECHECK_S, SWEEP_ROWS))
+        return [(int(p), _u64(int(e)), bytes(i)) for p, e, i in rows.fetchall()]
 
     def checked(self, epoch: int, identity: bytes, gone: bool) -> None:
         if gone:
             self.db.execute("DELETE FROM responses WHERE epoch=? AND identity=?",
-                            (epoch, identity))
+                            (_i64(epoch), identity))
         else:
             self.db.execute("UPDATE responses SET checked_at=? WHERE epoch=? AND identity=?",
-                            (time.time(), epoch, identity))
+                            (time.time(), _i64(epoch), identity))
 
     def count(self) -> int:
         return int(self.db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])

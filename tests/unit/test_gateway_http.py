@@ -617,6 +617,22 @@ def test_an_unexpected_failure_is_a_plain_500(gw: Any) -> None:
     gw(test, False)
 
 
+def test_after_a_500_a_pooled_client_goes_on(served: Served) -> None:
+    """uvicorn closes the connection after an exception the app re-raises; the 500 says
+    ``Connection: close``, so a pooled client opens a new connection for its next
+    request instead of failing on the closed one (issue 39)."""
+    def boom(h: wire.Header, p: bytes) -> tuple[wire.Header, bytes]:
+        raise RuntimeError("boom")
+
+    served.broker.script[wire.Op.TELEMETRY] = boom
+    with httpx.Client(base_url=f"http://127.0.0.1:{served.port}", timeout=10,
+                      headers={"Authorization": f"Bearer {served.token}"}) as c:
+        for _ in range(3):
+            r = c.get("/aotx/v1/telemetry")
+            assert r.status_code == 500 and r.headers["connection"] == "close"
+            assert c.get("/v1/models").status_code == 200  # (not a reset)
+
+
 def test_the_fast_paths_answer_as_the_routes(gw: Any) -> None:
     """The guard answers a valid admission, a window read and the model list itself; the
     same requests through the routes (a body the fast path passes on) answer alike."""

@@ -231,3 +231,21 @@ def test_stored_rows_are_per_principal_and_follow_retention(tmp_path: Any) -> No
     assert reopened.deleted(7, 2, IDENT)
     assert oct((tmp_path / "responses.db").stat().st_mode & 0o777) == "0o600"
     reopened.close()
+
+
+def test_epochs_of_every_device_id_are_stored_and_found(tmp_path: Any) -> None:
+    """An epoch is 64 bits (device id << 48): device ids from 0x8000 give epochs of 2^63
+    and more, which SQLite's signed integers hold as the same bits; an id naming any
+    such epoch is looked up (none there: None), never an OverflowError (issue 39)."""
+    st = ResponseStore(str(tmp_path))
+    high, top = ids.make_epoch(0x8000, 1), (1 << 64) - 1
+    for epoch in (high, top, 1 << 63, (1 << 63) - 1):
+        assert st.get(7, epoch, IDENT) is None and not st.deleted(7, epoch, IDENT)
+    st.put(7, high, IDENT, time.time() - 1000, {"x": 1}, [], [])
+    got = st.get(7, high, IDENT)
+    assert got is not None and got.echo == {"x": 1}
+    assert st.get(7, high - (1 << 63), IDENT) is None  # not its low bits' epoch
+    assert st.due(high, 900) == [(7, high, IDENT)]  # back as the unsigned epoch
+    st.delete(7, top, IDENT)
+    assert st.deleted(7, top, IDENT)
+    st.close()
