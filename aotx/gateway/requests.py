@@ -328,7 +328,10 @@ def check_stops(v: Any) -> Any:
 def check_bias(v: dict[str, float] | None) -> dict[str, float] | None:
     """``logit_bias``: token ids (decimal strings) to -100..100; raises ValueError."""
     for token, bias in (v or {}).items():
-        if not token.isascii() or not token.isdigit() or int(token) >= 1 << 31:
+        # (at most 10 digits before int(): Python refuses to convert over 4,300, and
+        # its own message would become the 400's)
+        if (not token.isascii() or not token.isdigit() or len(token) > 10
+                or int(token) >= 1 << 31):
             raise ValueError("logit_bias keys are token ids (decimal strings)")
         if not -100.0 <= bias <= 100.0:
             raise ValueError("a logit_bias value is between -100 and 100")
