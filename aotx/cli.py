@@ -6,12 +6,16 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from . import ids
 from .config import ConfigError, Settings, log_level
 from .mailbox import DEFAULT_MAILBOXES, SCAN_ALL
 from .paths import PathError, RuntimePaths, for_state_dir
 from .wire import MAX_PAYLOAD
+
+if TYPE_CHECKING:  # (the gateway's modules load only where a command needs them)
+    from .gateway.credentials import CredentialStore, PrincipalGrant
 
 
 def _state_dir(p: argparse.ArgumentParser, default: str) -> None:
@@ -182,8 +186,15 @@ def _token_command(args: argparse.Namespace, state_dir: str) -> int:
             if args.principal == ADMIN:  # a new grant would last until the next start
                 raise CredentialError(f"{ADMIN} is the service's own principal, its grant "
                                       "set at every start; create another principal")
+            before = _grant_of(store, args.principal)
             tid, token = store.create_token(args.principal, parse_actions(args.actions), models,
                                             parse_limits(args.limit), args.memory)
+            if before is not None:  # docs/security.md: "Several tokens, one grant"
+                print(f"aotx: principal {args.principal}: " + (
+                    "grant unchanged (one more token for it)" if before == _grant_of(
+                        store, args.principal) else "grant replaced: its earlier requests "
+                    "and responses are no longer readable, and its running ones stop"),
+                    file=sys.stderr)
             print(f"token {tid} for principal {args.principal}; shown once, store it now:")
             print(token)
         elif args.token_command == "list":
@@ -201,6 +212,11 @@ def _token_command(args: argparse.Namespace, state_dir: str) -> int:
     finally:
         store.close()
     return 0
+
+
+def _grant_of(store: CredentialStore, principal: str) -> PrincipalGrant | None:
+    """The principal's grant definition as the credential store holds it, if any."""
+    return next((p for p in store.principals() if p.name == principal), None)
 
 
 def _grant_show(state_dir: str, socket_path: str) -> int:

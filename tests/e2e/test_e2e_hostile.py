@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 
 from ..helpers import Service
+from .test_e2e_foundation import poll_until_terminal
+from .test_e2e_grants import aotx_cli, client, mint, submit
 
 pytestmark = pytest.mark.e2e
 
@@ -45,3 +47,40 @@ def test_a_token_id_too_long_to_convert_is_the_apis_own_400(service: Service) ->
         r = c.post("/v1/completions", json={"model": "smollm2", "prompt": "hi",
                                              "max_tokens": 1, "logit_bias": {"9" * 5000: 1}})
         assert r.status_code == 400 and "sys." not in r.text
+
+
+def test_a_second_token_keeps_the_grant_and_another_definition_replaces_it(
+        service: Service) -> None:
+    """docs/security.md's rule: the same flags add a token and hide nothing; other flags
+    replace the grant and hide what was admitted before, from every token."""
+    first = mint(service, "carol", "--actions", "submit,read,cancel")
+    with client(service, first) as c:
+        rid = submit(c).json()["id"]
+        poll_until_terminal(c, rid)
+        resp = c.post("/v1/responses", json={"model": "smollm2", "input": "hi",
+                                              "max_output_tokens": 2}).json()["id"]
+    same = _mint_saying(service, "grant unchanged", "--actions", "submit,read,cancel")
+    for token in (first, same):
+        with client(service, token) as c:
+            assert c.get(f"/aotx/v1/requests/{rid}").status_code == 200
+            assert c.get(f"/v1/responses/{resp}").status_code == 200
+            r = c.post("/v1/responses", json={"model": "smollm2", "input": "more",
+                                              "previous_response_id": resp,
+                                              "max_output_tokens": 2})
+            assert r.status_code == 200, r.text
+    other = _mint_saying(service, "grant replaced", "--actions", "submit,read,cancel,telemetry")
+    for token in (first, same, other):
+        with client(service, token) as c:
+            assert c.get(f"/aotx/v1/requests/{rid}").status_code == 404
+            assert c.get(f"/v1/responses/{resp}").status_code == 404
+            r = c.post("/v1/responses", json={"model": "smollm2", "input": "more",
+                                              "previous_response_id": resp,
+                                              "max_output_tokens": 2})
+            assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+
+
+def _mint_saying(svc: Service, said: str, *args: str) -> str:
+    """Another token for carol; ``aotx token create`` says what became of her grant."""
+    r = aotx_cli(svc, "token", "create", "--principal", "carol", *args)
+    assert r.returncode == 0 and said in r.stderr, r.stderr
+    return r.stdout.strip().splitlines()[-1]
