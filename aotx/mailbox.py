@@ -49,6 +49,18 @@ CONTROL = struct.Struct("<IIQ48s")
 DATA_SIZE = 65536
 MAILBOX_SIZE = 64 + DATA_SIZE
 DEFAULT_MAILBOXES = 128
+#: Mailboxes the broker keeps for INFO packets (the supervisor's health check, the
+#: gateway's poll): no principal's calls can take them, so a device that answers is
+#: seen to answer however busy its other mailboxes are (broker/server.py).
+RESERVED_FOR_INFO = 1
+#: The part of the mailboxes one principal's calls may hold at once (parked WAITs and
+#: EMBED calls included): the gateway holds its calls to it, the device its EMBEDs.
+MAILBOX_SHARE = 0.25
+
+
+def mailbox_share(count: int) -> int:
+    """How many of ``count`` mailboxes one principal's calls may hold at once."""
+    return max(2, int(count * MAILBOX_SHARE))
 
 FREE, REQUEST, REPLY = 0, 1, 2
 SCAN_ALL = 0xFFFF

@@ -5,7 +5,11 @@ gateway it takes a free mailbox, copies the packet in, publishes it to the
 device (state 1) and rings the device's doorbell.  When the device publishes a
 reply (state 2) and rings back, the broker copies the reply out, frees the
 mailbox (state 0) and sends the reply to the connection that owns the mailbox,
-if that connection still exists.  A mailbox whose connection went away stays
+if that connection still exists.  The last :data:`RESERVED_FOR_INFO` mailboxes are
+kept for INFO packets, which take them only when no other is free: however many
+mailboxes the callers' packets hold, the supervisor's health check and the gateway's
+poll still reach a device that answers (aotx/watchdog.py).  A mailbox whose connection
+went away stays
 unavailable until its reply arrives; the reply is then dropped, so it can never
 reach a newer connection.  After a broker restart, every mailbox not in state 0
 is treated the same way (orphaned).
@@ -29,7 +33,7 @@ import struct
 
 from .. import wire
 from ..cpuslice import request_short_slice
-from ..mailbox import FREE, REPLY, REQUEST, SCAN_ALL, Bell, Region
+from ..mailbox import FREE, REPLY, REQUEST, RESERVED_FOR_INFO, SCAN_ALL, Bell, Region
 from ..paths import RuntimePaths
 
 log = logging.getLogger("aotx.broker")
@@ -70,6 +74,10 @@ class Broker:
         self.bell = Bell(paths.broker_bell, paths.device_bell)
         self.owner: list[Connection | _Orphan | None] = [None] * mailboxes
         self.free: collections.deque[int] = collections.deque()
+        # (at least one mailbox stays for every packet: a region of one reserves none)
+        self.reserved = frozenset(range(mailboxes - min(RESERVED_FOR_INFO, mailboxes - 1),
+                                        mailboxes))
+        self.free_reserved: collections.deque[int] = collections.deque()
         self.sequence = 0
         self.stats = collections.Counter[str]()
         self.connections: set[Connection] = set()
@@ -77,11 +85,11 @@ class Broker:
         for i in range(mailboxes):
             state = self.region.state(i)
             if state == FREE:
-                self.free.append(i)
+                self._freed(i)
             elif state == REPLY:
                 # A reply that a previous broker never collected: drop it.
                 self.region.release(i)
-                self.free.append(i)
+                self._freed(i)
                 orphans += 1
             else:
                 self.owner[i] = ORPHAN
@@ -103,7 +111,7 @@ class Broker:
             owner = self.owner[i]
             self.owner[i] = None
             self.region.release(i)
-            self.free.append(i)
+            self._freed(i)
             if isinstance(owner, Connection) and owner.open:
                 self.stats["replies"] += 1
                 self._send(owner, packet)
@@ -176,11 +184,12 @@ class Broker:
                      "mailboxes": self.region.count}
             self._send(conn, wire.encode_packet(header.reply(200), json.dumps(stats).encode()))
             return
-        if not self.free:
+        pool = self.free if self.free or header.op != wire.Op.INFO else self.free_reserved
+        if not pool:
             self.stats["busy"] += 1
             self._refuse(conn, data, 503, wire.Reason.NO_MAILBOX, "no free mailbox")
             return
-        i = self.free.popleft()
+        i = pool.popleft()
         self.owner[i] = conn
         self.sequence += 1
         self.region.publish(i, data, REQUEST, self.sequence)
@@ -271,8 +280,12 @@ class Broker:
         if self._stopping is not None:
             self._stopping.set()
 
+    def _freed(self, i: int) -> None:
+        (self.free_reserved if i in self.reserved else self.free).append(i)
+
     def mailbox_counts(self) -> dict[str, int]:
-        counts = {"free": len(self.free), "in_flight": 0, "orphaned": 0}
+        counts = {"free": len(self.free) + len(self.free_reserved), "in_flight": 0,
+                  "orphaned": 0}
         for owner in self.owner:
             if isinstance(owner, Connection):
                 counts["in_flight"] += 1

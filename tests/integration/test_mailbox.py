@@ -131,6 +131,12 @@ class FakeDevice:
             self.region.publish(i, wire.encode_packet(h.reply(200), body), REPLY)
             self.bell.ring(i)
 
+    def answer_one(self, i: int) -> None:
+        with self.lock:
+            h = self.held.pop(i)
+        self.region.publish(i, wire.encode_packet(h.reply(200), b"reply-%d" % h.tag), REPLY)
+        self.bell.ring(i)
+
     def close(self) -> None:
         self.stop = True
         self.thread.join()
@@ -144,8 +150,9 @@ def _connect(path: str) -> socket.socket:
     return s
 
 
-def _send(s: socket.socket, tag: int) -> None:
-    s.send(wire.encode_packet(wire.Header(op=wire.Op.READ, tag=tag), b""))
+def _send(s: socket.socket, tag: int, op: wire.Op = wire.Op.INFO) -> None:
+    """An INFO (it may take any mailbox, the reserved one too) or ``op``."""
+    s.send(wire.encode_packet(wire.Header(op=op, tag=tag), b""))
 
 
 def _recv(s: socket.socket) -> wire.Header:
@@ -219,6 +226,33 @@ def test_disconnected_mailbox_reply_never_reaches_a_new_connection(broker_env) -
     new.settimeout(5)
     assert sorted(_recv(new).tag for _ in range(count)) == list(range(100, 100 + count))
     new.close()
+
+
+def test_a_mailbox_stays_for_info_when_the_others_are_taken(broker_env) -> None:
+    """The last mailbox is INFO's: READs take the other three and the fourth READ is
+    refused, but an INFO (the supervisor's health check) still reaches the device, and
+    the reserved mailbox is INFO's again once answered."""
+    paths, device, _proc, count = broker_env
+    s = _connect(paths.socket)
+    for tag in range(1, count):
+        _send(s, tag, wire.Op.READ)
+    device.wait_held(count - 1)
+    _send(s, 50, wire.Op.READ)
+    refused = _recv(s)
+    assert (refused.tag, refused.status, refused.reason) == (50, 503, wire.Reason.NO_MAILBOX)
+    for round_ in range(2):
+        _send(s, 60 + round_)  # INFO
+        device.wait_held(count)
+        with device.lock:
+            held = sorted(device.held)
+        assert held[-1] == count - 1  # the reserved mailbox
+        device.answer_one(count - 1)
+        assert _recv(s).tag == 60 + round_
+        _send(s, 70 + round_, wire.Op.READ)  # still refused: the reserved one is INFO's
+        assert _recv(s).status == 503
+    device.answer_all()
+    assert sorted(_recv(s).tag for _ in range(count - 1)) == list(range(1, count))
+    s.close()
 
 
 def test_replies_to_a_gateway_that_does_not_read_all_arrive(broker_env) -> None:
