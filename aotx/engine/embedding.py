@@ -11,10 +11,18 @@ a non-causal encoder) needs.
 
 :class:`EmbedQueue` runs on the model's engine thread, between decode steps
 (``Scheduler.side``): each :meth:`EmbedQueue.step` is one decode, packing whole inputs of
-the queued jobs (several requests' inputs in one decode, each its own sequence id) in
-arrival order: the whole context when nothing is generated, else :data:`BUSY_TOKENS`
-and at most :data:`BUSY_SHARE` of the thread's time, so a stream keeps about half its
-pace and waits one short decode at most.  An embedder thread of its own would instead
+the queued jobs (several requests' inputs in one decode, each its own sequence id): the
+whole context when nothing is generated, else :data:`BUSY_TOKENS` and at most
+:data:`BUSY_SHARE` of the thread's time, so a stream keeps about half its pace and waits
+one short decode at most.
+
+The queue is shared between principals as the slots are (engine/fair.py): a FIFO per
+principal, and each input of a decode goes to the principal with the fewest tokens in
+that decode so far, the one served least recently breaking ties (max-min fairness on
+the decode's tokens).  So a principal's call waits for the decode in flight and is in
+the next one, however much another principal has queued; within a principal, inputs
+keep their order.  A job can be withdrawn at any time (:meth:`EmbedQueue.withdraw`, its
+caller gone): it is answered at once and its inputs are not embedded.  An embedder thread of its own would instead
 compete with the generation thread pool for the same cores, where ggml's spinning
 workers slow both down (docs/architecture.md, "Embeddings", has the figures).
 """
@@ -133,18 +141,28 @@ class Embedder:
 
 @dataclass(eq=False)
 class EmbedJob:
-    """One EMBED call's inputs (tokens), filled in order; ``done`` is called on the engine
-    thread, with the lock held, once every input is embedded or the decode failed."""
+    """One EMBED call's inputs (tokens), filled in order; ``done`` is called once, on the
+    engine thread or (withdrawn) the control thread, with the lock held, once every input
+    is embedded, a decode failed, or the job was withdrawn."""
 
     inputs: list[list[int]]
     done: Callable[[EmbedJob], None]
+    principal: int = 0  # whose call: the queue's FIFO
     vectors: Vectors = field(default_factory=lambda: np.empty((0, 0), np.float32))
     next: int = 0  # the first input not embedded yet
     error: str = ""  # why the job failed (a decode failed), else ""
+    withdrawn: bool = False  # its caller is gone: answered without its vectors
+    answered: bool = False
     tokens: int = 0
 
     def __post_init__(self) -> None:
         self.tokens = sum(map(len, self.inputs))
+
+    def finish(self) -> None:
+        """Answer the job, once (lock held)."""
+        if not self.answered:
+            self.answered = True
+            self.done(self)
 
 
 class EmbedderInfo(Protocol):
@@ -162,6 +180,7 @@ class Embeddings(Protocol):
     @property
     def embedder(self) -> EmbedderInfo: ...
     def submit(self, job: EmbedJob) -> None: ...
+    def withdraw(self, job: EmbedJob) -> None: ...
 
 
 class EmbedQueue:
@@ -174,38 +193,73 @@ class EmbedQueue:
         self.resume_at = 0.0  # while busy, no decode before (BUSY_SHARE)
         self.lock = lock
         self.wake = wake  # notifies the engine thread (lock held)
-        self.jobs: deque[EmbedJob] = deque()
+        self.fifos: dict[int, deque[EmbedJob]] = {}  # principal -> its jobs, in order
+        self._served = 0  # decodes planned so far
+        self._last: dict[int, int] = {}  # principal -> the decode that last served it
         self.decodes = 0
         self.inputs = 0
         self.tokens = 0
+        self.withdrawn = 0
 
     def submit(self, job: EmbedJob) -> None:
         """Queue ``job`` (lock held)."""
         job.vectors = np.empty((len(job.inputs), self.embedder.dims), dtype=np.float32)
-        self.jobs.append(job)
+        self.fifos.setdefault(job.principal, deque()).append(job)
         self.wake()
 
+    def withdraw(self, job: EmbedJob) -> None:
+        """Answer ``job`` now, without its vectors (lock held): its caller is gone.  A
+        decode in flight that holds some of its inputs drops their vectors."""
+        if job.answered:
+            return
+        job.withdrawn = True
+        self._drop(job)
+        self.withdrawn += 1
+        job.finish()
+
+    def _drop(self, job: EmbedJob) -> None:
+        fifo = self.fifos.get(job.principal)
+        if fifo is not None and job in fifo:
+            fifo.remove(job)
+            if not fifo:
+                del self.fifos[job.principal]
+                self._last.pop(job.principal, None)  # idle: starts afresh (bounded table)
+
     def pending(self) -> bool:
-        return bool(self.jobs)
+        return bool(self.fifos)
+
+    def queued(self, principal: int) -> int:
+        """The principal's jobs in the queue (lock held)."""
+        return len(self.fifos.get(principal, ()))
 
     def _plan(self, room: int) -> list[tuple[EmbedJob, int, int]]:
-        """(job, first input, end) spans for one decode: whole inputs in arrival order
-        while they fit ``room`` tokens (the first one: the context) and the sequence count
-        (lock held)."""
-        spans: list[tuple[EmbedJob, int, int]] = []
+        """(job, first input, end) spans for one decode (lock held): whole inputs while
+        they fit ``room`` tokens (the first one: the context) and the sequence count, each
+        to the principal with the fewest tokens planned so far (max-min), then the one
+        served least recently; a principal's inputs in order, none skipped."""
+        ends = {job: job.next for fifo in self.fifos.values() for job in fifo}
+        heads = {p: 0 for p in self.fifos}  # principal -> index of its job being planned
+        planned = {p: 0 for p in self.fifos}
         seqs, first = MAX_SEQS, self.embedder.context
-        for job in self.jobs:
-            end = job.next
-            while end < len(job.inputs) and seqs and len(job.inputs[end]) <= max(room, first):
-                first = 0
-                room -= len(job.inputs[end])
-                seqs -= 1
-                end += 1
-            if end > job.next:
-                spans.append((job, job.next, end))
-            if end < len(job.inputs):
-                break  # the next input does not fit: it opens the next decode
-        return spans
+        while seqs and heads:
+            p = min(heads, key=lambda k: (planned[k], self._last.get(k, -1)))
+            job = self.fifos[p][heads[p]]
+            size = len(job.inputs[ends[job]])
+            if size > max(room, first):
+                del heads[p]  # its next input opens a later decode
+                continue
+            first, room, seqs = 0, room - size, seqs - 1
+            planned[p] += size
+            ends[job] += 1
+            if ends[job] == len(job.inputs):
+                heads[p] += 1
+                if heads[p] == len(self.fifos[p]):
+                    del heads[p]
+        self._served += 1
+        for p, n in planned.items():
+            if n:
+                self._last[p] = self._served
+        return [(job, job.next, end) for job, end in ends.items() if end > job.next]
 
     def step(self, busy: bool = False) -> None:
         """One decode over the queued jobs' next inputs; finished jobs are answered.  While
@@ -222,8 +276,8 @@ class EmbedQueue:
         with self.lock:
             spans = self._plan(min(BUSY_TOKENS, self.embedder.context) if busy
                                else self.embedder.context)
-            if not spans and self.jobs:  # an input longer than the context (the device
-                job = self.jobs[0]       # refuses those): fail it, never spin on it
+            if not spans and self.fifos:  # an input longer than the context (the device
+                job = next(iter(self.fifos.values()))[0]  # refuses those): fail it, never
                 spans, job.error = [(job, job.next, job.next)], "input longer than the context"
         inputs = [t for job, a, b in spans for t in job.inputs[a:b]]
         vectors: Vectors | None
@@ -242,8 +296,8 @@ class EmbedQueue:
                     at += b - a
                 job.next = b
                 if job.error or job.next == len(job.inputs):
-                    self.jobs.remove(job)
-                    job.done(job)
+                    self._drop(job)
+                    job.finish()  # (nothing for a job withdrawn meanwhile: answered)
             self.decodes += 1
             self.inputs += len(inputs)
             self.tokens += sum(map(len, inputs))

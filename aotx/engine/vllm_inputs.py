@@ -53,7 +53,16 @@ class VllmEmbeddings:
         job.vectors = np.empty((len(job.inputs), self.dims), dtype=np.float32)
         self.runner.spawn(lambda: self._embed(job))
 
+    def withdraw(self, job: EmbedJob) -> None:
+        """Answer ``job`` now, without its vectors (lock held): its caller is gone.  Its
+        inputs already handed to vLLM run to their end there; their vectors are dropped."""
+        if not job.answered:
+            job.withdrawn = True
+            job.finish()
+
     async def _embed(self, job: EmbedJob) -> None:
+        if job.withdrawn:  # (withdrawn before the loop came to it)
+            return
         error = ""
         try:
             rows = await asyncio.gather(*(self._one(tokens) for tokens in job.inputs))
@@ -71,7 +80,7 @@ class VllmEmbeddings:
             self.calls += 1
             self.inputs += len(job.inputs)
             self.tokens += job.tokens
-            job.done(job)
+            job.finish()
 
     async def _one(self, tokens: list[int]) -> Vectors:
         rid = "embed-" + os.urandom(16).hex()

@@ -119,3 +119,85 @@ def test_while_busy_embeddings_take_at_most_their_share_of_the_thread() -> None:
     assert len(fake.decodes) == 2
     q.step(busy=False)  # nothing generated: no waiting
     assert len(fake.decodes) == 3 and done
+
+
+def test_another_principals_call_is_in_the_next_decode_however_much_is_queued() -> None:
+    """M has queued 20 calls of four 100-token inputs; B's call, queued after them, is
+    in the very next decode, first, and M's inputs fill the rest of it."""
+    fake = FakeEmbedder(context=512)
+    q, done = queue(fake)
+    flood = [EmbedJob([[9] * 100] * 4, done.append, principal=7) for _ in range(20)]
+    for job in flood:
+        q.submit(job)
+    q.step()
+    assert [len(t) for t in fake.decodes[0]] == [100] * 5  # M alone: the context's worth
+    b = EmbedJob([[5] * 3], done.append, principal=8)
+    q.submit(b)
+    q.step()
+    assert b in done and not b.error and done.index(b) <= 2
+    assert [t[0] for t in fake.decodes[1]].count(5) == 1
+    assert sum(map(len, fake.decodes[1])) == 503  # B's 3 tokens, then five of M's inputs
+    run(q)
+    assert len(done) == 21 and all(j.next == 4 and not j.error for j in flood)
+
+
+def test_principals_get_equal_tokens_of_a_decode_while_both_wait() -> None:
+    fake = FakeEmbedder(context=400)
+    q, done = queue(fake)
+    for _ in range(3):
+        q.submit(EmbedJob([[1] * 50] * 8, done.append, principal=1))
+    q.submit(EmbedJob([[2] * 50] * 8, done.append, principal=2))
+    q.step()
+    firsts = [t[0] for t in fake.decodes[0]]
+    assert firsts.count(1) == firsts.count(2) == 4  # max-min: 200 tokens each
+    q.step()
+    firsts = [t[0] for t in fake.decodes[1]]
+    assert firsts.count(1) == firsts.count(2) == 4  # principal 2's call ends here
+    q.step()
+    assert [t[0] for t in fake.decodes[2]] == [1] * 8  # alone again: all of it
+
+
+def test_a_principals_inputs_keep_their_order_and_none_is_skipped() -> None:
+    """A principal whose next input does not fit waits for the next decode; another
+    principal's smaller inputs fill the room (none of the first's is taken out of turn)."""
+    fake = FakeEmbedder(context=100)
+    q, done = queue(fake)
+    q.submit(EmbedJob([[1] * 60, [2] * 60, [3] * 10], done.append, principal=1))
+    q.submit(EmbedJob([[4] * 10] * 6, done.append, principal=2))
+    run(q)
+    order = [t[0] for d in fake.decodes for t in d if t[0] in (1, 2, 3)]
+    assert order == [1, 2, 3]
+    assert all(sum(map(len, d)) <= 100 for d in fake.decodes)
+
+
+def test_a_withdrawn_call_is_answered_at_once_and_never_embedded() -> None:
+    fake = FakeEmbedder(context=100)
+    q, done = queue(fake)
+    a = EmbedJob([[1] * 100] * 3, done.append, principal=1)
+    b = EmbedJob([[2] * 10], done.append, principal=2)
+    q.submit(a)
+    q.submit(b)
+    q.withdraw(a)
+    q.withdraw(a)  # twice: answered once
+    assert done == [a] and a.withdrawn and q.withdrawn == 1
+    run(q)
+    assert done == [a, b] and [t[0] for d in fake.decodes for t in d] == [2]
+
+
+def test_a_call_withdrawn_while_its_inputs_are_decoded_is_answered_once() -> None:
+    """The control thread withdraws a call while the engine thread decodes some of its
+    inputs (the decode holds no lock): its answer is the withdrawal, once, and the
+    decode's end neither answers it again nor embeds the rest."""
+    fake = FakeEmbedder(context=100)
+    q, done = queue(fake)
+    a = EmbedJob([[1] * 60] * 3, done.append, principal=1)
+    q.submit(a)
+    real = fake.embed
+
+    def withdrawing(inputs: list[list[int]]) -> np.ndarray:
+        q.withdraw(a)  # (the lock is not held during a decode)
+        return real(inputs)
+
+    fake.embed = withdrawing  # type: ignore[method-assign]
+    q.step()
+    assert done == [a] and a.withdrawn and not q.pending() and len(fake.decodes) == 1
