@@ -53,7 +53,7 @@ class Op(enum.IntEnum):
     METRICS = 16  #: Device counters for /metrics (payload: UTF-8 JSON; not a hot path).
     BROKER_STATS = 17  #: Broker counters, answered by the broker itself (payload: UTF-8 JSON).
     MEMORY = 18  #: The caller's automatic memory (sub-operation at offset 72, payload UTF-8 JSON).
-    UNPARK = 19  #: Answer the caller's WAITs parked on a request now (their stream was closed).
+    UNPARK = 19  #: Answer the caller's WAITs on a request, or its EMBED (withdrawn), now: the caller left.
     EMBED = 20  #: Embed inputs (payload: encode_embed) with a model (role): unit float32 vectors.
     WAITS = 21  #: Several WAITs in one packet, answered together (encode_waits; protocol.md 10.1).
 
@@ -218,6 +218,7 @@ class Reason(enum.IntEnum):
     DECODE = 61  #: llama_decode failed (500)
     MEDIA_ENCODE = 62  #: encoding a media part failed (500)
     GRAMMAR_FAILED = 63  #: the constraint's matcher failed while generating (500)
+    WITHDRAWN = 64  #: an EMBED call was withdrawn: its ``wait_ms`` ran out, or its caller sent UNPARK (503)
     TOKEN_ID = 70  #: an EMBED input (its index at offset 64) holds a token id outside the vocabulary; detail: the id
 
 
@@ -311,7 +312,7 @@ class Header(_Fields):
     row_count = _View[int]("total", "GRANT_INSTALL, GRANT_READ; MEDIA_LIST reply")
     member_count = _View[int]("total", "WAITS and its reply: the WAITs it carries")
     max_tokens = _View[int]("limit", "SUBMIT: output tokens, 0 = as many as fit")
-    wait_ms = _View[int]("limit", "WAIT: timeout")
+    wait_ms = _View[int]("limit", "WAIT: timeout; EMBED: how long its caller waits")
     max_rows = _View[int]("limit", "MEDIA_LIST")
     retry_after = _View[int]("limit", "429 reply: seconds")
     submit_flags = _View[int]("flags", "SUBMIT: SUBMIT_FLAG_*; a state reply: the kept ones")
@@ -430,7 +431,7 @@ REQUEST_FIELDS: dict[Op, tuple[str, ...]] = {
     Op.MEDIA_READ: ("principal", "identity"), Op.MEDIA_DELETE: ("principal", "identity"),
     Op.POLICY: ("principal", "epoch"), Op.TELEMETRY: ("principal",),
     Op.METRICS: ("principal",), Op.MEMORY: ("principal", "role", "cursor"),
-    Op.EMBED: ("principal", "role", "cursor"),
+    Op.EMBED: ("principal", "role", "cursor", "identity", "limit"),
     Op.WAITS: ("total",),
 }
 #: The flag bits each operation defines; other bits are unused, so zero.

@@ -1,24 +1,33 @@
 """EMBED: a packet of embedding inputs checked and tokenized on the control thread, then
 embedded by the model's engine thread between its decode steps (engine/embedding.py).
 
-The handler refuses at once (grant, model, payload, an input's tokens, the rate) or hands
-back an :class:`EmbedCall`: the runtime keeps the mailbox busy and queues the call's job,
-and the engine thread answers it (:func:`reply`) when its last input is embedded.
+The handler refuses at once (grant, model, payload, an input's tokens, the rate, the
+principal's share of the calls in progress) or hands back an :class:`EmbedCall`: the
+runtime keeps the mailbox busy and queues the call's job, and the engine thread answers
+it (:func:`reply`) when its last input is embedded.
+
+A call is withdrawn, and its mailbox answered at once (503 ``WITHDRAWN``), when its
+``wait_ms`` runs out before that (its caller has given up) or when its caller sends
+UNPARK with the call's identity (the client left): so the device never holds a call
+nobody waits for, and the mailboxes a principal holds are those its caller counts.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 
 from .. import wire
 from ..engine.embedding import Embeddings, EmbedJob
+from ..mailbox import mailbox_share
 from ..wire import Header, Reason
 from .admission import Admission
 from .errors import DeviceError
 from .state import DeviceState
 
 
-@dataclass
+@dataclass(eq=False)
 class EmbedCall:
     """An EMBED whose vectors the engine thread computes (its mailbox stays busy)."""
 
@@ -26,10 +35,16 @@ class EmbedCall:
     header: Header
     queue: Embeddings
     inputs: list[list[int]]  # tokens, in order
+    deadline: float = math.inf  # (monotonic) withdrawn then, unless answered
+    job: EmbedJob | None = None  # once queued
 
 
-def embed(state: DeviceState, admission: Admission, mailbox: int, h: Header,
-          payload: bytes) -> EmbedCall:
+#: The calls the device holds: (principal, the call's identity) -> the call.
+EmbedCalls = dict[tuple[int, bytes], EmbedCall]
+
+
+def embed(state: DeviceState, admission: Admission, calls: EmbedCalls, mailboxes: int,
+          mailbox: int, h: Header, payload: bytes) -> EmbedCall:
     """Check an EMBED and tokenize its inputs (control thread, lock held); the order of the
     checks is docs/protocol.md's (section 5.3)."""
     grant = state.submit_grant(h, embed=True)
@@ -37,6 +52,12 @@ def embed(state: DeviceState, admission: Admission, mailbox: int, h: Header,
     assert model.embeddings is not None  # submit_grant checked it
     if grant.max_input_bytes and len(payload) > grant.max_input_bytes:
         raise DeviceError(413, Reason.INPUT_BYTES, grant.max_input_bytes)
+    # A principal's calls in progress hold at most its share of the mailboxes, as the
+    # gateway holds them (its share of the queue, whatever a caller sends).
+    share = mailbox_share(mailboxes)
+    if sum(1 for p, _ in calls if p == h.principal) >= share or (h.principal,
+                                                                 h.identity) in calls:
+        raise DeviceError(429, Reason.ACTIVE_LIMIT, share, retry_after=1)
     engine, limit = model.engine, model.embeddings.embedder.context
     inputs = []
     for i, x in enumerate(wire.decode_embed(payload)):
@@ -53,12 +74,24 @@ def embed(state: DeviceState, admission: Admission, mailbox: int, h: Header,
     if h.cursor == 0:  # the first packet of a call: one admission against the rate
         admission.check_rate(h, grant)
         state.counters.admitted += 1  # (aotx_requests_admitted_total counts calls)
-    return EmbedCall(mailbox, h, model.embeddings, inputs)
+    deadline = time.monotonic() + h.wait_ms / 1000 if h.wait_ms else math.inf
+    return EmbedCall(mailbox, h, model.embeddings, inputs, deadline)
+
+
+def withdraw_due(calls: EmbedCalls, now: float) -> float:
+    """Withdraw every call whose deadline passed (lock held); the next deadline."""
+    due = [c for c in calls.values() if c.deadline <= now]
+    for c in due:
+        if c.job is not None:
+            c.queue.withdraw(c.job)  # answers it: the runtime drops it from ``calls``
+    return min((c.deadline for c in calls.values()), default=math.inf)
 
 
 def reply(state: DeviceState, call: EmbedCall, job: EmbedJob) -> tuple[Header, bytes]:
     """The answer to a finished call (engine thread, lock held): the vectors as
     little-endian f32, or 500 DECODE when a decode failed."""
+    if job.withdrawn:
+        raise DeviceError(503, Reason.WITHDRAWN)
     if job.error:
         raise DeviceError(500, Reason.DECODE)
     return (call.header.reply(200, epoch=state.epoch, prompt_tokens=job.tokens),

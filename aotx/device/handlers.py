@@ -21,7 +21,7 @@ from .. import ids, wire
 from ..engine.scheduler import Request
 from ..wire import Action, Header, MemoryOp, Op, Reason
 from .admission import Admission, MediaJob
-from .embeddings import EmbedCall, embed
+from .embeddings import EmbedCall, EmbedCalls, embed
 from .errors import DeviceError
 from .state import DeviceState, notes_of
 
@@ -50,6 +50,7 @@ class Handlers:
         self.wake = wake  # rings the device's own doorbell (the policy has work)
         self.cancelled = cancelled  # answers the WAITs parked on a cancelled request
         self.parked_waits = 0  # kept by the runtime, reported in METRICS
+        self.embeds: EmbedCalls = {}  # EMBED calls being computed (kept by the runtime)
         self.table: dict[int, Callable[[int, Header, bytes], Result]] = {
             Op.INFO: lambda _m, h, _p: self.ok(h, wire.encode_info(state.info(mailboxes))),
             Op.SUBMIT: lambda m, h, p: admission.submit(h, p, m),
@@ -67,7 +68,7 @@ class Handlers:
             Op.MEMORY: lambda _m, h, _p: self.memory(h),
             Op.TELEMETRY: lambda _m, h, _p: self.telemetry(h),
             Op.METRICS: lambda _m, h, _p: self.metrics(h),
-            Op.EMBED: lambda m, h, p: embed(state, admission, m, h, p),
+            Op.EMBED: lambda m, h, p: embed(state, admission, self.embeds, mailboxes, m, h, p),
         }
 
     def handle(self, mailbox: int, h: Header, payload: bytes) -> Result:
@@ -119,8 +120,13 @@ class Handlers:
         return req
 
     def unpark(self, h: Header) -> Reply:
-        """The caller's stream on a request was closed: answer its parked WAITs now, so
-        that their mailboxes are free at once (not at the WAITs' timeouts)."""
+        """The caller left: answer its parked WAITs on the request now, or withdraw its
+        EMBED call of that identity, so that their mailboxes are free at once (not at
+        the WAITs' timeouts, or once the call's inputs are embedded)."""
+        call = self.embeds.get((h.principal, h.identity))
+        if call is not None and call.job is not None:
+            call.queue.withdraw(call.job)  # answered now: its mailbox is free
+            return self.ok(h)
         req = self.state.lookup(h, Action.READ)
         self.cancelled(req.identity)
         return self.ok(h)
@@ -230,7 +236,8 @@ class Handlers:
 
     def metrics(self, h: Header) -> Reply:
         self.state.grant_for(h, Action.TELEMETRY)
-        return self.ok(h, orjson.dumps(self.state.metrics(self.parked_waits)))
+        return self.ok(h, orjson.dumps({**self.state.metrics(self.parked_waits),
+                                        "embed_calls": len(self.embeds)}))
 
 
 def wait_ready(req: Request, h: Header) -> bool:

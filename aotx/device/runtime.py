@@ -46,7 +46,7 @@ from ..mailbox import REQUEST, SCAN_ALL, WAKE, Bell, Region
 from ..paths import RuntimePaths
 from ..wire import Header, Op, Reason, WireError
 from .admission import Admission, MediaJob
-from .embeddings import EmbedCall
+from .embeddings import EmbedCall, withdraw_due
 from .embeddings import reply as embed_reply
 from .errors import DeviceError
 from .handlers import Handlers, Park, Reply, Result
@@ -220,15 +220,19 @@ class Device:
             return None
         if isinstance(result, EmbedCall):
             self.busy_mailboxes.add(mailbox)
-            result.queue.submit(EmbedJob(result.inputs,
-                                         functools.partial(self._embedded, result)))
+            self.handlers.embeds[(h.principal, h.identity)] = result
+            result.job = EmbedJob(result.inputs, functools.partial(self._embedded, result),
+                                  h.principal)
+            result.queue.submit(result.job)
             return None
         return result
 
     def _embedded(self, call: EmbedCall, job: EmbedJob) -> None:
-        """Answer an EMBED whose inputs are all embedded (engine thread, lock held)."""
+        """Answer an EMBED whose inputs are all embedded (engine thread, lock held), or
+        that was withdrawn (control thread)."""
         result = self.reply_to(call.header, functools.partial(embed_reply, self.state, call, job))
         assert isinstance(result, tuple)
+        self.handlers.embeds.pop((call.header.principal, call.header.identity), None)
         self.busy_mailboxes.discard(call.mailbox)
         self._publish(call.mailbox, *result)
 
@@ -303,6 +307,7 @@ class Device:
                     self._take(i)
             now = time.monotonic()
             self.waits.settle(now)
+            embeds_due = withdraw_due(self.handlers.embeds, now)  # (callers given up)
         finally:
             rings, self._rings = self._rings, None
             self.bell.ring_many(rings)
@@ -316,7 +321,7 @@ class Device:
             st.reclaim(time.monotonic_ns())
             st.media.sweep(now)
             timers["sweep"] = now
-        return self.waits.next_deadline(now, 1.0)
+        return min(self.waits.next_deadline(now, 1.0), max(0.0, embeds_due - now))
 
     def serve(self) -> None:
         self._start_threads()

@@ -135,21 +135,32 @@ class BrokerClient:
             if not fut.done():
                 fut.set_exception(BrokerUnavailable("the broker connection closed"))
 
-    async def call(self, header: wire.Header, payload: bytes = b"",
-                   timeout: float = 120.0) -> tuple[wire.Header, bytes]:
+    async def call(self, header: wire.Header, payload: bytes = b"", timeout: float = 120.0,
+                   settled: Callable[[], None] | None = None) -> tuple[wire.Header, bytes]:
+        """The reply to one packet, within ``timeout`` seconds.
+
+        ``settled`` is called once the device no longer holds the packet: when its reply
+        comes (before this returns), when the connection drops, or at once when it was
+        never sent.  A call that times out or is cancelled still holds its mailbox until
+        then: its reply is awaited in the background, and dropped when it comes."""
         if header.op == wire.Op.WAIT and not header.flags and not payload:
-            return await self._wait(header, timeout)
+            return await self._wait(header, timeout, settled)
         tag = next(self._tags)
         packet = wire.encode_packet(header._replace(tag=tag), payload)
         fut: asyncio.Future[tuple[wire.Header, bytes]] = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(functools.partial(_settled, settled))
+        sent = False
         try:
             await self._send(packet, functools.partial(self._pending.__setitem__, tag, fut))
+            sent = True
             try:
-                return await asyncio.wait_for(fut, timeout)
+                return await asyncio.wait_for(asyncio.shield(fut), timeout)
             except TimeoutError:
                 raise DeviceSilent(f"no reply to op {header.op} in {timeout:g} s") from None
         finally:
-            self._pending.pop(tag, None)
+            if not sent or fut.done():
+                self._pending.pop(tag, None)
+                fut.cancel()  # (never sent: settled now)
 
     async def _send(self, packet: bytes, register: Callable[[], None]) -> None:
         """Send ``packet`` on the connection as it is now (it may have been re-made while
@@ -178,7 +189,8 @@ class BrokerClient:
             self._drop(self._sock)
 
     # -- WAITs, sent in groups ---------------------------------------------------------------
-    async def _wait(self, header: wire.Header, timeout: float) -> tuple[wire.Header, bytes]:
+    async def _wait(self, header: wire.Header, timeout: float,
+                    settled: Callable[[], None] | None) -> tuple[wire.Header, bytes]:
         """A WAIT's answer: sent in the next group, and again (with what is left of its
         ``wait_ms``) after each 204 until the device answers it as a WAIT."""
         loop = asyncio.get_running_loop()
@@ -194,12 +206,29 @@ class BrokerClient:
             elif self._arrived is not None:
                 _settle(self._arrived)
             try:
-                rh, body = await asyncio.wait_for(fut, max(0.0, start + timeout - loop.time()))
-            except TimeoutError:
-                raise DeviceSilent(f"no reply to a WAIT in {timeout:g} s") from None
+                rh, body = await asyncio.wait_for(asyncio.shield(fut),
+                                                  max(0.0, start + timeout - loop.time()))
+            except BaseException as exc:
+                self._give_up(fut, settled)
+                if isinstance(exc, TimeoutError):
+                    raise DeviceSilent(f"no reply to a WAIT in {timeout:g} s") from None
+                raise
             if rh.status != 204:
                 self._expected += 1
+                if settled is not None:
+                    settled()
                 return rh, body
+
+    def _give_up(self, fut: asyncio.Future[tuple[wire.Header, bytes]],
+                 settled: Callable[[], None] | None) -> None:
+        """A WAIT whose caller stops waiting: still queued here, it is never sent;
+        sent, the device holds it until it answers (at its wait_ms), and ``settled``
+        is called then."""
+        queued = [i for i, (_, f) in enumerate(self._waits) if f is fut]
+        if queued:
+            del self._waits[queued[0]]
+            fut.cancel()
+        fut.add_done_callback(functools.partial(_settled, settled))
 
     async def _flush_waits(self) -> None:
         """The one sender of queued WAITs: once every stream just answered has queued
@@ -269,6 +298,14 @@ class BrokerClient:
                 fut.set_result(answers[tag])
             else:
                 fut.set_exception(BrokerUnavailable("a WAITS reply without a member's answer"))
+
+
+def _settled(settled: Callable[[], None] | None, fut: asyncio.Future[object]) -> None:
+    """A call's reply came, or it will never come (connection dropped, never sent)."""
+    if not fut.cancelled():
+        fut.exception()  # retrieved: nobody may await a call given up on
+    if settled is not None:
+        settled()
 
 
 def _settle(fut: asyncio.Future[None]) -> None:

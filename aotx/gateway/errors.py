@@ -36,6 +36,7 @@ ERROR_TYPES: dict[int, tuple[str, str]] = {
     422: ("invalid_request_error", "unprocessable"),
     429: ("rate_limit_error", "rate_limited"),
     431: ("invalid_request_error", "headers_too_large"),
+    499: ("invalid_request_error", "client_closed_request"),  # (nginx's: nobody reads it)
     500: ("internal_error", "internal_error"),
     501: ("invalid_request_error", "not_implemented"),
     502: ("internal_error", "bad_gateway"),
@@ -205,6 +206,7 @@ REASONS: dict[Reason, Wording] = {
     Reason.KV_FULL: Wording("the engine ran out of KV cache for this request"),
     Reason.DECODE: Wording("the engine failed while decoding this request"),
     Reason.MEDIA_ENCODE: Wording("the engine failed to encode this request's media"),
+    Reason.WITHDRAWN: Wording("the device did not finish the embeddings in time; try again"),
 }
 
 

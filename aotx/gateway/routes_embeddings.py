@@ -15,11 +15,12 @@ double it is (``float(np.float32)``), so both decode to the same numbers.
 from __future__ import annotations
 
 import base64
+import os
 from typing import Annotated, Any, Literal
 
 import numpy as np
 import orjson
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import Field
 
@@ -27,13 +28,16 @@ from .. import wire
 from . import schemas as S
 from .body import Body
 from .errors import ApiError, Call, refusal
-from .service import Caller, Gateway, Principal, Service
+from .service import Caller, Gateway, Principal, Service, until_disconnected
 
 router = APIRouter(tags=["standard"], redirect_slashes=False)
 
 Token = Annotated[int, Field(ge=0, lt=1 << 32)]
 #: Decodes' worth of tokens one packet may ask for (text: its bytes bound its tokens).
 PACKET_DECODES = 4
+#: Seconds before the gateway's deadline at which the device withdraws a packet: its
+#: 503 then comes back in time, and its mailbox is free when the caller gives up.
+WITHDRAW_MARGIN = 2.0
 
 
 class EmbeddingRequest(Body):
@@ -60,7 +64,7 @@ class EmbeddingRequest(Body):
 
 
 @router.post("/v1/embeddings", response_model=S.EmbeddingList)
-async def embeddings(body: EmbeddingRequest, principal: Principal = Caller,
+async def embeddings(body: EmbeddingRequest, request: Request, principal: Principal = Caller,
                      g: Gateway = Service) -> Response:
     await g.ensure_ready()
     m = g.model_for(body.model, principal)
@@ -70,11 +74,7 @@ async def embeddings(body: EmbeddingRequest, principal: Principal = Caller,
         raise ApiError(400, f"model {m.alias!r} does not support dimensions: its vectors "
                             f"have {m.embedding_dims}", param="dimensions")
     inputs = _checked(body.inputs(), m)
-    vectors, tokens = bytearray(), 0
-    for start, chunk in _packets(inputs, m):
-        data, used = await _embed(g, principal, m, start, chunk)
-        vectors += data
-        tokens += used
+    vectors, tokens = await until_disconnected(request, _embed_all(g, principal, m, inputs))
     row = 4 * m.embedding_dims
     if body.encoding_format == "base64":
         items: list[Any] = [base64.b64encode(vectors[i:i + row]).decode("ascii")
@@ -89,6 +89,17 @@ async def embeddings(body: EmbeddingRequest, principal: Principal = Caller,
         "model": m.alias,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
+
+
+async def _embed_all(g: Gateway, principal: Principal, m: wire.ModelInfo,
+                     inputs: list[str] | list[list[int]]) -> tuple[bytearray, int]:
+    """Every input's vector, packet after packet; and their tokens."""
+    vectors, tokens = bytearray(), 0
+    for start, chunk in _packets(inputs, m):
+        data, used = await _embed(g, principal, m, start, chunk)
+        vectors += data
+        tokens += used
+    return vectors, tokens
 
 
 def _checked(inputs: list[str] | list[list[int]], m: wire.ModelInfo) -> list[str] | list[list[int]]:
@@ -147,10 +158,21 @@ def _packets(inputs: list[str] | list[list[int]], m: wire.ModelInfo
 
 async def _embed(g: Gateway, principal: Principal, m: wire.ModelInfo, start: int,
                  chunk: list[Any]) -> tuple[bytes, int]:
-    """One EMBED packet: its vectors' bytes and tokens, or the refusal as an ApiError."""
+    """One EMBED packet: its vectors' bytes and tokens, or the refusal as an ApiError.
+
+    The packet names itself (a random identity) and says how long it is waited for (the
+    deadline less the margin for the reply's way back): the device withdraws it then,
+    and at once when this task is cancelled (its client left) by an UNPARK."""
     payload = wire.encode_embed(chunk)
-    h = wire.Header.request(wire.Op.EMBED, principal=principal.id, role=m.role, cursor=start)
-    rh, body = await g.call(h, payload)
+    deadline = g.deadlines.of(wire.Header(op=wire.Op.EMBED))
+    h = wire.Header.request(wire.Op.EMBED, principal=principal.id, role=m.role, cursor=start,
+                            identity=os.urandom(wire.IDENTITY_SIZE),
+                            wait_ms=int(max(1.0, deadline - WITHDRAW_MARGIN) * 1000))
+    try:
+        rh, body = await g.call(h, payload, deadline)
+    except BaseException:
+        g.withdraw(h)
+        raise
     if rh.status != 200:
         if rh.reason == wire.Reason.PROMPT_LENGTH:
             raise _too_long(rh.cursor, rh.prompt_tokens, m)

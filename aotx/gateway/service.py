@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Depends
 from starlette.requests import Request
 
 from .. import ids, wire
 from ..config import Settings
+from ..mailbox import mailbox_share
 from ..paths import RuntimePaths
 from .broker_client import BrokerClient, BrokerUnavailable, DeviceSilent
 from .credentials import (
@@ -33,6 +35,7 @@ from .deadlines import Deadlines
 from .errors import NO_CALL, ApiError, Call, refusal
 
 log = logging.getLogger("aotx.gateway")
+T = TypeVar("T")
 
 UNREACHABLE = "the device is not reachable; try again"
 SILENT = "the device did not answer in time; try again"
@@ -46,9 +49,6 @@ def unavailable(exc: BrokerUnavailable) -> ApiError:
     """The 503 for a failed broker call: a fixed message, the detail in the log only."""
     log.info("event=gateway.device_unreachable error=%s", exc)
     return ApiError(503, SILENT if isinstance(exc, DeviceSilent) else UNREACHABLE)
-#: The share of the broker's mailboxes one principal's calls may hold at once (parked
-#: WAITs included); its further calls wait in the gateway, so the others always find one.
-MAILBOX_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -214,14 +214,17 @@ class Gateway:
                 raise unavailable(exc) from None
 
     def mailbox_share(self) -> int:
-        """How many mailboxes one principal's calls may hold at once."""
-        return max(2, int(self.info.mailboxes * MAILBOX_SHARE)) if self.info else 2
+        """How many mailboxes one principal's calls may hold at once (its further calls
+        wait in the gateway, so the others always find one)."""
+        return mailbox_share(self.info.mailboxes) if self.info else 2
 
     async def call(self, h: wire.Header, payload: bytes = b"",
                    timeout: float | None = None) -> tuple[wire.Header, bytes]:
         """One broker call within ``timeout`` (the operation's deadline unless given);
         503 when the broker is unreachable or the device does not answer in time.  A
-        principal's calls hold at most its share of the mailboxes at once."""
+        principal's calls hold at most its share of the mailboxes at once, counted until
+        the device has answered them: a call given up on (its deadline passed, its
+        client gone) still counts while the device holds its packet."""
         if not h.principal or h.op == wire.Op.UNPARK:  # the gateway's own; frees a mailbox
             return await self._call(h, payload, timeout)
         await self.ensure_ready()  # the share is a part of the mailboxes INFO reports
@@ -229,15 +232,22 @@ class Gateway:
         held = self._mailboxes.get(h.principal)
         if held is None or held[0] != size:  # (a new epoch may have other mailboxes)
             held = self._mailboxes[h.principal] = (size, asyncio.Semaphore(size))
-        async with held[1]:
-            return await self._call(h, payload, timeout)
+        await held[1].acquire()
+        release = _Once(held[1].release)
+        try:
+            return await self._call(h, payload, timeout, release)
+        finally:
+            if not release.handed:  # (the broker was never asked)
+                release()
 
-    async def _call(self, h: wire.Header, payload: bytes, timeout: float | None
-                    ) -> tuple[wire.Header, bytes]:
+    async def _call(self, h: wire.Header, payload: bytes, timeout: float | None,
+                    settled: _Once | None = None) -> tuple[wire.Header, bytes]:
         await self.ensure_ready()
         timeout = self.deadlines.of(h) if timeout is None else timeout
         try:
-            rh, body = await self.broker.call(h, payload, timeout)
+            if settled is not None:
+                settled.handed = True
+            rh, body = await self.broker.call(h, payload, timeout, settled)
             if rh.epoch and rh.epoch != self.epoch:
                 # The device restarted: reinstall grants, then retry a refusal once.
                 await self.refresh()
@@ -246,6 +256,19 @@ class Gateway:
         except BrokerUnavailable as exc:
             raise unavailable(exc) from None
         return rh, body
+
+    def withdraw(self, h: wire.Header) -> None:
+        """Have the device withdraw the call ``h`` (an EMBED whose caller gave up or
+        left) now, in the background: UNPARK with its identity frees its mailbox."""
+        unpark = wire.Header(op=wire.Op.UNPARK, principal=h.principal, identity=h.identity)
+        task = asyncio.ensure_future(self.call(unpark))
+        self.background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Future[Any]) -> None:
+        self.background.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: nobody waits for its answer
 
     async def ask(self, h: wire.Header, payload: bytes = b"", ok: tuple[int, ...] = (200,),
                   context: Call = NO_CALL, timeout: float | None = None,
@@ -285,12 +308,50 @@ class Gateway:
         return m
 
 
+class _Once:
+    """A callback that runs once however often it is called; ``handed``: the broker
+    client has taken it (it calls it when the device no longer holds the packet)."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn: Callable[[], None] | None = fn
+        self.handed = False
+
+    def __call__(self) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn()
+
+
 def parse_id(rid: str) -> tuple[int, bytes]:
     """(epoch, identity) of a request id; 404 when malformed (a handle that names nothing)."""
     parsed = ids.parse_request_id(rid)
     if parsed is None:
         raise ApiError(404, "no such request")
     return parsed
+
+
+async def until_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """``work``'s result, or 499 once the client has closed the connection: ``work`` is
+    then cancelled, and what it asked of the device is withdrawn as it unwinds."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        task.cancel()  # (nothing when it is done)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if not gone.done() or gone.cancelled():
+            raise  # this route was cancelled, not the work
+        raise ApiError(499, "the client closed the connection") from None
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client closes the connection (the body has been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 # -- FastAPI dependencies -----------------------------------------------------------------------

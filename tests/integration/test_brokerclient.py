@@ -178,3 +178,55 @@ def test_a_refused_group_is_each_members_refusal() -> None:
         peer.join(5)
         listener.close()
         shutil.rmtree(state, ignore_errors=True)
+
+
+def test_a_call_given_up_on_is_settled_only_when_its_reply_comes() -> None:
+    """``settled`` says when the device no longer holds a packet: a call past its
+    deadline, or cancelled (its client left), is settled by its late reply, not when
+    its caller gives up; a reply that comes in time settles it as the call returns
+    (issue 39: the gateway counted a principal's mailboxes by what it last asked for)."""
+    state = short_tmpdir()
+    path, listener = _listen(state)
+    stop = threading.Event()
+    late: list[bytes] = []
+
+    def answer(h: wire.Header, payload: bytes) -> bytes:
+        if payload == b"slow":
+            time.sleep(0.6)
+        return wire.encode_packet(h.reply(200))
+
+    peer = threading.Thread(target=_serve, args=(listener, answer, stop), daemon=True)
+    peer.start()
+
+    async def main() -> None:
+        client = BrokerClient(path)
+        settled: list[str] = []
+        h = wire.Header(op=wire.Op.READ)
+        try:
+            await client.call(h, b"slow", timeout=0.2, settled=lambda: settled.append("late"))
+        except Exception as exc:
+            late.append(type(exc).__name__.encode())
+        assert settled == []  # timed out, still held
+        await asyncio.sleep(0.6)
+        assert settled == ["late"]  # its reply came
+        await client.call(h, b"", timeout=5, settled=lambda: settled.append("quick"))
+        await asyncio.sleep(0)
+        assert settled == ["late", "quick"]
+        task = asyncio.create_task(client.call(h, b"slow", timeout=5,
+                                               settled=lambda: settled.append("left")))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        await asyncio.sleep(0.1)
+        assert task.cancelled() and settled[-1] == "quick"  # still held
+        await asyncio.sleep(0.6)
+        assert settled[-1] == "left"
+        await client.close()
+
+    try:
+        asyncio.run(main())
+        assert late == [b"DeviceSilent"]
+    finally:
+        stop.set()
+        peer.join(5)
+        listener.close()
+        shutil.rmtree(state, ignore_errors=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+from collections.abc import Callable
 
 import pytest
 from starlette.requests import Request
@@ -34,8 +35,17 @@ class FlakyBroker:
         self.device: dict[int, wire.Grant] = {}
         self.installs = 0
 
-    async def call(self, h: wire.Header, payload: bytes = b"",
-                   timeout: float = 120.0) -> tuple[wire.Header, bytes]:
+    async def call(self, h: wire.Header, payload: bytes = b"", timeout: float = 120.0,
+                   settled: Callable[[], None] | None = None) -> tuple[wire.Header, bytes]:
+        """The answer; ``settled`` once it is given (the device no longer holds it)."""
+        try:
+            return await self.answer(h, payload, timeout)
+        finally:
+            if settled is not None:
+                settled()
+
+    async def answer(self, h: wire.Header, payload: bytes = b"",
+                     timeout: float = 120.0) -> tuple[wire.Header, bytes]:
         if h.op is wire.Op.INFO:
             return h.reply(200, epoch=INFO.epoch), wire.encode_info(INFO)
         if h.op is wire.Op.GRANT_READ:
@@ -155,8 +165,8 @@ class StreamingBroker(FlakyBroker):
         return h.reply(200, epoch=INFO.epoch, phase=int(wire.Phase.RUNNING),
                        total=len(self.out)), data
 
-    async def call(self, h: wire.Header, payload: bytes = b"",
-                   timeout: float = 120.0) -> tuple[wire.Header, bytes]:
+    async def answer(self, h: wire.Header, payload: bytes = b"",
+                     timeout: float = 120.0) -> tuple[wire.Header, bytes]:
         if h.op is wire.Op.READ:
             self.reads += 1
             return self.state(h, self.out[h.cursor:])
@@ -169,7 +179,7 @@ class StreamingBroker(FlakyBroker):
             finally:
                 self.parked -= 1
             return self.state(h, self.out[h.cursor:])
-        return await super().call(h, payload, timeout)
+        return await super().answer(h, payload, timeout)
 
 
 def test_one_principal_parks_at_most_its_share_of_the_mailboxes(gateway: Gateway) -> None:
@@ -212,7 +222,7 @@ def test_a_cancelled_wait_keeps_its_mailbox_counted_until_the_device_answers(
 
     broker = StreamingBroker()
     unparked: list[wire.Header] = []
-    plain_call = broker.call
+    plain_call = broker.answer
 
     async def call(h: wire.Header, payload: bytes = b"",
                    timeout: float = 120.0) -> tuple[wire.Header, bytes]:
@@ -223,7 +233,7 @@ def test_a_cancelled_wait_keeps_its_mailbox_counted_until_the_device_answers(
             return h.reply(200, epoch=INFO.epoch), b""
         return await plain_call(h, payload, timeout)
 
-    broker.call = call  # type: ignore[method-assign]
+    broker.answer = call  # type: ignore[method-assign]
     gateway.broker = broker  # type: ignore[assignment]
     asyncio.run(gateway.refresh())
     alice = Principal(1, "admin", gateway.principals[1])

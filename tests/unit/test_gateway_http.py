@@ -66,8 +66,17 @@ class ScriptedBroker:
         self.waits_sent = 0
         self.timeouts: dict[int, float] = {}  # op -> the deadline of its latest call
 
-    async def call(self, h: wire.Header, payload: bytes = b"",
-                   timeout: float = 120.0) -> tuple[wire.Header, bytes]:
+    async def call(self, h: wire.Header, payload: bytes = b"", timeout: float = 120.0,
+                   settled: Callable[[], None] | None = None) -> tuple[wire.Header, bytes]:
+        """The answer; ``settled`` once it is given (the device no longer holds it)."""
+        try:
+            return await self.answer(h, payload, timeout)
+        finally:
+            if settled is not None:
+                settled()
+
+    async def answer(self, h: wire.Header, payload: bytes, timeout: float
+                     ) -> tuple[wire.Header, bytes]:
         if self.down:
             raise BrokerUnavailable("cannot reach the broker at /secret/run/service.sock")
         wire.check_request(h)  # the gateway sends nothing the device would refuse

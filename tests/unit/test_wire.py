@@ -599,8 +599,9 @@ def test_embed_encoder_refuses_more_than_a_packet() -> None:
 
 
 def test_embed_request_fields() -> None:
-    ok = wire.Header.request(wire.Op.EMBED, principal=1, role=2, cursor=28)
+    ok = wire.Header.request(wire.Op.EMBED, principal=1, role=2, cursor=28,
+                             identity=bytes(range(16)), wait_ms=28_000)
     wire.check_request(ok)
     with pytest.raises(WireError) as err:
-        wire.check_request(ok._replace(limit=1))
-    assert err.value.reason is wire.Reason.NONZERO_FIELD and err.value.detail == 104
+        wire.check_request(ok._replace(temperature=1.0))
+    assert err.value.reason is wire.Reason.NONZERO_FIELD and err.value.detail == 108
