@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from .. import wire
 from ..engine.chunking import apart_rows, chunk_cost
+from ..engine.embed_pieces import PieceEmbedder
 from ..engine.embedding import Embedder, Embeddings, EmbedQueue
 from ..engine.fair import common_prefix
 from ..engine.grammar import GrammarCompiler
@@ -200,8 +201,11 @@ def _embeddings(spec: ModelSpec, engine: LlamaEngine, scheduler: Scheduler,
     that cannot have one still chats (its capabilities say no embeddings); an embedding
     model stops the device."""
     try:
-        embedder = Embedder(engine, spec.embedding_context,
-                            "mean" if spec.kind == "chat" else None)
+        # A chat model attends causally: its inputs are embedded in pieces, so that a long
+        # one never holds the engine thread for a whole decode (engine/embed_pieces.py).
+        embedder: Embedder | PieceEmbedder = (
+            PieceEmbedder(engine, spec.embedding_context) if spec.kind == "chat"
+            else Embedder(engine, spec.embedding_context, None))
     except EngineError as exc:
         if spec.kind == "chat":
             log.warning("event=model.no_embeddings alias=%s error=%s", spec.alias, exc)

@@ -7,7 +7,15 @@ import threading
 
 import numpy as np
 
-from aotx.engine.embedding import BUSY_TOKENS, MAX_SEQS, EmbedJob, EmbedQueue
+from aotx.engine.embedding import (
+    BUSY_TOKENS,
+    MAX_SEQS,
+    PIECE_TOKENS,
+    SHARED_TOKENS,
+    SHARED_WINDOW,
+    EmbedJob,
+    EmbedQueue,
+)
 from aotx.engine.llama import EngineError
 
 
@@ -201,3 +209,119 @@ def test_a_call_withdrawn_while_its_inputs_are_decoded_is_answered_once() -> Non
     fake.embed = withdrawing  # type: ignore[method-assign]
     q.step()
     assert done == [a] and a.withdrawn and not q.pending() and len(fake.decodes) == 1
+
+
+class FakePieces:
+    """A piece embedder (engine/embed_pieces.py) without a model: an input's vector is
+    (its tokens' sum, its length, 0, 0) pooled over its pieces; the cells each sequence
+    holds are counted as a KV cache would."""
+
+    chunked = True
+    pooling = "mean"
+
+    def __init__(self, context: int = 64) -> None:
+        self.context, self.cells, self.dims = context, 2 * context, 4
+        self.held: dict[int, list[int]] = {}  # sequence -> its tokens so far
+        self.decodes: list[list[tuple[int, int, int, bool]]] = []  # (seq, start, n, last)
+
+    def run(self, pieces: list[tuple[int, list[int], int, bool]]) -> dict[int, np.ndarray]:
+        assert sum(len(t) for _, t, _, _ in pieces) <= self.context
+        self.decodes.append([(s, start, len(t), last) for s, t, start, last in pieces])
+        out = {}
+        for seq, tokens, start, last in pieces:
+            assert len(self.held.setdefault(seq, [])) == start  # pieces in order
+            self.held[seq] += tokens
+            assert sum(map(len, self.held.values())) <= self.cells
+            if last:
+                done = self.held.pop(seq)
+                v = np.array([sum(done), len(done), 0, 0], dtype=np.float32)
+                out[seq] = v / np.linalg.norm(v)
+        return out
+
+    def drop(self, seq: int) -> None:
+        self.held.pop(seq, None)
+
+
+def pieces_queue(context: int = 64) -> tuple[EmbedQueue, FakePieces, list[EmbedJob], list[float]]:
+    fake, done, now = FakePieces(context), [], [0.0]
+    q = EmbedQueue(fake, threading.Lock(), lambda: None, clock=lambda: now[0])
+    return q, fake, done, now
+
+
+def test_long_inputs_go_in_pieces_and_another_principal_waits_one_small_decode() -> None:
+    q, fake, done, now = pieces_queue(context=512)
+    flood = [EmbedJob([list(range(512))] * 2, done.append, principal=7) for _ in range(3)]
+    for job in flood:
+        q.submit(job)
+    q.step()
+    assert [n for _, _, n, _ in fake.decodes[0]] == [PIECE_TOKENS]  # alone: big pieces
+    b = EmbedJob([[1, 2, 3]], done.append, principal=8)
+    q.submit(b)
+    for _ in range(-(-3 // SHARED_TOKENS)):  # B's tokens go first in every decode
+        q.step()
+    assert b in done and not b.error
+    assert all(sum(n for _, _, n, _ in d) <= SHARED_TOKENS for d in fake.decodes[1:])
+    assert np.allclose(b.vectors[0], np.array([6, 3, 0, 0]) / np.linalg.norm([6, 3, 0, 0]))
+    while q.pending():
+        q.step()
+        assert sum(n for _, _, n, _ in fake.decodes[-1]) <= SHARED_TOKENS  # still shared
+    want = np.array([sum(range(512)), 512, 0, 0], dtype=np.float32)
+    assert all(np.allclose(j.vectors, want / np.linalg.norm(want)) for j in flood)
+    now[0] += SHARED_WINDOW  # nobody else lately: big pieces again
+    q.submit(EmbedJob([list(range(100))], done.append, principal=7))
+    q.step()
+    assert fake.decodes[-1][0][2] == PIECE_TOKENS
+
+
+def test_a_withdrawn_input_in_progress_gives_its_cells_back() -> None:
+    q, fake, done, _ = pieces_queue(context=64)
+    a = EmbedJob([list(range(64))], done.append, principal=7)
+    q.submit(a)
+    q.step()  # (no other principal lately: 64 tokens, the whole input)
+    assert done == [a] and not fake.held and not q.reserved
+    long_job = EmbedJob([list(range(64))] * 2, done.append, principal=7)
+    q.submit(long_job)
+    q.submit(EmbedJob([[5]], done.append, principal=9))  # shared from now: pieces of 4
+    q.step()
+    assert q.partial and fake.held and q.reserved[7] == 64
+    q.withdraw(long_job)
+    assert long_job in done and long_job.withdrawn
+    seq = q.partial[7].seq
+    q.step()  # the engine thread drops the input in progress first
+    assert 7 not in q.partial and 7 not in q.reserved and seq not in fake.held
+    while q.pending():
+        q.step()
+    assert not fake.held and not q.reserved and not q.partial
+
+
+def test_a_principals_inputs_in_progress_reserve_at_most_the_context() -> None:
+    """KV cells: one principal's inputs in progress reserve at most the context, so
+    another principal's input always has room."""
+    q, fake, done, _ = pieces_queue(context=64)
+    for _ in range(4):
+        q.submit(EmbedJob([list(range(60))], done.append, principal=7))
+    q.submit(EmbedJob([list(range(60))], done.append, principal=8))
+    while q.pending():
+        q.step()
+        assert q.reserved.get(7, 0) <= 64 and sum(q.reserved.values()) <= 128
+    assert len(done) == 5 and not any(j.error for j in done) and not fake.held
+
+
+def test_a_failed_piece_fails_every_input_in_progress() -> None:
+    q, fake, done, _ = pieces_queue(context=64)
+    a = EmbedJob([list(range(64))], done.append, principal=7)
+    b = EmbedJob([list(range(64))], done.append, principal=8)
+    q.submit(a)
+    q.submit(b)
+    q.step()
+    q.step()  # a piece of each (turns: the one served least recently first)
+    assert len(q.partial) == 2
+
+    def fail(pieces: list[tuple[int, list[int], int, bool]]) -> dict[int, np.ndarray]:
+        fake.held.clear()
+        raise EngineError("llama_decode returned -3")
+
+    fake.run = fail  # type: ignore[method-assign]
+    q.step()
+    assert set(done) == {a, b} and a.error and b.error
+    assert not q.partial and not q.reserved and not q.pending()
