@@ -85,6 +85,7 @@ class Gateway:
         self.parked: dict[int, int] = {}  # principal id -> WAITs it has in flight
         # principal id -> (its share of the mailboxes, the semaphore that enforces it)
         self._mailboxes: dict[int, tuple[int, asyncio.Semaphore]] = {}
+        self.embed_turns: dict[int, asyncio.Semaphore] = {}  # one /v1/embeddings call each
         self.background: set[asyncio.Future[Any]] = set()  # tasks nobody awaits (unparks)
         self._load_credentials()
 
