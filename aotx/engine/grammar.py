@@ -36,6 +36,7 @@ import numpy as np
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
 from ..wire import MAX_CONSTRAINT_BYTES, MAX_SCHEMA_DEPTH
+from .regex_size import MAX_EXPANDED, expanded_size
 
 if TYPE_CHECKING:
     from .llama import LlamaEngine
@@ -243,6 +244,20 @@ def check_schema(schema: object, max_depth: int) -> None:
                 todo += [(v, f"{where}/{key}/{i}", depth + 1) for i, v in enumerate(value)]
             elif key in _SCHEMA_ONE:
                 todo.append((value, f"{where}/{key}", depth + 1))
+            if key == "pattern" and isinstance(value, str):
+                _check_pattern(value, f"{where}/pattern")
+            elif key == "patternProperties" and isinstance(value, dict):
+                for name in value:
+                    _check_pattern(name, f"{where}/patternProperties/{_pointer(name)}")
+
+
+def _check_pattern(pattern: str, where: str) -> None:
+    """Refuse a pattern whose counted repetitions would need more lexer states than the
+    matcher may build (engine/regex_size.py): at admission, not mid-generation."""
+    size = expanded_size(pattern)
+    if size is not None and size > MAX_EXPANDED:
+        raise GrammarError("too_complex", f"the pattern's counted repetitions come to more "
+                                          f"than {MAX_EXPANDED} characters", where)
 
 
 def _pointer(name: str) -> str:

@@ -185,3 +185,19 @@ def test_an_embedding_flood_on_four_mailboxes_restarts_nothing() -> None:
         assert svc.children().keys() == {"device", "broker", "gateway"}
         assert sum("component=device" in line and "event=serve.started" in line
                    for line in svc.read_log().splitlines()) == 1
+
+
+def test_a_pattern_that_cannot_be_matched_is_refused_before_admission(
+        service: Service) -> None:
+    """Finding 3.  Before: admitted, then 500 "the matcher failed while generating" after
+    4-7 s, slowing everybody's steps meanwhile.  Now 400 invalid_schema at once."""
+    with service.client() as c:
+        r = c.post("/v1/chat/completions", json={
+            "model": "smollm2", "max_tokens": 64,
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"type": "string", "pattern": "^(x{1000}){1000}$"}}}})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "invalid_schema" and err["param"] == "response_format"
+        assert "pattern" in err["message"]

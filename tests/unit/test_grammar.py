@@ -403,3 +403,25 @@ def test_lark_json_schemas_are_checked_and_compact(compiler: GrammarCompiler) ->
         assert (info.value.code, info.value.where) == (code, where), bad
     assert GrammarSpec.lark("start: %json true").source.endswith('"x-guidance":' + json.dumps(
         JSON_OPTIONS, separators=(",", ":")) + "}")
+
+
+def test_a_pattern_whose_repetitions_outgrow_the_lexer_is_refused_at_once() -> None:
+    """Issue 39, finding 3: ^(x{1000}){1000}$ compiled, then failed mid-generation (a
+    state per x written); now refused before admission, wherever the pattern stands."""
+    from aotx.engine.grammar import GrammarError, check_schema
+    from aotx.engine.regex_size import MAX_EXPANDED, expanded_size
+
+    assert expanded_size("^(x{1000}){1000}$") > MAX_EXPANDED
+    assert expanded_size(r"^\d{4}-\d{2}-\d{2}$") == 12 and expanded_size("(ab){2,5}") == 10
+    assert expanded_size(r"\p{L}+") is None  # not Python's syntax: llguidance judges it
+    for schema, where in (
+            ({"type": "string", "pattern": "^(x{1000}){1000}$"}, "#/pattern"),
+            ({"type": "object", "properties": {"a": {"type": "string",
+                                                     "pattern": "(a{200}b{200}){100}"}}},
+             "#/properties/a/pattern"),
+            ({"type": "object", "patternProperties": {"(k{500}){50}": {}}},
+             "#/patternProperties/(k{500}){50}")):
+        with pytest.raises(GrammarError) as err:
+            check_schema(schema, 32)
+        assert err.value.code == "too_complex" and err.value.where == where
+    check_schema({"type": "string", "pattern": "^[a-z]{1,5000}$"}, 32)  # large, but fine
