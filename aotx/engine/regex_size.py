@@ -14,13 +14,12 @@ cannot read (ECMA-only syntax such as ``\\p{L}``) is left to llguidance to judge
 
 from __future__ import annotations
 
+# Python's own regex parser (3.11: re._parser; its documented name, sre_parse, is
+# deprecated): the standard library's reading of the syntax JSON Schema patterns share.
 import re
-from typing import Any
-
-# Python's own regex parser (3.11: re._parser; the module's documented name, sre_parse,
-# is deprecated): the standard library's reading of the syntax JSON Schema patterns share.
 from re import _constants as C  # type: ignore[attr-defined]
 from re import _parser as P  # type: ignore[attr-defined]
+from typing import Any
 
 #: The most atoms a pattern may have with its counted repetitions written out (the
 #: lexer's state limit, GrammarLimits.max_lexer_states, is 20,000).
