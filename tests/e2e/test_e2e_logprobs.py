@@ -59,8 +59,11 @@ def test_sampled_tokens_keep_their_own_logprob(oai: openai.OpenAI) -> None:
                                         temperature=1.2, seed=seed, logprobs=True,
                                         top_logprobs=5)
         content = r.choices[0].logprobs.content  # type: ignore[union-attr]
-        assert check_tokens(content, 5, greedy=False) == (r.choices[0].message.content
-                                                          or "").encode()
+        # Sampled at 1.2, a token may be a byte that ends no character (seen on an AMD
+        # EPYC with seed 1): the text holds U+FFFD for it, the token its raw byte.
+        joined = check_tokens(content, 5, greedy=False)
+        assert joined.decode("utf-8", errors="replace") == (r.choices[0].message.content
+                                                             or "")
 
 
 def test_without_logprobs_the_choice_says_null(oai: openai.OpenAI) -> None:

@@ -19,10 +19,15 @@ from .test_e2e_foundation import poll_until_terminal
 from .test_e2e_grants import client, mint
 
 # Which wordings SmolLM2 turns into a fact that memory.decide keeps, at temperature 0,
-# follows the build's last bits: with "... in Paris. I work as a nurse." it now writes "a
-# skilled nurse who works in a hospital", which the source backs too little.
-FACT = [{"role": "user",
-         "content": "My name is Alice and I live in Paris, where I work as a nurse."}]
+# follows the build's and the processor's last bits: "... in Paris, where I work as a
+# nurse." gives a kept fact on one machine and "Alice, the user has shared a personal
+# detail ..." on an AMD EPYC, where "... in Paris. I work as a nurse." gives "Alice is a
+# skilled nurse who works in Paris" (elsewhere "... in a hospital", backed too little).
+# tell() says them in turn until one is kept.
+FACTS = ["My name is Alice and I live in Paris, where I work as a nurse.",
+         "My name is Alice and I live in Paris. I work as a nurse.",
+         "I'm Alice. I live in Paris and I work as a nurse."]
+FACT = [{"role": "user", "content": FACTS[0]}]
 QUESTION = [{"role": "user", "content": "What do you know about me?"}]
 POLICY_ADMIN = "submit,read,cancel,policy-read,policy-control"
 
@@ -57,14 +62,18 @@ def rendered_prompt(svc: Service, rid: str) -> str:
     raise AssertionError(f"no prompt logged for {rid}")
 
 
-def wait_memory(c: httpx.Client, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        mem = c.get("/aotx/v1/memory").json()
-        if mem["facts"]:
-            return mem
-        time.sleep(0.3)
-    raise AssertionError("no memory generation was saved")
+def tell(c: httpx.Client, kept: str = "/aotx/v1/memory") -> dict:
+    """Say the FACTS in turn until the extraction keeps one: the memory (or, under
+    review, the pending decisions at ``kept``) that it gave."""
+    for text in FACTS:
+        ask(c, [{"role": "user", "content": text}])
+        deadline = time.monotonic() + 45
+        while time.monotonic() < deadline:
+            got = c.get(kept).json()
+            if got.get("facts") or got.get("data"):
+                return dict(got)
+            time.sleep(0.3)
+    raise AssertionError("no wording of FACTS gave a fact the policy keeps")
 
 
 def policy(c: httpx.Client) -> dict:
@@ -88,8 +97,7 @@ def test_capabilities_report_the_qualified_role(psvc: Service) -> None:
 def test_memory_is_saved_used_and_private(psvc: Service) -> None:
     alice, bob = mint_memory(psvc, "alice"), mint_memory(psvc, "bob")
     with client(psvc, alice) as a, client(psvc, bob) as b:
-        ask(a, FACT)
-        mem = wait_memory(a)
+        mem = tell(a)
         assert int(mem["generation"]) >= 1
         assert any("Paris" in f or "nurse" in f for f in mem["facts"])
         st = policy_admin(psvc)
@@ -194,11 +202,7 @@ def test_review_keeps_decisions_pending_until_approved(psvc: Service) -> None:
     with client(psvc, mint_memory(psvc, "rev", "--actions", POLICY_ADMIN)) as c:
         assert control(c, "review-on", policy(c)["control_revision"]).json()["review_enabled"]
         try:
-            ask(c, FACT)
-            deadline = time.monotonic() + 60
-            while not (pending := c.get("/aotx/v1/memory/pending").json()["data"]):
-                assert time.monotonic() < deadline
-                time.sleep(0.3)
+            pending = tell(c, "/aotx/v1/memory/pending")["data"]
             assert policy(c)["state"] == "recording" and policy(c)["pending"] >= 1
             assert c.get("/aotx/v1/memory").json()["facts"] == []  # nothing saved yet
             first = pending[0]
@@ -245,8 +249,7 @@ def test_lineage_survives_a_device_crash_mid_save(fresh_service: Service) -> Non
     fresh_service.start()
     token = mint_memory(fresh_service, "ivan")
     with client(fresh_service, token) as c:
-        ask(c, FACT)
-        saved = wait_memory(c)
+        saved = tell(c)
     (lineage_dir,) = [os.path.join(fresh_service.state_dir, "memory", d)
                       for d in os.listdir(os.path.join(fresh_service.state_dir, "memory"))]
     # A save that a kill -9 interrupted: a partial temporary file and a torn newest file.
