@@ -223,6 +223,7 @@ def check_schema(schema: object, max_depth: int) -> None:
     misspelt ``maxlength`` would pass unenforced), a non-schema value, or nesting over
     ``max_depth``.  Walked without recursion, so a deep schema costs no stack."""
     todo: list[tuple[object, str, int]] = [(schema, "#", 0)]
+    patterns = [0]  # the patterns' expanded sizes so far (_check_pattern)
     while todo:
         node, where, depth = todo.pop()
         if isinstance(node, bool):
@@ -245,19 +246,26 @@ def check_schema(schema: object, max_depth: int) -> None:
             elif key in _SCHEMA_ONE:
                 todo.append((value, f"{where}/{key}", depth + 1))
             if key == "pattern" and isinstance(value, str):
-                _check_pattern(value, f"{where}/pattern")
+                _check_pattern(value, f"{where}/pattern", patterns)
             elif key == "patternProperties" and isinstance(value, dict):
                 for name in value:
-                    _check_pattern(name, f"{where}/patternProperties/{_pointer(name)}")
+                    _check_pattern(name, f"{where}/patternProperties/{_pointer(name)}",
+                                   patterns)
 
 
-def _check_pattern(pattern: str, where: str) -> None:
-    """Refuse a pattern whose counted repetitions would need more lexer states than the
-    matcher may build (engine/regex_size.py): at admission, not mid-generation."""
+def _check_pattern(pattern: str, where: str, patterns: list[int]) -> None:
+    """Refuse a pattern whose counted repetitions, with those of the schema's patterns
+    before it (``patterns[0]``: their sum), would need more lexer states than the matcher
+    may build (engine/regex_size.py): alternatives are matched at once, in one lexer (500
+    patterns of ~55 each ran out of llguidance's expressions mid-generation)."""
     size = expanded_size(pattern)
+    patterns[0] += size or 0
     if size is not None and size > MAX_EXPANDED:
         raise GrammarError("too_complex", f"the pattern's counted repetitions come to more "
                                           f"than {MAX_EXPANDED} characters", where)
+    if patterns[0] > MAX_EXPANDED:
+        raise GrammarError("too_complex", f"the schema's patterns' counted repetitions come "
+                                          f"to more than {MAX_EXPANDED} characters", where)
 
 
 def _pointer(name: str) -> str:
@@ -319,7 +327,7 @@ class Matcher:
     generation tokens are allowed by the mask only where :attr:`can_stop`.
     """
 
-    __slots__ = ("_m", "spec_key", "words", "spec")
+    __slots__ = ("_m", "spec_key", "words", "spec", "owner")
 
     def __init__(self, matcher: LLMatcher, spec_key: str, n_vocab: int,
                  spec: GrammarSpec | None = None) -> None:
@@ -327,6 +335,7 @@ class Matcher:
         self.spec_key = spec_key
         self.words = mask_words(n_vocab)  # int32 words in one bitmask row
         self.spec = spec  # what was compiled (an engine that applies it itself: vLLM)
+        self.owner = 0  # whose request: the principal its masks' time is charged to
 
     def fill(self, row: np.ndarray[Any, np.dtype[np.int32]]) -> None:
         """Write the allowed-token bitmask for the next token into ``row`` (int32,
@@ -452,12 +461,26 @@ def apply_mask(logits: np.ndarray[Any, np.dtype[np.float32]],
     logits[:n] += buf.reshape(-1)[:n]
 
 
+#: While other principals' rows share the engine, one principal's masks may take this
+#: part of the wall time (its credit grows by it, capped at :data:`MASK_BURST_NS`, and
+#: pays each of its masks' fill time); a row of a principal in debt waits a step.
+MASK_SHARE = 0.25
+MASK_BURST_NS = 20_000_000
+
+
 class MaskFiller:
     """Fills the bitmasks of one step's constrained samples in a worker thread, so that
     the work overlaps ``llama_decode`` (both drop the GIL).  One per scheduler.
 
     ``fill_ns`` adds up the worker's time, ``wait_ns`` the time the engine thread still
-    waited for it after the decode (the masks' cost on the critical path)."""
+    waited for it after the decode (the masks' cost on the critical path).
+
+    The mask work is shared between principals (:meth:`turn`): a schema whose masks
+    cost more than the decode itself (llguidance's step limits allow ~10 ms a mask)
+    would otherwise set every step's pace, everybody's plain rows included.  While
+    another principal has rows running, a principal's constrained rows join a step only
+    while its credit is positive: it earns :data:`MASK_SHARE` of the wall time and pays
+    what its masks took.  Alone, a principal's rows are never held back."""
 
     def __init__(self) -> None:
         self.bits = np.full((0, 0), -1, dtype=np.int32)  # sized by the first step
@@ -472,6 +495,30 @@ class MaskFiller:
         self.wait_ns = 0
         self.steps = 0
         self.masks = 0
+        self.deferred = 0  # constrained rows held back a step (their principal's debt)
+        self._credit: dict[int, tuple[float, float]] = {}  # principal -> (ns, when)
+
+    def turn(self, matcher: Matcher | None, principal: int, shared: bool) -> bool:
+        """May a row sampled with ``matcher`` (``principal``'s) join this step?  ``shared``:
+        another principal has rows running.  (Engine thread, while planning a step.)"""
+        if matcher is None:
+            return True
+        matcher.owner = principal
+        now = time.perf_counter_ns()
+        credit, since = self._credit.get(principal, (MASK_BURST_NS, now))
+        credit = MASK_BURST_NS if not shared else min(
+            MASK_BURST_NS, credit + (now - since) * MASK_SHARE)
+        self._credit[principal] = (credit, now)
+        if credit > 0:
+            return True
+        self.deferred += 1
+        return False
+
+    def _pay(self, matcher: Matcher, took: int) -> None:
+        """A mask took ``took`` ns: its principal's credit pays it (the worker thread)."""
+        owed = self._credit.get(matcher.owner)
+        if owed is not None:
+            self._credit[matcher.owner] = (owed[0] - took, owed[1])
 
     def start(self, matchers: Sequence[Matcher]) -> None:
         """Begin filling row i of :attr:`bits` for ``matchers[i]``."""
@@ -515,10 +562,13 @@ class MaskFiller:
             self._go.clear()
             if self._closing:
                 return
-            t0 = time.perf_counter_ns()
+            t0 = t = time.perf_counter_ns()
             try:
                 for i, m in enumerate(self._todo):
                     m.fill(self.bits[i])
+                    now = time.perf_counter_ns()
+                    self._pay(m, now - t)
+                    t = now
             except BaseException as exc:  # noqa: BLE001 - handed to the engine thread
                 self._failed = exc
             finally:

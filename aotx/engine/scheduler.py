@@ -123,7 +123,7 @@ class Scheduler:
                 "grammar_fill_seconds": self.masks.fill_ns / 1e9,
                 "grammar_wait_seconds": self.masks.wait_ns / 1e9,
                 "kv_budget_bytes": self.engine.kv_bytes(), "kv_cells": self.engine.kv_cells,
-                "kv_cells_used": used,
+                "kv_cells_used": used, "grammar_deferred": self.masks.deferred,
                 "kv_preemptions": self.pool.preemptions, "kv_evictions": self.pool.evictions,
                 "kv_spilled_bytes": self.spill.bytes, "kv_spills": self.spill.spills,
                 "kv_restores": self.spill.restores,
@@ -361,12 +361,11 @@ class Scheduler:
     def _choose(self) -> tuple[list[BatchEntry], list[tuple[Request, int]],
                                list[tuple[Request, int]], tuple[Request, MediaSegment] | None]:
         """The step's batch entries, samples and advances, and at most one media segment."""
-        # Each request's tokens for this step: one for a running sequence, a prompt chunk
-        # for one being prepared.  With ``apart_rows`` a step holds one kind or the other,
-        # taking turns while both wait: llama.cpp computes a prompt's rows that share a
-        # micro-batch with other streams otherwise than alone, and on a CPU the two cost
-        # the same apart as together, one graph's setup aside.  An image or audio segment
-        # is decoded on its own (a batch holds tokens or embeddings), one a step, first.
+        # Each request's tokens for this step: one for a running sequence (a constrained
+        # one when its principal's masks have their turn: grammar.py), a prompt chunk for
+        # one being prepared.  With ``apart_rows`` a step holds one kind or the other, in
+        # turns (llama.cpp computes a prompt's rows beside other streams otherwise than
+        # alone).  An image or audio segment is decoded on its own, one a step, first.
         chosen: list[tuple[Request, list[BatchEntry], bool]] = []
         media: tuple[Request, MediaSegment] | None = None
         running = sum(1 for r in self.active if r.phase is Phase.RUNNING)
@@ -375,11 +374,12 @@ class Scheduler:
         decode = not (self.apart_rows and prompts)
         self._prompt_turn = not prompts
         budget = (self.batch - running * decode) if prompts else 0
+        shared = len({owner_of(r) for r in self.active}) > 1
         for req in self.active:
             seg = (req.segments[req.next_segment] if req.next_segment < len(req.segments)
                    else None)
             if req.phase is Phase.RUNNING:
-                if decode:
+                if decode and self.masks.turn(req.matcher, owner_of(req), shared):
                     chosen.append((req, [BatchEntry(req.next_token, req.n_past, req.seq, True)],
                                    True))
             elif seg is not None and seg.start == req.n_past:

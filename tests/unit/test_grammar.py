@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -425,3 +426,50 @@ def test_a_pattern_whose_repetitions_outgrow_the_lexer_is_refused_at_once() -> N
             check_schema(schema, 32)
         assert err.value.code == "too_complex" and err.value.where == where
     check_schema({"type": "string", "pattern": "^[a-z]{1,5000}$"}, 32)  # large, but fine
+    # 500 alternatives of ~55 each: one lexer holds them all (llguidance ran out of
+    # expressions on the fifth token); 500 of ~30 each still compile and match
+    many = {"anyOf": [{"type": "string", "pattern": f"^[a-z ]{{1,40}}[0-9]{{0,4}}x{i}$"}
+                      for i in range(500)]}
+    with pytest.raises(GrammarError) as err:
+        check_schema(many, 32)
+    assert err.value.code == "too_complex" and "schema's patterns" in err.value.detail
+    check_schema({"anyOf": [{"type": "string", "pattern": f"^[a-z]{{1,20}}[0-9]{{0,4}}x{i}$"}
+                            for i in range(500)]}, 32)
+
+
+class _SlowMatcher:
+    """A matcher whose masks take 10 ms each (a heavy schema's), allowing every token."""
+
+    words, owner = 1, 0
+
+    def fill(self, row: Any) -> None:
+        time.sleep(0.010)
+        row[:] = -1
+
+
+def test_a_principals_masks_take_at_most_their_share_while_others_run() -> None:
+    """Issue 39, finding 3: one principal's costly masks set every step's pace.  Alone,
+    its rows always have their turn; beside another principal's, its masks fill at most
+    MASK_SHARE of the wall time (plus the burst and one mask's overdraft), and the rows
+    held back are counted."""
+    from aotx.engine.grammar import MASK_BURST_NS, MASK_SHARE, MaskFiller
+
+    masks, m = MaskFiller(), _SlowMatcher()
+    try:
+        assert all(masks.turn(m, 7, shared=False) for _ in range(5))  # type: ignore[arg-type]
+        assert masks.turn(None, 7, shared=True) and masks.deferred == 0  # plain rows: always
+        t0, ran = time.perf_counter_ns(), 0
+        fill0 = masks.fill_ns
+        while time.perf_counter_ns() - t0 < 600_000_000:
+            if masks.turn(m, 7, shared=True):  # type: ignore[arg-type]
+                masks.start([m])  # type: ignore[list-item]
+                masks.wait()
+                ran += 1
+            else:
+                time.sleep(0.005)  # the other principal's step
+        wall, filled = time.perf_counter_ns() - t0, masks.fill_ns - fill0
+        assert filled <= MASK_SHARE * wall + MASK_BURST_NS + 2 * 15_000_000, (filled, wall)
+        assert masks.deferred > 0 and ran >= 3  # held back, not starved
+        assert filled < 0.6 * wall  # (unbounded, the masks filled nearly all of it)
+    finally:
+        masks.close()
