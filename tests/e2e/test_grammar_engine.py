@@ -213,10 +213,11 @@ def test_generated_schemas_always_yield_valid_output(rig: Rig, schemas: list[dic
 # -- pathological input -----------------------------------------------------------
 
 def test_pathological_schemas_are_refused_or_bounded_beside_other_streams(rig: Rig) -> None:
-    """Compiles run in another thread while the batch decodes other streams: deep nesting
-    and a huge enum are refused at once, big-but-allowed and catastrophic-regex schemas
-    compile in milliseconds; a regex whose lexer outgrows llguidance's limits fails its
-    own request alone, and no step's masks take long."""
+    """Compiles run in another thread while the batch decodes other streams: deep nesting,
+    a huge enum and a regex whose counted repetitions outgrow the lexer (issue 39: it
+    used to compile and fail its request mid-generation) are refused at once;
+    big-but-allowed and catastrophic-regex schemas compile in milliseconds; a request
+    under a costly regex does not hold the others back, and no step's masks take long."""
     deep: dict[str, Any] = {"type": "integer"}
     for _ in range(200):
         deep = {"type": "object", "properties": {"a": deep}}
@@ -224,7 +225,8 @@ def test_pathological_schemas_are_refused_or_bounded_beside_other_streams(rig: R
     compiled: list[float] = []
 
     def compile_all() -> None:
-        for schema in (deep, {"enum": [f"value-{i}" for i in range(100_000)]}):
+        explosive = {"type": "string", "pattern": "^(([a-z]{1,30}){1,30}){1,30}$"}
+        for schema in (deep, {"enum": [f"value-{i}" for i in range(100_000)]}, explosive):
             try:
                 rig.compiler.compile(GrammarSpec.json_schema(schema))
             except GrammarError as exc:
@@ -237,9 +239,9 @@ def test_pathological_schemas_are_refused_or_bounded_beside_other_streams(rig: R
             rig.compiler.compile(GrammarSpec.json_schema(schema))
             compiled.append(time.monotonic() - t0)
 
-    explosive = {"type": "object", "required": ["v"], "properties": {
-        "v": {"type": "string", "pattern": "^(([a-z]{1,30}){1,30}){1,30}$"}}}
-    bad = request(rig, 40, "Reply with JSON with a long lowercase word in v.", explosive, 1.2, 3)
+    costly = {"type": "object", "required": ["v"], "properties": {
+        "v": {"type": "string", "pattern": "^(([a-z]{1,8}){1,8}){1,8}$"}}}
+    bad = request(rig, 40, "Reply with JSON with a long lowercase word in v.", costly, 1.2, 3)
     free = [request(rig, 41 + i, q, None, 0.0, 0, max_tokens=24) for i, q in enumerate(FREE)]
     worker = threading.Thread(target=compile_all)
     worst_before = rig.sched.masks.worst_fill_ns
@@ -248,7 +250,7 @@ def test_pathological_schemas_are_refused_or_bounded_beside_other_streams(rig: R
     worker.start()
     rig.run([bad, *free])
     worker.join()
-    assert refused == ["too_deep", "too_large"]
+    assert refused == ["too_deep", "too_large", "too_complex"]
     assert len(compiled) == 4 and max(compiled) < 1.0, compiled
     assert all(r.phase is Phase.COMPLETED and r.sampled == 24 for r in free)
     # llguidance's lexer limit ends the request, or the grammar is finished in bounds.
