@@ -180,6 +180,8 @@ _MODEL_FAMILIES = (  # (key in the device's per-model counters, name, help, coun
      "Time the mask worker spent filling masks (beside the decode)", True),
     ("grammar_wait_seconds", "aotx_grammar_wait_seconds",
      "Time the engine thread still waited for masks after the decode", True),
+    ("grammar_deferred", "aotx_grammar_deferred",
+     "Constrained rows held back a step: their principal's masks had used their share", True),
     ("kv_budget_bytes", "aotx_kv_budget_bytes", "Bytes of the model's KV pool", False),
     ("kv_cells", "aotx_kv_cells", "Cells (tokens) of the model's KV pool", False),
     ("kv_cells_used", "aotx_kv_cells_used",
@@ -296,6 +298,10 @@ def _transport_families(device: dict[str, Any], broker: dict[str, Any],
                             "grouped in WAITS packets (each member and each resend counted)")
     c.add_metric([], gateway_waits)
     yield c
+    g = GaugeMetricFamily("aotx_embed_calls", "EMBED packets the device is computing "
+                          "(each holds its mailbox until answered or withdrawn)")
+    g.add_metric([], device.get("embed_calls", 0))
+    yield g
     g = GaugeMetricFamily("aotx_media_bytes", "Bytes held by media sources")
     g.add_metric([], device.get("media_bytes", 0))
     yield g

@@ -201,3 +201,28 @@ def test_a_pattern_that_cannot_be_matched_is_refused_before_admission(
         err = r.json()["error"]
         assert err["code"] == "invalid_schema" and err["param"] == "response_format"
         assert "pattern" in err["message"]
+
+
+def _embed_calls(svc: Service) -> float:
+    text = httpx.get(svc.url + "/metrics", headers=svc.headers, timeout=10).text
+    m = re.search(r"^aotx_embed_calls (\S+)", text, re.M)
+    assert m, text[:2000]
+    return float(m.group(1))
+
+
+def test_an_embedding_call_whose_client_left_is_withdrawn_at_once(service: Service) -> None:
+    """Finding 1: a call whose caller is gone is withdrawn from the device.  A client
+    that closes its connection mid-call has the device drop the call at once: the
+    device holds no EMBED well before the call would have ended."""
+    body = {"model": "smollm2", "input": [[100 + i for i in range(512)]] * 2}
+    with service.client() as c:
+        t = time.monotonic()
+        assert c.post("/v1/embeddings", json=body).status_code == 200
+        whole = time.monotonic() - t
+    with httpx.Client(base_url=service.url, headers=service.headers, timeout=whole / 4) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/embeddings", json=body)  # the client gives up, and closes
+    left = time.monotonic()
+    assert _embed_calls(service) <= 1
+    eventually(lambda: _embed_calls(service) == 0, whole)
+    assert time.monotonic() - left < whole / 2, whole  # not once its inputs were done
