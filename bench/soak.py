@@ -15,7 +15,10 @@ every byte it received against the request's final windows:
 
 Beside them runs a **hostile principal** (its own token, the default grant): it
 floods admissions until its share is full, opens event streams on its queued
-requests and drops them at once, and fills its share of the media pool.  The
+requests and drops them at once, fills its share of the media pool, floods
+embeddings (2,048 tokens a call from two tasks), and sends schema-constrained chat
+completions: a schema of an ``anyOf`` of 500 patterns (costly masks) and a pattern
+no matcher can hold (refused at admission).  The
 well-behaved workers must not notice: any error they see fails the soak.  At the
 end the hostile token is revoked (which cancels its requests) and its sources
 removed.
@@ -234,6 +237,35 @@ async def hog_media(c: httpx.AsyncClient, stop: float, report: Report) -> None:
         await c.delete(f"/aotx/v1/media/{sid}")
 
 
+FLOOD_EMBED = {"model": "smollm2", "input": [[100 + i for i in range(512)]] * 4}
+HEAVY_SCHEMA = {"type": "object", "required": ["v"], "additionalProperties": False,
+                "properties": {"v": {"anyOf": [{"type": "string",
+                                                "pattern": f"^w{i:03d}[a-z]{{0,8}}$"}
+                                               for i in range(500)]}}}
+UNMATCHABLE = {"type": "string", "pattern": "^(x{1000}){1000}$"}
+
+
+async def flood_embeddings(c: httpx.AsyncClient, stop: float, report: Report) -> None:
+    """Embed 2,048 tokens a call, again and again (a 429, its turn not come: wait)."""
+    while time.monotonic() < stop:
+        r = await c.post("/v1/embeddings", json=FLOOD_EMBED)
+        report.hostile[f"embed {r.status_code}"] += 1
+        if r.status_code != 200:
+            await asyncio.sleep(0.5)
+
+
+async def constrained(c: httpx.AsyncClient, stop: float, report: Report) -> None:
+    """Chat completions under a costly schema, and under one no matcher can hold."""
+    while time.monotonic() < stop:
+        for schema in (HEAVY_SCHEMA, UNMATCHABLE):
+            r = await c.post("/v1/chat/completions", json={
+                "model": "smollm2", "max_tokens": 32,
+                "messages": [{"role": "user", "content": "Pick a word."}],
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "x", "schema": schema}}})
+            report.hostile[f"schema {r.status_code}"] += 1
+
+
 async def hostile(base: str, token: str, stop: float, seed: int, report: Report) -> None:
     rng = random.Random(seed)
     ids: list[str] = []
@@ -241,7 +273,9 @@ async def hostile(base: str, token: str, stop: float, seed: int, report: Report)
                                  headers={"Authorization": f"Bearer {token}"}) as c:
         await asyncio.gather(*(flood(c, stop, rng, ids, report) for _ in range(4)),
                              *(drop_streams(c, stop, rng, ids, report) for _ in range(2)),
-                             hog_media(c, stop, report))
+                             hog_media(c, stop, report),
+                             *(flood_embeddings(c, stop, report) for _ in range(2)),
+                             *(constrained(c, stop, report) for _ in range(2)))
 
 
 def rss_kib(pid: int) -> int:
