@@ -1,8 +1,8 @@
 """``POST /v1/embeddings`` (OpenAI's embeddings route) on the device's EMBED operation.
 
 The inputs go to the device in EMBED packets: as many inputs as one packet takes and its
-reply can hold (each vector is ``embedding_dims`` float32), and about two embedding
-decodes' worth of tokens, so that a packet's answer comes within its deadline whatever
+reply can hold (each vector is ``embedding_dims`` float32), and about one embedding
+decode's worth of tokens, so that a packet's answer comes within its deadline whatever
 else the engine does.  The packets of one call are sent one after the other; the device
 packs inputs of every queued packet (this call's and others') into each decode.  The
 first packet (``cursor`` 0) is the call's admission against the grant's rate.
@@ -35,8 +35,9 @@ router = APIRouter(tags=["standard"], redirect_slashes=False)
 
 Token = Annotated[int, Field(ge=0, lt=1 << 32)]
 #: Decodes' worth of tokens one packet may ask for (text: its bytes bound its tokens):
-#: 1,024 of SmolLM2's, 5 s alone on two cores, 13 s while the embedder is shared.
-PACKET_DECODES = 2
+#: 512 of SmolLM2's, 2.5 s alone on two cores, about 9 s while the embedder is shared
+#: and streams run beside (two packets of 1,024 took up to 28 s: withdrawn).
+PACKET_DECODES = 1
 #: Seconds before the gateway's deadline at which the device withdraws a packet: its
 #: 503 then comes back in time, and its mailbox is free when the caller gives up.
 WITHDRAW_MARGIN = 2.0

@@ -62,8 +62,13 @@ def test_dropped_event_streams_leave_the_mailboxes_to_others(isvc: Service) -> N
 
 
 def _mailboxes_in_use(svc: Service) -> float:
+    return gauge(svc, 'aotx_mailboxes{use="in_flight"}')
+
+
+def gauge(svc: Service, series: str) -> float:
+    """The value of one series of the service's /metrics."""
     text = httpx.get(svc.url + "/metrics", headers=svc.headers, timeout=10).text
-    m = re.search(r'^aotx_mailboxes\{use="in_flight"\} (\S+)', text, re.M)
+    m = re.search(f"^{re.escape(series)} (\\S+)", text, re.M)
     assert m, text[:2000]
     return float(m.group(1))
 

@@ -23,11 +23,11 @@ from .test_e2e_grants import client, mint
 # nurse." gives a kept fact on one machine and "Alice, the user has shared a personal
 # detail ..." on an AMD EPYC, where "... in Paris. I work as a nurse." gives "Alice is a
 # skilled nurse who works in Paris" (elsewhere "... in a hospital", backed too little).
-# tell() says them in turn until one is kept.
-FACTS = ["My name is Alice and I live in Paris, where I work as a nurse.",
-         "My name is Alice and I live in Paris. I work as a nurse.",
+# tell() says them in turn until one is kept (CI's machine's first).
+FACTS = ["My name is Alice and I live in Paris. I work as a nurse.",
+         "My name is Alice and I live in Paris, where I work as a nurse.",
          "I'm Alice. I live in Paris and I work as a nurse."]
-FACT = [{"role": "user", "content": FACTS[0]}]
+FACT = [{"role": "user", "content": FACTS[1]}]
 QUESTION = [{"role": "user", "content": "What do you know about me?"}]
 POLICY_ADMIN = "submit,read,cancel,policy-read,policy-control"
 
