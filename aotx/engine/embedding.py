@@ -313,7 +313,7 @@ class EmbedQueue:
         at: dict[int, tuple[EmbedJob, int, int] | None] = {p: self._next(p, None)
                                                             for p in self.fifos}
         first = 0 if self.chunked else self.embedder.context
-        while seqs and room > 0:
+        while room > 0:
             ready = [p for p, nxt in at.items() if nxt is not None]
             if not ready:
                 break
@@ -321,6 +321,9 @@ class EmbedQueue:
                                           self._last.get(k, -1)))
             job, index, start = at[p]  # type: ignore[misc]
             size = len(job.inputs[index]) - start
+            if not start and not seqs:  # (an input in progress keeps its sequence)
+                at[p] = None
+                continue
             if self.chunked:
                 take = min(size, room)
                 if start == 0 and not self._reserve(p, size):

@@ -325,3 +325,20 @@ def test_a_failed_piece_fails_every_input_in_progress() -> None:
     q.step()
     assert set(done) == {a, b} and a.error and b.error
     assert not q.partial and not q.reserved and not q.pending()
+
+
+def test_inputs_in_progress_go_on_when_every_sequence_is_taken() -> None:
+    """More principals than sequences, each with an input of several pieces: an input in
+    progress keeps its sequence, so it goes on however many are taken (issue 39 review:
+    a new principal's piece won every tie until all 64 sequences were held)."""
+    q, fake, done, _ = pieces_queue(context=64)
+    fake.cells = 10_000  # (the KV cache is not what this is about)
+    q.embedder.context = 64
+    jobs = [EmbedJob([[p] * 9], done.append, principal=p) for p in range(1, MAX_SEQS + 6)]
+    for job in jobs:
+        q.submit(job)
+    for _ in range(2000):
+        if not q.pending():
+            break
+        q.step()
+    assert not q.pending() and len(done) == len(jobs) and not any(j.error for j in jobs)
