@@ -259,8 +259,8 @@ def _check_pattern(pattern: str, where: str, patterns: list[int]) -> None:
     may build (engine/regex_size.py): alternatives are matched at once, in one lexer (500
     patterns of ~55 each ran out of llguidance's expressions mid-generation)."""
     size = expanded_size(pattern)
-    patterns[0] += size or 0
-    if size is not None and size > MAX_EXPANDED:
+    patterns[0] += size
+    if size > MAX_EXPANDED:
         raise GrammarError("too_complex", f"the pattern's counted repetitions come to more "
                                           f"than {MAX_EXPANDED} characters", where)
     if patterns[0] > MAX_EXPANDED:
@@ -478,9 +478,9 @@ class MaskFiller:
     The mask work is shared between principals (:meth:`turn`): a schema whose masks
     cost more than the decode itself (llguidance's step limits allow ~10 ms a mask)
     would otherwise set every step's pace, everybody's plain rows included.  While
-    another principal has rows running, a principal's constrained rows join a step only
+    another principal has plain rows, a principal's constrained rows join a step only
     while its credit is positive: it earns :data:`MASK_SHARE` of the wall time and pays
-    what its masks took.  Alone, a principal's rows are never held back."""
+    what its masks took.  Otherwise its rows are never held back."""
 
     def __init__(self) -> None:
         self.bits = np.full((0, 0), -1, dtype=np.int32)  # sized by the first step
@@ -500,7 +500,8 @@ class MaskFiller:
 
     def turn(self, matcher: Matcher | None, principal: int, shared: bool) -> bool:
         """May a row sampled with ``matcher`` (``principal``'s) join this step?  ``shared``:
-        another principal has rows running.  (Engine thread, while planning a step.)"""
+        another principal has plain (unconstrained, foreground) rows, which are never held
+        back, so a step never ends up empty.  (Engine thread, while planning a step.)"""
         if matcher is None:
             return True
         matcher.owner = principal

@@ -361,11 +361,10 @@ class Scheduler:
     def _choose(self) -> tuple[list[BatchEntry], list[tuple[Request, int]],
                                list[tuple[Request, int]], tuple[Request, MediaSegment] | None]:
         """The step's batch entries, samples and advances, and at most one media segment."""
-        # Each request's tokens for this step: one for a running sequence (a constrained
-        # one when its principal's masks have their turn: grammar.py), a prompt chunk for
-        # one being prepared.  With ``apart_rows`` a step holds one kind or the other, in
-        # turns (llama.cpp computes a prompt's rows beside other streams otherwise than
-        # alone).  An image or audio segment is decoded on its own, one a step, first.
+        # A running sequence's token (a constrained one when its principal's masks have
+        # their turn beside others' plain rows: grammar.py), a prompt chunk of one being
+        # prepared; with ``apart_rows`` a step holds one kind or the other, in turns (a
+        # prompt's rows beside other streams compute otherwise).  Media: alone, first.
         chosen: list[tuple[Request, list[BatchEntry], bool]] = []
         media: tuple[Request, MediaSegment] | None = None
         running = sum(1 for r in self.active if r.phase is Phase.RUNNING)
@@ -374,12 +373,13 @@ class Scheduler:
         decode = not (self.apart_rows and prompts)
         self._prompt_turn = not prompts
         budget = (self.batch - running * decode) if prompts else 0
-        shared = len({owner_of(r) for r in self.active}) > 1
+        plain = {owner_of(r) for r in self.active if r.matcher is None and not r.background}
         for req in self.active:
             seg = (req.segments[req.next_segment] if req.next_segment < len(req.segments)
                    else None)
             if req.phase is Phase.RUNNING:
-                if decode and self.masks.turn(req.matcher, owner_of(req), shared):
+                if decode and self.masks.turn(req.matcher, owner_of(req),
+                                              bool(plain - {owner_of(req)})):
                     chosen.append((req, [BatchEntry(req.next_token, req.n_past, req.seq, True)],
                                    True))
             elif seg is not None and seg.start == req.n_past:
