@@ -8,8 +8,9 @@ admission instead: :func:`expanded_size` counts the regex's atoms with each coun
 repetition written out (``a{3}`` is 3, ``(ab){2,5}`` 10, ``a*`` 1: a star adds no
 states), and a pattern over :data:`MAX_EXPANDED` is 400 ``too_complex``.  The count is
 the size of the regex a lexer state may have to distinguish; a date, a UUID or
-``.{0,5000}`` stay far below it.  Python's own regex parser reads the pattern; one it
-cannot read (ECMA-only syntax such as ``\\p{L}``) is left to llguidance to judge.
+``.{0,5000}`` stay far below it.  Python's own regex parser reads the pattern (Unicode
+classes and named groups respelt); one it still cannot read is counted as if all its
+counted repetitions nested.
 """
 
 from __future__ import annotations
@@ -27,13 +28,28 @@ MAX_EXPANDED = 20_000
 _REPEATS = {C.MAX_REPEAT, C.MIN_REPEAT, getattr(C, "POSSESSIVE_REPEAT", C.MAX_REPEAT)}
 
 
-def expanded_size(pattern: str) -> int | None:
+#: ECMA and Rust spellings Python's parser does not take, as ones of the same size.
+_SPELLINGS = ((re.compile(r"\\[pP]\{[^}]*\}"), "."), (re.compile(r"\(\?<(?=[A-Za-z_])"), "(?P<"))
+_COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+
+
+def expanded_size(pattern: str) -> int:
     """The pattern's atoms with counted repetitions written out (stops counting past
-    :data:`MAX_EXPANDED`); None when Python cannot parse it."""
+    :data:`MAX_EXPANDED`).  A pattern Python cannot parse even respelt (``\\p{L}`` as
+    ``.``, ``(?<name>`` as ``(?P<name>``) counts as the product of its counted
+    repetitions, as if each nested the next."""
+    text = pattern
+    for spelling, python in _SPELLINGS:
+        text = spelling.sub(python, text)
     try:
-        return _size(P.parse(pattern))
+        return _size(P.parse(text))
     except (re.error, RecursionError, OverflowError, ValueError):
-        return None
+        size = 1  # (a malformed pattern without counts: llguidance words its refusal)
+        for low, high in _COUNT.findall(pattern):
+            size *= max(1, int(high or low))
+            if size > MAX_EXPANDED:
+                break
+        return size
 
 
 def _size(items: Any) -> int:

@@ -414,7 +414,10 @@ def test_a_pattern_whose_repetitions_outgrow_the_lexer_is_refused_at_once() -> N
 
     assert expanded_size("^(x{1000}){1000}$") > MAX_EXPANDED
     assert expanded_size(r"^\d{4}-\d{2}-\d{2}$") == 12 and expanded_size("(ab){2,5}") == 10
-    assert expanded_size(r"\p{L}+") is None  # not Python's syntax: llguidance judges it
+    assert expanded_size(r"\p{L}+") == 1  # Unicode classes and named groups respelt
+    assert expanded_size(r"^(\p{L}x{1000}){1000}$") > MAX_EXPANDED
+    assert expanded_size(r"^(?<n>x{1000}){1000}$") > MAX_EXPANDED
+    assert expanded_size(r"[^]x{3}{4}") == 12  # unreadable still: as if the counts nested
     for schema, where in (
             ({"type": "string", "pattern": "^(x{1000}){1000}$"}, "#/pattern"),
             ({"type": "object", "properties": {"a": {"type": "string",
