@@ -160,8 +160,9 @@ class Device:
         except Exception:
             log.exception("event=device.error op=%d", h.op)
             result = h.refuse(500, Reason.INTERNAL, epoch=epoch), b""
-        if isinstance(result, tuple) and h.op in (Op.SUBMIT, Op.EMBED) and result[0].status >= 400:
-            self.state.counters.refused[result[0].status] += 1
+        if (isinstance(result, tuple) and h.op in (Op.SUBMIT, Op.EMBED)
+                and result[0].status >= 400 and result[0].reason != Reason.WITHDRAWN):
+            self.state.counters.refused[result[0].status] += 1  # (a withdrawal refuses none)
         return result
 
     def _publish(self, mailbox: int, header: Header, payload: bytes) -> None:

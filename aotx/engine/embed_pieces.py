@@ -15,7 +15,8 @@ and bound what another caller waits for.
 
 The KV cache holds ``2 × context`` cells: an input's cells are reserved when its first
 piece is planned (engine/embedding.py), a principal's inputs in progress reserve at most
-``context``, so another principal's input always finds room.
+``context``, so a second principal's input always finds room (a third's may wait for one
+in progress to end).
 """
 
 from __future__ import annotations

@@ -146,11 +146,11 @@ class BrokerClient:
         if header.op == wire.Op.WAIT and not header.flags and not payload:
             return await self._wait(header, timeout, settled)
         tag = next(self._tags)
-        packet = wire.encode_packet(header._replace(tag=tag), payload)
         fut: asyncio.Future[tuple[wire.Header, bytes]] = asyncio.get_running_loop().create_future()
         fut.add_done_callback(functools.partial(_settled, settled))
         sent = False
         try:
+            packet = wire.encode_packet(header._replace(tag=tag), payload)
             await self._send(packet, functools.partial(self._pending.__setitem__, tag, fut))
             sent = True
             try:
