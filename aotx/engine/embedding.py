@@ -271,20 +271,17 @@ class EmbedQueue:
     def pending(self) -> bool:
         return bool(self.fifos)
 
-    def queued(self, principal: int) -> int:
-        """The principal's jobs in the queue (lock held)."""
-        return len(self.fifos.get(principal, ()))
-
     def _room(self, busy: bool) -> int:
-        """The most tokens of the next decode (lock held)."""
-        context = self.embedder.context
+        """The most tokens of the next decode (lock held): at most :data:`BUSY_TOKENS`
+        while requests are generated (``busy``)."""
+        room = min(BUSY_TOKENS, self.embedder.context) if busy else self.embedder.context
         if not self.chunked:
-            return min(BUSY_TOKENS, context) if busy else context
+            return room
         now = self.clock()
         for p in self.fifos:
             self.seen[p] = now
         self.seen = {p: t for p, t in self.seen.items() if now - t < SHARED_WINDOW}
-        return min(SHARED_TOKENS if len(self.seen) > 1 else PIECE_TOKENS, context)
+        return min(SHARED_TOKENS if len(self.seen) > 1 else PIECE_TOKENS, room)
 
     def _next(self, p: int, after: _Piece | None) -> tuple[EmbedJob, int, int] | None:
         """(job, input, first token) of principal ``p``'s next piece: after ``after`` (a
@@ -396,8 +393,7 @@ class EmbedQueue:
         with self.lock:
             if self.chunked:
                 self._reap()
-            pieces = self._plan(min(self._room(busy), BUSY_TOKENS) if busy
-                                else self._room(busy))
+            pieces = self._plan(self._room(busy))
             if not pieces and self.fifos and not self.chunked:
                 # an input longer than the context (the device refuses those): fail it
                 job = next(iter(self.fifos.values()))[0]
