@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import Callable
 
 import pytest
 from starlette.requests import Request
@@ -18,6 +17,7 @@ from aotx.gateway.service import Gateway
 from aotx.paths import RuntimePaths
 
 from ..helpers import short_tmpdir
+from .brokers import AnsweringBroker
 
 INFO = wire.Info(epoch=7, models=(wire.ModelInfo(1, "smollm2", bytes(32), wire.MOD_TEXT, 0, 2048),),
                  window_bytes=32768, context_tokens=2048, output_tokens=2048, active_requests=0,
@@ -25,7 +25,7 @@ INFO = wire.Info(epoch=7, models=(wire.ModelInfo(1, "smollm2", bytes(32), wire.M
                  mailboxes=8, kv_cells=8192, started_unix_ns=0)
 
 
-class FlakyBroker:
+class FlakyBroker(AnsweringBroker):
     """Answers INFO and GRANT_READ; GRANT_INSTALL fails while ``failing`` (as when the
     broker has no free mailbox or is restarting) and otherwise records the rows."""
 
@@ -34,15 +34,6 @@ class FlakyBroker:
         self.read_status = 200
         self.device: dict[int, wire.Grant] = {}
         self.installs = 0
-
-    async def call(self, h: wire.Header, payload: bytes = b"", timeout: float = 120.0,
-                   settled: Callable[[], None] | None = None) -> tuple[wire.Header, bytes]:
-        """The answer; ``settled`` once it is given (the device no longer holds it)."""
-        try:
-            return await self.answer(h, payload, timeout)
-        finally:
-            if settled is not None:
-                settled()
 
     async def answer(self, h: wire.Header, payload: bytes = b"",
                      timeout: float = 120.0) -> tuple[wire.Header, bytes]:

@@ -42,6 +42,7 @@ from aotx.gateway.errors import error_body
 from aotx.paths import RuntimePaths
 
 from ..helpers import eventually, free_port, short_tmpdir
+from .brokers import AnsweringBroker
 
 EPOCH = 3
 INFO = wire.Info(epoch=EPOCH, models=(wire.ModelInfo(1, "smollm2", bytes(32), wire.MOD_TEXT, 0,
@@ -53,7 +54,7 @@ RID = ids.format_request_id(EPOCH, IDENT)
 Answer = Callable[[wire.Header, bytes], tuple[wire.Header, bytes]]
 
 
-class ScriptedBroker:
+class ScriptedBroker(AnsweringBroker):
     """Answers INFO and the grant operations as a device would; every other operation
     from ``script`` (op -> answer), so a test says exactly what the device replies."""
 
@@ -65,15 +66,6 @@ class ScriptedBroker:
         self.packets_sent = 0
         self.waits_sent = 0
         self.timeouts: dict[int, float] = {}  # op -> the deadline of its latest call
-
-    async def call(self, h: wire.Header, payload: bytes = b"", timeout: float = 120.0,
-                   settled: Callable[[], None] | None = None) -> tuple[wire.Header, bytes]:
-        """The answer; ``settled`` once it is given (the device no longer holds it)."""
-        try:
-            return await self.answer(h, payload, timeout)
-        finally:
-            if settled is not None:
-                settled()
 
     async def answer(self, h: wire.Header, payload: bytes, timeout: float
                      ) -> tuple[wire.Header, bytes]:
