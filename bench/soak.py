@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+KINDS = ("native", "events", "standard", "cancel")
 TOPICS = ["a cat", "the sea", "a robot", "Paris", "a storm", "music", "a garden", "trains"]
 
 
@@ -60,6 +61,24 @@ class Report:
     latency: dict[str, list[float]] = field(default_factory=lambda: collections.defaultdict(list))
     mismatches: list[str] = field(default_factory=list)
     hostile: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+@dataclass
+class Until:
+    """Whether the soak goes on: until ``seconds`` have passed *and* the workers were
+    served each kind of client ``each`` times, never past ``cap`` seconds.  A slow or
+    loaded machine runs longer rather than testing less, so counts can be asserted.
+    """
+
+    report: Report
+    end: float
+    cap: float
+    each: int = 0
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        short = any(self.report.served[k] < self.each for k in KINDS)
+        return now < self.end or (short and now < self.cap)
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -130,12 +149,12 @@ async def follow(c: httpx.AsyncClient, rid: str, rng: random.Random) -> bytes:
                 return got
 
 
-async def worker(base: str, headers: dict[str, str], stop: float, seed: int,
+async def worker(base: str, headers: dict[str, str], running: Until, seed: int,
                  report: Report) -> None:
     rng = random.Random(seed)
     async with httpx.AsyncClient(base_url=base, headers=headers, timeout=120) as c:
-        while time.monotonic() < stop:
-            kind = rng.choice(["native", "events", "standard", "cancel"])
+        while running():
+            kind = rng.choice(KINDS)
             t0 = time.monotonic()
             try:
                 if kind == "native":
@@ -188,10 +207,10 @@ async def worker(base: str, headers: dict[str, str], stop: float, seed: int,
                 report.errors[f"{kind} {type(exc).__name__}"] += 1
 
 
-async def flood(c: httpx.AsyncClient, stop: float, rng: random.Random, ids: list[str],
+async def flood(c: httpx.AsyncClient, running: Until, rng: random.Random, ids: list[str],
                 report: Report) -> None:
     """Admit requests as fast as the share allows (a 429 waits a little)."""
-    while time.monotonic() < stop:
+    while running():
         r = await c.post("/aotx/v1/requests", json={
             "model": "smollm2", "max_tokens": rng.randint(8, 48), "temperature": 0.8,
             "messages": [{"role": "user", "content": f"Tell a story about {rng.random()}"}]})
@@ -202,10 +221,10 @@ async def flood(c: httpx.AsyncClient, stop: float, rng: random.Random, ids: list
             await asyncio.sleep(1.0)
 
 
-async def drop_streams(c: httpx.AsyncClient, stop: float, rng: random.Random,
+async def drop_streams(c: httpx.AsyncClient, running: Until, rng: random.Random,
                        ids: list[str], report: Report) -> None:
     """Open event streams on its own requests and close them at once."""
-    while time.monotonic() < stop:
+    while running():
         if not ids:
             await asyncio.sleep(0.1)
             continue
@@ -219,10 +238,10 @@ async def drop_streams(c: httpx.AsyncClient, stop: float, rng: random.Random,
         await asyncio.sleep(0.1)  # ~20 drops a second: 128 mailboxes held 10 s each went in 7 s
 
 
-async def hog_media(c: httpx.AsyncClient, stop: float, report: Report) -> None:
+async def hog_media(c: httpx.AsyncClient, running: Until, report: Report) -> None:
     """Upload 1 MiB sources until refused, hold them 2 s, remove them all, and again."""
     held: list[str] = []
-    while time.monotonic() < stop:
+    while running():
         blob = b"\x89PNG\r\n\x1a\n" + os.urandom(1 << 20)
         r = await c.post("/aotx/v1/media", content=blob, headers={"Content-Type": "image/png"})
         report.hostile[f"media {r.status_code}"] += 1
@@ -245,18 +264,18 @@ HEAVY_SCHEMA = {"type": "object", "required": ["v"], "additionalProperties": Fal
 UNMATCHABLE = {"type": "string", "pattern": "^(x{1000}){1000}$"}
 
 
-async def flood_embeddings(c: httpx.AsyncClient, stop: float, report: Report) -> None:
+async def flood_embeddings(c: httpx.AsyncClient, running: Until, report: Report) -> None:
     """Embed 2,048 tokens a call, again and again (a 429, its turn not come: wait)."""
-    while time.monotonic() < stop:
+    while running():
         r = await c.post("/v1/embeddings", json=FLOOD_EMBED)
         report.hostile[f"embed {r.status_code}"] += 1
         if r.status_code != 200:
             await asyncio.sleep(0.5)
 
 
-async def constrained(c: httpx.AsyncClient, stop: float, report: Report) -> None:
+async def constrained(c: httpx.AsyncClient, running: Until, report: Report) -> None:
     """Chat completions under a costly schema, and under one no matcher can hold."""
-    while time.monotonic() < stop:
+    while running():
         for schema in (HEAVY_SCHEMA, UNMATCHABLE):
             r = await c.post("/v1/chat/completions", json={
                 "model": "smollm2", "max_tokens": 32,
@@ -266,16 +285,16 @@ async def constrained(c: httpx.AsyncClient, stop: float, report: Report) -> None
             report.hostile[f"schema {r.status_code}"] += 1
 
 
-async def hostile(base: str, token: str, stop: float, seed: int, report: Report) -> None:
+async def hostile(base: str, token: str, running: Until, seed: int, report: Report) -> None:
     rng = random.Random(seed)
     ids: list[str] = []
     async with httpx.AsyncClient(base_url=base, timeout=120,
                                  headers={"Authorization": f"Bearer {token}"}) as c:
-        await asyncio.gather(*(flood(c, stop, rng, ids, report) for _ in range(4)),
-                             *(drop_streams(c, stop, rng, ids, report) for _ in range(2)),
-                             hog_media(c, stop, report),
-                             *(flood_embeddings(c, stop, report) for _ in range(2)),
-                             *(constrained(c, stop, report) for _ in range(2)))
+        await asyncio.gather(*(flood(c, running, rng, ids, report) for _ in range(4)),
+                             *(drop_streams(c, running, rng, ids, report) for _ in range(2)),
+                             hog_media(c, running, report),
+                             *(flood_embeddings(c, running, report) for _ in range(2)),
+                             *(constrained(c, running, report) for _ in range(2)))
 
 
 def rss_kib(pid: int) -> int:
@@ -303,11 +322,12 @@ async def allocation(base: str, headers: dict[str, str]) -> int:
 
 
 async def soak(base: str, headers: dict[str, str], seconds: float, workers: int,
-               seed: int, hostile_token: str | None = None) -> Report:
+               seed: int, hostile_token: str | None = None, each: int = 0) -> Report:
     report = Report()
-    stop = time.monotonic() + seconds
-    bad = [hostile(base, hostile_token, stop, seed + 1000, report)] if hostile_token else []
-    await asyncio.gather(*(worker(base, headers, stop, seed + k, report) for k in range(workers)),
+    now = time.monotonic()
+    running = Until(report, now + seconds, now + max(4 * seconds, 300), each)
+    bad = [hostile(base, hostile_token, running, seed + 1000, report)] if hostile_token else []
+    await asyncio.gather(*(worker(base, headers, running, seed + k, report) for k in range(workers)),
                          *bad)
     return report
 
@@ -357,7 +377,8 @@ def start(retention: int) -> tuple[subprocess.Popen[bytes], str, dict[str, str],
 
 
 def run(seconds: float, workers: int, seed: int = 1, retention: int = 3,
-        with_hostile: bool = True) -> tuple[Report, dict]:
+        with_hostile: bool = True, each: int = 0) -> tuple[Report, dict]:
+    """Soak for ``seconds``, longer until each kind of client was served ``each`` times."""
     proc, base, headers, state = start(retention)
     try:
         pids = components(state)
@@ -366,7 +387,7 @@ def run(seconds: float, workers: int, seed: int = 1, retention: int = 3,
         alloc0 = asyncio.run(allocation(base, headers))
         rss0 = {k: rss_kib(p) for k, p in pids.items()}
         t0 = time.monotonic()
-        report = asyncio.run(soak(base, headers, seconds, workers, seed, token))
+        report = asyncio.run(soak(base, headers, seconds, workers, seed, token, each))
         wall = time.monotonic() - t0
         if with_hostile:
             revoke(state, "hostile")

@@ -1,4 +1,5 @@
-"""The soak (bench/soak.py) in a short version: about a minute of mixed clients.
+"""The soak (bench/soak.py) in a short version: about a minute of mixed clients
+(longer where the machine is slow: it runs until each kind was served five times).
 
 Every byte received (windows, SSE with drops and resumes, standard streams) is
 checked against the final windows; a hostile principal floods, drops streams, fills
@@ -28,9 +29,9 @@ def load_soak():
 def test_short_soak_loses_nothing() -> None:
     soak = load_soak()
     report, m = soak.run(seconds=float(os.environ.get("AOTX_SOAK_SECONDS", "45")), workers=4,
-                         seed=7, retention=3)
-    assert sum(report.served.values()) >= 20, report.served
-    assert set(report.served) >= {"native", "events", "standard", "cancel"}
+                         seed=7, retention=3, each=5)
+    # it ran until every kind of client was served five times (longer on a slow machine)
+    assert all(report.served[k] >= 5 for k in soak.KINDS), report.served
     assert report.mismatches == []
     assert report.errors == {}, report.errors  # the hostile principal took nothing from them
     assert report.hostile["submit 202"] > 0 and report.hostile["submit 429"] > 0, report.hostile
