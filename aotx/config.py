@@ -28,6 +28,15 @@ from dataclasses import dataclass
 #: Largest JSON body any route takes (media uploads stream, and are bounded by the device).
 MAX_BODY = 1 << 20
 
+# What the device takes of a medium or a constraint: its policy, not the wire format.
+# The gateway words them in its refusals and the capabilities document, so they are here,
+# where every process reads them.
+MAX_IMAGE_PIXELS = 16 * 1024 * 1024  # decoded at 3 bytes a pixel: 48 MiB at most
+AUDIO_RATES = (8000, 384000)  # sample rates (Hz); a header may claim 1 Hz and grow 16000-fold
+MAX_AUDIO_SECONDS = 600  # decoded as float32 at the projector's rate
+MAX_CONSTRAINT_BYTES = 64 * 1024  # a constraint's canonical text (the engine's limit)
+MAX_SCHEMA_DEPTH = 32  # nested schema objects
+
 
 class ConfigError(Exception):
     pass

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
-from ..wire import MAX_CONSTRAINT_BYTES, MAX_SCHEMA_DEPTH
+from ..config import MAX_CONSTRAINT_BYTES, MAX_SCHEMA_DEPTH
 from .regex_size import MAX_EXPANDED, expanded_size
 
 if TYPE_CHECKING:

@@ -40,13 +40,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..wire import AUDIO_RATES, MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS
+from ..config import AUDIO_RATES, MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS
 
 log = logging.getLogger("aotx.multimodal")
 
 MARKER = "<__media__>"
 # The decoders' bounds are part of the service's contract (the gateway words them in
-# its refusals), so they live in the wire module.
+# its refusals), so they live in aotx.config, which every process reads.
 MAX_PIXELS = MAX_IMAGE_PIXELS
 _placeholders = itertools.count(1)
 _log_callback: Any = None  # kept alive: libmtmd holds the pointer

@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from .. import wire
+from .. import config, wire
 from ..wire import Reason
 
 ERROR_TYPES: dict[int, tuple[str, str]] = {
@@ -153,15 +153,15 @@ REASONS: dict[Reason, Wording] = {
     Reason.IMAGE_UNREADABLE: Wording("media part {detail} (image) could not be decoded: only "
                                      "PNG, JPEG and GIF images are read", param="messages"),
     Reason.IMAGE_PIXELS: Wording("media part {detail} (image) is too large: at most "
-                                 f"{wire.MAX_IMAGE_PIXELS} pixels are decoded",
+                                 f"{config.MAX_IMAGE_PIXELS} pixels are decoded",
                                  param="messages"),
     Reason.AUDIO_UNREADABLE: Wording("media part {detail} (audio) could not be decoded: only "
                                      "WAV, MP3 and FLAC audio is read", param="messages"),
     Reason.AUDIO_RATE: Wording(f"media part {{detail}} (audio) has a sample rate outside "
-                               f"{wire.AUDIO_RATES[0]} to {wire.AUDIO_RATES[1]} Hz",
+                               f"{config.AUDIO_RATES[0]} to {config.AUDIO_RATES[1]} Hz",
                                param="messages"),
     Reason.AUDIO_LENGTH: Wording(f"media part {{detail}} (audio) lasts longer than "
-                                 f"{wire.MAX_AUDIO_SECONDS} s, or its header does not say",
+                                 f"{config.MAX_AUDIO_SECONDS} s, or its header does not say",
                                  param="messages"),
     Reason.MEDIA_LAST: Wording("a prompt must end with text after its last media part",
                                param="messages"),

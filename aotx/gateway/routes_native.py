@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from .. import ids, wire
+from .. import config, ids, wire
 from . import calls
 from . import schemas as S
 from .errors import ApiError
@@ -39,8 +39,8 @@ async def capabilities(principal: Principal = Caller, g: Gateway = Service) -> R
             "media_bytes": str(info.media_bytes), "body_bytes": str(g.settings.max_body),
             "retention_seconds": str(info.retention_seconds),
             "retention_requests": str(info.retention_requests),
-            "constraint_bytes": str(wire.MAX_CONSTRAINT_BYTES),
-            "constraint_depth": str(wire.MAX_SCHEMA_DEPTH),
+            "constraint_bytes": str(config.MAX_CONSTRAINT_BYTES),
+            "constraint_depth": str(config.MAX_SCHEMA_DEPTH),
             "choices": str(MAX_CHOICES),
             "embedding_inputs": str(wire.MAX_EMBED_INPUTS),
         },

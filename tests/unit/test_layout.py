@@ -13,7 +13,6 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "aotx"
 MAX_MODULE_LINES = 600
-MAX_WIRE_LINES = 1135  # the codec, every table and enum in one file: it grows by rows (EMBED: 31, tool formats: 48, WAITS: 52)
 MAX_FUNCTION_LINES = 80
 
 
@@ -72,7 +71,7 @@ def test_imports_point_one_way() -> None:
                 bad += [(name, m) for m in found if any(within(m, b) for b in banned)]
         if within(name, "aotx") and not within(name, "aotx.engine"):
             bad += [(name, m) for m in found if within(m, "llama_cpp") or within(m, "llguidance")]
-        if name in shared:  # what all processes share imports none of them
+        if any(within(name, s) for s in shared):  # what all processes share imports none of them
             bad += [(name, m) for m in found
                     if any(within(m, p) for p in forbidden if p != "aotx.engine")
                     or (within(m, "aotx.engine") and name != "aotx.engine")]
@@ -95,8 +94,7 @@ def test_no_module_or_function_is_too_long() -> None:
     for name, path in modules().items():
         text = path.read_text()
         lines = text.count("\n")
-        limit = MAX_WIRE_LINES if name == "aotx.wire" else MAX_MODULE_LINES
-        if lines > limit:
+        if lines > MAX_MODULE_LINES:
             long_modules.append((name, lines))
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -110,4 +108,4 @@ def test_no_module_or_function_is_too_long() -> None:
 def test_the_process_packages_exist() -> None:
     for package in ("gateway", "broker", "device", "engine"):
         assert os.path.isfile(ROOT / package / "__init__.py"), package
-    assert (ROOT / "wire.py").is_file() and not (ROOT / "wire").exists()
+    assert (ROOT / "wire" / "__init__.py").is_file() and not (ROOT / "wire.py").exists()
