@@ -160,7 +160,7 @@ def test_a_stream_per_sequence_answers_the_same_beside_others_as_alone() -> None
     answer does not depend on what else runs.  Five prompts, each evaluated in a
     ``llama_decode`` of its own as the scheduler does (``apart_rows``), then decoded
     together, give the tokens each gives alone.  (A shared pool does not keep this: its
-    answers first differ at tokens 4 to 23, docs/performance.md.)"""
+    answers first differ at tokens 4 to 23, docs/history/performance-2026-12.md.)"""
     from aotx.device.models import default_model_path
     from aotx.device.template import ChatTemplate
     from aotx.engine.llama import BatchEntry, EngineConfig, LlamaEngine
