@@ -26,7 +26,8 @@ import llama_cpp  # noqa: E402
 
 from aotx.device.models import default_model_path  # noqa: E402
 from aotx.engine.chunking import ChunkCost, chunk_cost, fa_tile_min_rows  # noqa: E402
-from aotx.engine.llama import BatchEntry, EngineConfig, LlamaEngine  # noqa: E402
+from aotx.engine.interface import BatchEntry  # noqa: E402
+from aotx.engine.llama import EngineConfig, LlamaEngine  # noqa: E402
 
 LENGTHS = (16, 24, 33, 48, 63, 64, 65, 96, 128)
 

@@ -30,7 +30,8 @@ def measure(cases: list[tuple[int, int]], steps: int, flash: bool) -> dict[str, 
     """Median ms of a decode step for each (sequences, depth), in this process (its
     PYTHONPATH holds the checkout: main sets it)."""
     from aotx.device.models import default_model_path
-    from aotx.engine.llama import BatchEntry, EngineConfig, LlamaEngine
+    from aotx.engine.interface import BatchEntry
+    from aotx.engine.llama import EngineConfig, LlamaEngine
 
     engine = LlamaEngine(EngineConfig(path=default_model_path(), flash_attention=flash))
     tokens = engine.tokenize(" ".join(f"word{i}" for i in range(4000)), False)

@@ -29,7 +29,7 @@ import numpy as np
 
 from aotx.device.models import default_model_path
 from aotx.device.template import ChatTemplate
-from aotx.engine.grammar import GrammarCompiler, GrammarSpec, apply_mask, mask_words
+from aotx.engine.grammar import GrammarSpec, apply_mask, mask_words
 from aotx.engine.llama import EngineConfig, LlamaEngine
 from aotx.engine.sampling import Sampler
 from aotx.engine.scheduler import Request, Scheduler
@@ -107,7 +107,7 @@ def main() -> None:
     engine = LlamaEngine(EngineConfig(path=default_model_path(), slots=n, slot_context=1024,
                                       batch=512, threads=args.threads))
     t0 = time.perf_counter()
-    compiler = GrammarCompiler.for_engine(engine)
+    compiler = engine.grammar_compiler()
     print(f"tokenizer for llguidance: {time.perf_counter() - t0:.2f} s (once per model)")
     specs = [GrammarSpec.json_schema(schema(i)) for i in range(n)]
     t0 = time.perf_counter()

@@ -73,7 +73,7 @@ def main() -> None:
     args = ap.parse_args()
     engine = LlamaEngine(EngineConfig(path=default_model_path(), slots=1, slot_context=64,
                                       batch=64))
-    compiler = GrammarCompiler.for_engine(engine)
+    compiler = engine.grammar_compiler()
     base = rss_mib()
     sizes, alive, rnd = [], [], random.Random(0)
     t0 = time.perf_counter()

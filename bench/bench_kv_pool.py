@@ -17,7 +17,8 @@ import time
 
 from aotx.device.models import default_model_path
 from aotx.device.template import ChatTemplate
-from aotx.engine.llama import BatchEntry, EngineConfig, LlamaEngine
+from aotx.engine.interface import BatchEntry
+from aotx.engine.llama import EngineConfig, LlamaEngine
 from aotx.engine.sampling import Sampler
 from aotx.engine.scheduler import Request, Scheduler
 from aotx.wire import Phase

@@ -71,7 +71,8 @@ def free_port() -> int:
 RAW = r"""
 import json, sys, time
 from aotx.device.loading import template_prefix
-from aotx.engine.llama import BatchEntry, EngineConfig, LlamaEngine
+from aotx.engine.interface import BatchEntry
+from aotx.engine.llama import EngineConfig, LlamaEngine
 from aotx.engine.sampling import Sampler
 from aotx.device.models import default_model_path
 from aotx.device.template import ChatTemplate

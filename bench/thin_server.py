@@ -33,7 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from aotx.device.loading import template_prefix  # noqa: E402
 from aotx.device.models import default_model_path  # noqa: E402
 from aotx.device.template import ChatTemplate  # noqa: E402
-from aotx.engine.llama import BatchEntry, EngineConfig, LlamaEngine  # noqa: E402
+from aotx.engine.interface import BatchEntry  # noqa: E402
+from aotx.engine.llama import EngineConfig, LlamaEngine  # noqa: E402
 from aotx.engine.sampling import Sampler  # noqa: E402
 
 

@@ -19,7 +19,6 @@ import threading
 import orjson
 
 from ..engine.grammar import GrammarCompiler, GrammarError, GrammarSpec, Matcher
-from ..engine.llama import LlamaEngine
 from ..wire import Constraint, GrammarKind, Reason
 from .errors import DeviceError
 from .loading import LoadedModel
@@ -32,10 +31,7 @@ _lock = threading.Lock()  # one compiler built per model, even by two threads at
 def compiler_of(model: LoadedModel) -> GrammarCompiler:
     with _lock:
         if model.grammars is None:
-            if isinstance(model.engine, LlamaEngine):
-                model.grammars = GrammarCompiler.for_engine(model.engine)
-            else:  # vLLM applies the same llguidance grammar itself (engine/vllm.py)
-                model.grammars = GrammarCompiler(model.engine.vocab.grammar_tokenizer)
+            model.grammars = model.engine.grammar_compiler()
         return model.grammars
 
 

@@ -28,7 +28,8 @@ from ..engine.embed_pieces import PieceEmbedder
 from ..engine.embedding import Embedder, Embeddings, EmbedQueue
 from ..engine.fair import common_prefix
 from ..engine.grammar import GrammarCompiler
-from ..engine.llama import EngineConfig, EngineError, LlamaEngine
+from ..engine.interface import EngineError
+from ..engine.llama import EngineConfig, LlamaEngine
 from ..engine.multimodal import MARKER, MediaEncoder, MediaInputError, MediaTokenizer
 from ..engine.sampling import Sampler
 from ..engine.scheduler import Request, Scheduler

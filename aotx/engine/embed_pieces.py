@@ -28,7 +28,8 @@ import llama_cpp
 import numpy as np
 
 from .embedding import MAX_SEQS, Vectors
-from .llama import EngineError, LlamaEngine, _ggml_libs
+from .interface import EngineError
+from .llama import LlamaEngine, _ggml_libs
 
 
 @dataclass

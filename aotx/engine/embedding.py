@@ -44,7 +44,8 @@ from typing import Any, Protocol
 import llama_cpp
 import numpy as np
 
-from .llama import EngineError, LlamaEngine, _ggml_libs
+from .interface import EngineError
+from .llama import LlamaEngine, _ggml_libs
 
 log = logging.getLogger("aotx.engine")
 

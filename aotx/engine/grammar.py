@@ -27,19 +27,16 @@ import json
 import re
 import threading
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
 from ..config import MAX_CONSTRAINT_BYTES, MAX_SCHEMA_DEPTH
+from .masks import apply_mask, mask_words
 from .regex_size import MAX_EXPANDED, expanded_size
-
-if TYPE_CHECKING:
-    from .llama import LlamaEngine
 
 
 class GrammarError(ValueError):
@@ -376,10 +373,6 @@ class Grammar:
         return Matcher(self._pristine.deep_copy(), self.spec.key, self.n_vocab, self.spec)
 
 
-def mask_words(n_vocab: int) -> int:
-    return (n_vocab + 31) // 32
-
-
 class GrammarCompiler:
     """Compiles grammars for one vocabulary; thread-safe; bounded LRU cache by spec key."""
 
@@ -393,20 +386,6 @@ class GrammarCompiler:
         self.hits = 0
         self.misses = 0
         self.compile_seconds = 0.0
-
-    @classmethod
-    def for_engine(cls, engine: LlamaEngine, limits: GrammarLimits | None = None
-                   ) -> GrammarCompiler:
-        """From the engine's llama.cpp vocabulary (~0.4 s for 49k tokens: build once per
-        model).  Every end-of-generation token counts as EOS to the grammar."""
-        from llguidance.llamacpp import lltokenizer_from_vocab
-
-        eog = [t for t in range(engine.n_vocab) if engine.is_eog(t)] or [engine.eos]
-        with warnings.catch_warnings():  # the helper calls a llama_cpp alias deprecated
-            warnings.simplefilter("ignore", DeprecationWarning)  # once per token
-            tokenizer = lltokenizer_from_vocab(engine.vocab, n_vocab=engine.n_vocab,
-                                               eos_token=eog)
-        return cls(tokenizer, limits)
 
     def compile(self, spec: GrammarSpec) -> Grammar:
         """The compiled grammar for ``spec`` (cached); raises :class:`GrammarError`."""
@@ -436,29 +415,6 @@ class GrammarCompiler:
 
     def matcher(self, spec: GrammarSpec) -> Matcher:
         return self.compile(spec).matcher()
-
-
-#: Row b of this table is byte b of a bitmask spread over 8 logits: 0 where the bit is
-#: set, -inf where it is clear.  Adding the rows of a mask's bytes to the logits masks
-#: them with no branch per token: ~25 us for 49k tokens whatever the pattern, where a
-#: boolean ``copyto(where=)`` took 18-230 us (slow on a mask of mixed bits).
-_BYTE_BIAS = np.where((np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1 == 1,
-                      np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
-_scratch = threading.local()  # each engine thread's bias buffer
-
-
-def apply_mask(logits: np.ndarray[Any, np.dtype[np.float32]],
-               bits: np.ndarray[Any, np.dtype[np.int32]]) -> None:
-    """Set every logit whose token's bit is clear to -inf, in place; allowed logits keep
-    their exact values (+0.0).  ``bits`` has ``mask_words(len(logits))`` words (or more:
-    bits past the vocabulary are ignored)."""
-    raw = bits.view(np.uint8)
-    buf: np.ndarray[Any, np.dtype[np.float32]] | None = getattr(_scratch, "buf", None)
-    if buf is None or buf.shape[0] != raw.size:
-        buf = _scratch.buf = np.empty((raw.size, 8), dtype=np.float32)
-    _BYTE_BIAS.take(raw, axis=0, out=buf)
-    n = min(len(logits), raw.size * 8)
-    logits[:n] += buf.reshape(-1)[:n]
 
 
 #: While other principals' rows share the engine, one principal's masks may take this

@@ -7,8 +7,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .llama import BatchEntry
 from .request import Request
+
+
+class EngineError(Exception):
+    """An engine could not load, or could not do what it was asked (either kind)."""
+
+
+@dataclass(slots=True)
+class BatchEntry:
+    """One token of a llama.cpp batch: what the scheduler hands ``Engine.decode``."""
+
+    token: int
+    pos: int
+    seq: int
+    logits: bool
 
 
 @dataclass

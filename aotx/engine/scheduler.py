@@ -22,9 +22,8 @@ from .chunking import ChunkCost, widen_final
 from .fair import NOBODY, FairQueue, owner_of, usable_prefix
 from .grammar import MaskFiller
 from .histogram import Histogram
-from .interface import Engine, Side, StepOutcome
+from .interface import BatchEntry, Engine, Side, StepOutcome
 from .kvpool import KvPool
-from .llama import BatchEntry
 from .logprobs import Annotations, annotate
 from .multimodal import MediaInputError, MediaSegment, release_all
 from .output import OutputBuffer

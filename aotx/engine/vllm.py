@@ -33,10 +33,10 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Protocol
 
 from ..wire import EngineFeature, Finish, Phase
-from .grammar import JSON_OPTIONS, GrammarSpec
+from .grammar import JSON_OPTIONS, GrammarCompiler, GrammarSpec
 from .hfvocab import HfVocab, from_hf
 from .histogram import Histogram
-from .llama import EngineError
+from .interface import EngineError
 from .logprobs import Annotations, Entry, line
 from .output import OutputBuffer
 from .request import Failure, Request, settle
@@ -448,6 +448,11 @@ class VllmModel(HfVocab):
 
     def kv_bytes(self) -> int:
         return 0
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """A compiler on the Hugging Face vocabulary: the device checks a constraint with
+        it at admission; vLLM applies the same llguidance grammar itself."""
+        return GrammarCompiler(self.vocab.grammar_tokenizer)
 
     def close(self) -> None:
         if not self._closed:  # (a LoRA alias shares the engine)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .embedding import EmbedJob, Vectors
-from .llama import EngineError
+from .interface import EngineError
 from .multimodal import MediaInputError, MediaProblem, MediaSegment, check_parts
 
 if TYPE_CHECKING:

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aotx.engine.llama import BatchEntry, EngineConfig, EngineError, LlamaEngine
+from aotx.engine.interface import BatchEntry, EngineError
+from aotx.engine.llama import EngineConfig, LlamaEngine
 from aotx.engine.sampling import Sampler
 from aotx.seeds import fold
 

@@ -163,7 +163,8 @@ def test_a_stream_per_sequence_answers_the_same_beside_others_as_alone() -> None
     answers first differ at tokens 4 to 23, docs/history/performance-2026-12.md.)"""
     from aotx.device.models import default_model_path
     from aotx.device.template import ChatTemplate
-    from aotx.engine.llama import BatchEntry, EngineConfig, LlamaEngine
+    from aotx.engine.interface import BatchEntry
+    from aotx.engine.llama import EngineConfig, LlamaEngine
     from aotx.engine.sampling import Sampler
 
     questions = ["Tell me a short story about a cat.", "Describe the sea in a few sentences.",
@@ -205,7 +206,8 @@ def test_a_prompts_logits_do_not_depend_on_its_chunks_or_its_neighbours() -> Non
     flash attention they are not, and greedy answers of 600-token prompts change with
     the load."""
     from aotx.device.models import default_model_path
-    from aotx.engine.llama import BatchEntry, EngineConfig, LlamaEngine
+    from aotx.engine.interface import BatchEntry
+    from aotx.engine.llama import EngineConfig, LlamaEngine
 
     engine = LlamaEngine(EngineConfig(path=default_model_path(), slots=3, slot_context=2048,
                                       batch=1024, flash_attention=False))

@@ -43,7 +43,8 @@ def test_a_prompt_is_computed_the_same_whatever_its_chunks() -> None:
     import numpy as np
 
     from aotx.device.models import default_model_path
-    from aotx.engine.llama import BatchEntry, EngineConfig, LlamaEngine
+    from aotx.engine.interface import BatchEntry
+    from aotx.engine.llama import EngineConfig, LlamaEngine
 
     engine = LlamaEngine(EngineConfig(path=default_model_path(), slots=6, slot_context=512))
     try:

@@ -102,7 +102,7 @@ def rig() -> Iterator[Rig]:
                       make_sampler=lambda r: Sampler(r.temperature, r.top_p, r.seed),
                       free_sampler=lambda s: s.free(), apart_rows=apart_rows(engine))
     tmpl = ChatTemplate(engine.metadata("tokenizer.chat_template"))
-    yield Rig(engine, GrammarCompiler.for_engine(engine), sched, tmpl.render)
+    yield Rig(engine, engine.grammar_compiler(), sched, tmpl.render)
     sched.masks.close()
     engine.close()
 

@@ -16,7 +16,7 @@ from aotx.engine.embedding import (
     EmbedJob,
     EmbedQueue,
 )
-from aotx.engine.llama import EngineError
+from aotx.engine.interface import EngineError
 
 
 class FakeEmbedder:

@@ -13,7 +13,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aotx.engine.llama import BatchEntry
+from aotx.engine.interface import BatchEntry
 from aotx.engine.output import OutputBuffer, utf8_complete_length
 from aotx.engine.scheduler import Failure, Request, Scheduler
 from aotx.wire import Finish, Phase

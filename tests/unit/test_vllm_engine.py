@@ -17,7 +17,7 @@ import pytest
 
 from aotx.device.models import ModelConfigError, load_specs
 from aotx.engine.hfvocab import HfVocab, Vocab
-from aotx.engine.llama import EngineError
+from aotx.engine.interface import EngineError
 from aotx.engine.request import Failure, Request
 from aotx.engine.vllm import VllmRunner, start, unsupported
 from aotx.wire import EngineFeature, Finish, Phase, Sampling
