@@ -204,10 +204,13 @@ def test_an_embedding_call_whose_client_left_is_withdrawn_at_once(service: Servi
     that closes its connection mid-call has the device drop the call at once: the
     device holds no EMBED well before the call would have ended."""
     body = {"model": "smollm2", "input": [[100 + i for i in range(512)]] * 2}
-    with service.client() as c:
-        t = time.monotonic()
-        assert c.post("/v1/embeddings", json=body).status_code == 200
-        whole = time.monotonic() - t
+    with service.client() as c:  # the call's whole time here and now: a median of three
+        took = []
+        for _ in range(3):
+            t = time.monotonic()
+            assert c.post("/v1/embeddings", json=body).status_code == 200
+            took.append(time.monotonic() - t)
+        whole = sorted(took)[1]
     with httpx.Client(base_url=service.url, headers=service.headers, timeout=whole / 4) as c:
         with pytest.raises(httpx.ReadTimeout):
             c.post("/v1/embeddings", json=body)  # the client gives up, and closes

@@ -126,27 +126,41 @@ def _prompt_tokens(svc: Service) -> int:
     return int(float(m.group(1)))
 
 
+def _prefix_hits(svc: Service) -> int:
+    """Prompt tokens found in cached prefixes (the vLLM-named counter a router reads)."""
+    text = httpx.get(svc.url + "/metrics", headers=svc.headers, timeout=10).text
+    m = re.search(r'^vllm:prefix_cache_hits_total\{model_name="smollm2"\} (\S+)', text, re.M)
+    assert m, text[:2000]
+    return int(float(m.group(1)))
+
+
 def test_another_principals_cached_prompt_costs_a_fresh_prompt(isvc: Service) -> None:
     """Before: the second principal's identical prompt reused the first one's cache (one
-    token evaluated, answered in a fraction of the time): timing told what was sent."""
+    token evaluated, answered in a fraction of the time): timing told what was sent.
+
+    What the answer's time follows is counted instead of timed (one sample of each time
+    on a loaded machine says little): the prompt tokens each chat had evaluated, and
+    those it found in a cached prefix."""
     text = " ".join(f"item {i} is {i * 7919 % 1000}" for i in range(120)) + os.urandom(4).hex()
     body = {"model": "smollm2", "messages": [{"role": "user", "content": text}],
             "max_tokens": 1, "temperature": 0}
 
-    def chat(c: httpx.Client) -> tuple[int, float]:
-        before, started = _prompt_tokens(isvc), time.monotonic()
+    def chat(c: httpx.Client) -> tuple[int, int]:
+        evaluated, found = _prompt_tokens(isvc), _prefix_hits(isvc)
         r = c.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
-        return _prompt_tokens(isvc) - before, time.monotonic() - started
+        return _prompt_tokens(isvc) - evaluated, _prefix_hits(isvc) - found
 
     with client(isvc, mint(isvc, "writer")) as a, client(isvc, mint(isvc, "prober")) as b:
-        fresh, t_fresh = chat(a)
-        other, t_other = chat(b)
-        own, t_own = chat(a)
+        fresh, fresh_hits = chat(a)
+        other, other_hits = chat(b)
+        own, own_hits = chat(a)
     assert fresh > 500
     assert other >= fresh - 5  # evaluated again: only the template's fixed start is shared
+    # found in the cache for the prober: no more than for a prompt nobody had sent
+    assert other_hits <= fresh_hits + 5, (fresh_hits, other_hits)
     assert own == 1  # the principal's own cache still works (the last token, for logits)
-    assert t_other > 0.5 * t_fresh and t_own * 2 < t_other, (t_fresh, t_other, t_own)
+    assert own_hits >= fresh - 1, (own_hits, fresh)  # all but that token found cached
 
 
 def _device_rss(svc: Service) -> int:
@@ -181,7 +195,7 @@ def test_a_full_media_pool_has_its_own_error_and_deletes_return_memory(isvc: Ser
         for cl, sources in ((a, ids), (b, [r.json()["id"] for r in theirs])):
             for sid in sources:
                 assert cl.delete(f"/aotx/v1/media/{sid}").status_code in (200, 204)
-        assert eventually(lambda: _device_rss(isvc) < rss0 + (5 << 20), 10)
+        assert eventually(lambda: _device_rss(isvc) < rss0 + (5 << 20), 30)
         small = c.post("/aotx/v1/media", content=png(2), headers={"Content-Type": "image/png"})
         assert small.status_code == 201
 
@@ -196,11 +210,11 @@ def test_revoking_a_token_stops_its_running_requests(isvc: Service) -> None:
                if "leaver" in line)
     cancelled = _finished(isvc, "cancelled")
     assert aotx_cli(isvc, "token", "revoke", tid).returncode == 0
-    started = time.monotonic()
-    eventually(lambda: _finished(isvc, "cancelled") >= cancelled + 2, 10, interval=0.05)
-    # the change reaches the device at the gateway's next poll (0.5 s), the cancel at the
-    # next step: well within a second on a quiet machine, a few under a loaded one
-    assert time.monotonic() - started < 5
+    # The change reaches the device at the gateway's next poll (0.5 s), the cancel at the
+    # next step: well within a second on a quiet machine.  Without it the two requests
+    # would run for a minute or more (2000 tokens each): the wait is for a state, and
+    # generous (a loaded machine's speed is not what is tested).
+    eventually(lambda: _finished(isvc, "cancelled") >= cancelled + 2, 30, interval=0.05)
 
 
 def _finished(svc: Service, state: str) -> int:

@@ -74,7 +74,7 @@ def test_allocation_grows_with_results_and_shrinks_when_reclaimed(osvc: Service)
         final = poll_until_terminal(c, rid)
         held = sample(c)["service_allocation_bytes"]
         assert held >= base + int(final["output"]["total_bytes"])
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # reclaimed after its 2 s: a state, not a speed
         while c.get(f"/aotx/v1/requests/{rid}").status_code != 404:
             assert time.monotonic() < deadline
             time.sleep(0.2)

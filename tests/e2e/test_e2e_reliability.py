@@ -143,17 +143,28 @@ def test_a_refused_pipelined_request_never_lands_inside_a_stream(rsvc: Service) 
 
 
 def test_slow_clients_are_cut_off_and_do_not_pin_the_server(rsvc: Service) -> None:
+    """Slow-loris clients hold connections until the header (body) timeout, 2 s here,
+    cuts them off with 408; meanwhile others are served.
+
+    No speed is asserted: "served meanwhile" is an order of events (the answer came
+    while every slow client was still connected and unanswered; a server they pinned
+    would answer only once the timeout had freed it, after the 408s).  The waits for
+    the 408s are generous but stay under the defaults (10 s for headers, 30 s between
+    body chunks), so they still show that the service's settings were applied."""
     slow = []
     for _ in range(20):  # slow-loris: headers that never finish
         s = socket.create_connection(("127.0.0.1", rsvc.port))
         s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-A: ")
         slow.append(s)
-    t0 = time.monotonic()
+    connected = time.monotonic()
     r = httpx.get(rsvc.url + "/v1/models", headers=rsvc.headers)
-    assert r.status_code == 200 and time.monotonic() - t0 < 1  # others are served meanwhile
-    time.sleep(2.5)
-    for s in slow:
-        s.settimeout(2)
+    assert r.status_code == 200
+    for s in slow:  # others are served meanwhile: no slow client was answered or closed yet
+        s.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            s.recv(1, socket.MSG_PEEK)
+    for s in slow:  # then each is cut off, at its header timeout (not the default 10 s)
+        s.settimeout(max(0.1, connected + 8 - time.monotonic()))
         data = s.recv(4096)
         assert data.startswith(b"HTTP/1.1 408") or data == b""
         s.close()
@@ -162,7 +173,7 @@ def test_slow_clients_are_cut_off_and_do_not_pin_the_server(rsvc: Service) -> No
     s.sendall(b"POST /aotx/v1/requests HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
               + rsvc.token.encode() + b"\r\nContent-Type: application/json\r\n"
               b"Content-Length: 100\r\n\r\n{\"model\":")
-    s.settimeout(6)
+    s.settimeout(20)  # the 2 s body timeout, not the default 30 s
     assert s.recv(4096).startswith(b"HTTP/1.1 408")
     s.close()
     # a media upload (streamed to the device, not buffered) that stalls half way
@@ -170,7 +181,7 @@ def test_slow_clients_are_cut_off_and_do_not_pin_the_server(rsvc: Service) -> No
     s.sendall(b"POST /aotx/v1/media HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
               + rsvc.token.encode() + b"\r\nContent-Type: image/png\r\n"
               b"Content-Length: 100000\r\n\r\n\x89PNG\r\n\x1a\n")
-    s.settimeout(6)
+    s.settimeout(20)
     head = s.recv(4096)
     assert head.startswith(b"HTTP/1.1 408"), head[:200]
     assert b'"error"' in head or b'"error"' in s.recv(4096)
@@ -262,15 +273,13 @@ def test_broker_kill_with_requests_in_flight(fresh_service: Service) -> None:
 
     eventually(all_completed, timeout=30, interval=0.3,
                ignore=(httpx.HTTPError, AssertionError, KeyError))
-    with fresh_service.client() as c:
-        for _ in range(50):
+    def mailboxes_back() -> bool:  # all but the /metrics call itself (a state: waited for)
+        with fresh_service.client() as c:
             text = c.get("/metrics").text
-            free = [ln for ln in text.splitlines() if ln.startswith('aotx_mailboxes{use="free"}')]
-            if free and float(free[0].split()[-1]) >= 127:  # all but the /metrics call itself
-                break
-            time.sleep(0.1)
-        else:
-            raise AssertionError(text)
+        free = [ln for ln in text.splitlines() if ln.startswith('aotx_mailboxes{use="free"}')]
+        return bool(free) and float(free[0].split()[-1]) >= 127
+
+    eventually(mailboxes_back, timeout=30, interval=0.1)
     assert "event=serve.restart component=broker" in fresh_service.read_log()
 
 
@@ -319,7 +328,10 @@ def test_a_hung_device_answers_503_in_seconds_then_is_restarted(fresh_service: S
         with pytest.raises(openai.APIStatusError) as err:
             chat()
         elapsed = time.monotonic() - t0
-        assert err.value.status_code == 503 and elapsed < 10, elapsed
+        # The 503 and its words say the gateway's 5 s call deadline ended the call; the
+        # client's own 30 s timeout would have raised APITimeoutError instead.  The time
+        # is only checked against that (a loaded machine may take longer than 5 s).
+        assert err.value.status_code == 503 and elapsed < 25, elapsed
         assert "did not answer in time" in err.value.message, err.value.message
         eventually(lambda: epoch() != first, timeout=90, interval=0.5,
                    ignore=(httpx.HTTPError, KeyError))

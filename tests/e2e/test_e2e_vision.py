@@ -265,7 +265,7 @@ def test_openai_inline_image_and_audio(vsvc: Service) -> None:
                     "data": base64.b64encode(tone(0.5)).decode(), "format": "wav"}},
                 {"type": "text", "text": "What do you hear?"}]}]))
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # a state to wait for, not a speed
         while media_bytes(c) != before:  # ephemeral: removed when their requests ended
             assert time.monotonic() < deadline, "inline media outlived its request"
             time.sleep(0.1)

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aotx.engine.chunking import apart_rows
-from aotx.engine.grammar import GrammarCompiler, GrammarError, GrammarSpec
+from aotx.engine.grammar import GrammarCompiler, GrammarError, GrammarLimits, GrammarSpec
 from aotx.engine.llama import LlamaEngine
 from aotx.engine.scheduler import Failure, Request, Scheduler
 from aotx.wire import Finish, Phase
@@ -216,13 +216,23 @@ def test_pathological_schemas_are_refused_or_bounded_beside_other_streams(rig: R
     """Compiles run in another thread while the batch decodes other streams: deep nesting,
     a huge enum and a regex whose counted repetitions outgrow the lexer (issue 39: it
     used to compile and fail its request mid-generation) are refused at once;
-    big-but-allowed and catastrophic-regex schemas compile in milliseconds; a request
-    under a costly regex does not hold the others back, and no step's masks take long."""
+    big-but-allowed and catastrophic-regex schemas compile with little lexer work; a
+    request under a costly regex does not hold the others back, and no step's masks take
+    long beside its decode.
+
+    Work is counted, not timed, where llguidance counts it: its lexer fuel.  Where time
+    is the point (the masks beside the decode), the bound is against the decodes of the
+    same run, so a slow or loaded machine scales both sides."""
     deep: dict[str, Any] = {"type": "integer"}
     for _ in range(200):
         deep = {"type": "object", "properties": {"a": deep}}
     refused: list[str] = []
-    compiled: list[float] = []
+    compiled: list[str] = []
+    # A tenth of the lexer fuel a compile may spend (fuel is llguidance's count of lexer
+    # work, ~50k units a millisecond: GrammarLimits): the schemas below must compile
+    # within it (the 5000-value enum needs about 56k units, the patterns under 1k).
+    frugal = GrammarCompiler(rig.compiler.tokenizer, GrammarLimits(
+        initial_lexer_fuel=GrammarLimits().initial_lexer_fuel // 10))
 
     def compile_all() -> None:
         explosive = {"type": "string", "pattern": "^(([a-z]{1,30}){1,30}){1,30}$"}
@@ -235,27 +245,52 @@ def test_pathological_schemas_are_refused_or_bounded_beside_other_streams(rig: R
                        {"type": "string", "pattern": "^(a+)+$"},
                        {"type": "string", "pattern": "^(x+x+)+y$"},
                        {"type": "string", "pattern": "^(.*a){20}$"}):
-            t0 = time.monotonic()
-            rig.compiler.compile(GrammarSpec.json_schema(schema))
-            compiled.append(time.monotonic() - t0)
+            try:
+                frugal.compile(GrammarSpec.json_schema(schema))
+                compiled.append("ok")
+            except GrammarError as exc:
+                compiled.append(exc.code)
 
     costly = {"type": "object", "required": ["v"], "properties": {
         "v": {"type": "string", "pattern": "^(([a-z]{1,8}){1,8}){1,8}$"}}}
     bad = request(rig, 40, "Reply with JSON with a long lowercase word in v.", costly, 1.2, 3)
     free = [request(rig, 41 + i, q, None, 0.0, 0, max_tokens=24) for i, q in enumerate(FREE)]
     worker = threading.Thread(target=compile_all)
-    worst_before = rig.sched.masks.worst_fill_ns
-    rig.sched.masks.worst_fill_ns = 0
-    t0 = time.monotonic()
-    worker.start()
-    rig.run([bad, *free])
-    worker.join()
+    masks = rig.sched.masks
+    worst_before, wait_before = masks.worst_fill_ns, masks.wait_ns
+    masks.worst_fill_ns = 0
+    decodes: list[int] = []  # each step's llama_decode, in ns: what the masks overlap
+    decode = rig.engine.decode
+
+    def timed_decode(entries: Any) -> int:
+        t = time.perf_counter_ns()
+        try:
+            return decode(entries)
+        finally:
+            decodes.append(time.perf_counter_ns() - t)
+
+    rig.engine.decode = timed_decode  # type: ignore[method-assign]
+    try:
+        worker.start()
+        steps = rig.run([bad, *free])
+        worker.join()
+    finally:
+        del rig.engine.decode  # the class's method again
+    worst, waited = masks.worst_fill_ns, masks.wait_ns - wait_before
+    masks.worst_fill_ns = max(worst_before, worst)
     assert refused == ["too_deep", "too_large", "too_complex"]
-    assert len(compiled) == 4 and max(compiled) < 1.0, compiled
+    assert compiled == ["ok"] * 4
     assert all(r.phase is Phase.COMPLETED and r.sampled == 24 for r in free)
     # llguidance's lexer limit ends the request, or the grammar is finished in bounds.
     assert bad.phase is Phase.FAILED and bad.failure is Failure.GRAMMAR or (
         bad.finish is Finish.STOP)
-    assert rig.sched.masks.worst_fill_ns < 50e6, rig.sched.masks.worst_fill_ns
-    assert time.monotonic() - t0 < 120
-    rig.sched.masks.worst_fill_ns = max(worst_before, rig.sched.masks.worst_fill_ns)
+    # Nobody was held back: the batch took about the longest request's tokens in steps (a
+    # step for each prompt, and one for a request that ends without a token), not more.
+    reqs = [bad, *free]
+    assert steps <= max(r.sampled for r in reqs) + 2 * len(reqs), steps
+    # The masks hide behind the decode they run beside: no step's filling took longer
+    # than two typical decodes (a few ms against ~22 ms on 2 cores), and the engine thread's
+    # waits for them after its decodes add up to under a tenth of its decode time.
+    typical = sorted(decodes)[len(decodes) // 2]
+    assert worst <= 2 * typical, (worst, typical)
+    assert waited <= sum(decodes) / 10, (waited, sum(decodes))
