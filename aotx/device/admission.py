@@ -33,8 +33,6 @@ from .. import wire
 from ..engine.grammar import Matcher
 from ..engine.multimodal import MediaInputError, MediaProblem, MediaSegment, release_all
 from ..engine.scheduler import Request
-from ..engine.vllm import VllmModel
-from ..engine.vllm import unsupported as vllm_unsupported
 from ..wire import Header, PartKind, Reason, Role
 from . import tool_fields
 from .constraints import constraint_matcher
@@ -114,8 +112,7 @@ class Admission:
         for token, _ in sub.sampling.bias:
             if token >= model.engine.n_vocab:
                 raise DeviceError(400, Reason.LOGIT_BIAS, token)
-        if isinstance(model.engine, VllmModel) and (
-                lacks := vllm_unsupported(sub.sampling)):
+        if lacks := model.scheduler.unsupported(sub.sampling):
             raise DeviceError(501, Reason.ENGINE_FEATURE, lacks)
         if h.submit_flags & wire.SUBMIT_FLAG_RAW:
             return self._raw(h, grant, model, sub)

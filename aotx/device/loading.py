@@ -28,13 +28,13 @@ from ..engine.embed_pieces import PieceEmbedder
 from ..engine.embedding import Embedder, Embeddings, EmbedQueue
 from ..engine.fair import common_prefix
 from ..engine.grammar import GrammarCompiler
-from ..engine.interface import EngineError
+from ..engine.interface import EngineError, Model, Runner
 from ..engine.llama import EngineConfig, LlamaEngine
 from ..engine.multimodal import MARKER, MediaEncoder, MediaInputError, MediaTokenizer
 from ..engine.sampling import Sampler
 from ..engine.scheduler import Request, Scheduler
 from ..engine.spill import default_budget
-from ..engine.vllm import VllmModel, VllmRunner, lora_request, sampling_params
+from ..engine.vllm import VllmModel, VllmRunner, sampling_params
 from ..engine.vllm import start as vllm_start
 from ..engine.vllm_inputs import VllmEmbeddings, VllmMedia, pooling_params
 from .memory import qualified
@@ -48,9 +48,9 @@ log = logging.getLogger("aotx.device")
 @dataclass
 class LoadedModel:
     spec: ModelSpec
-    engine: LlamaEngine | VllmModel
+    engine: Model
     template: ChatTemplate
-    scheduler: Scheduler | VllmRunner
+    scheduler: Runner
     sha256: bytes
     published_at: int
     thread: threading.Thread | None = None
@@ -183,10 +183,12 @@ def _modality_bits(spec: ModelSpec, media: MediaTokenizer | None, source: str,
 def _load_lora(spec: ModelSpec, state_dir: str, base: LoadedModel) -> LoadedModel:
     """A LoRA adapter as a model of its own alias: its base's engine, runner and template;
     its requests name the adapter to vLLM (VllmRunner.loras)."""
-    assert isinstance(base.scheduler, VllmRunner)
     digest = hashlib.sha256(base.sha256 + folder_sha256(
         spec.path, os.path.join(state_dir, "model-hashes.json"))).digest()
-    base.scheduler.loras[spec.role] = lora_request(spec.alias, spec.role, spec.path)
+    try:
+        base.scheduler.add_adapter(spec.role, spec.alias, spec.path)
+    except EngineError as exc:
+        raise ModelConfigError(f"model {spec.alias}: {exc}") from None
     log.info("event=model.ready alias=%s role=%d engine=vllm lora_of=%s sha256=%s",
              spec.alias, spec.role, spec.lora_of, digest.hex())
     spec = dataclasses.replace(spec, context=base.spec.context, slots=base.spec.slots)

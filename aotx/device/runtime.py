@@ -41,7 +41,6 @@ from ..config import Settings
 from ..cpuslice import request_short_slice
 from ..engine.embedding import EmbedJob
 from ..engine.scheduler import Request
-from ..engine.vllm import VllmRunner
 from ..mailbox import REQUEST, SCAN_ALL, WAKE, Bell, Region
 from ..paths import RuntimePaths
 from ..wire import Header, Op, Reason, WireError
@@ -282,8 +281,7 @@ class Device:
         for m in self.state.models.values():
             if m.shares_engine:
                 continue  # a LoRA adapter: its base model's thread runs the engine
-            if isinstance(m.scheduler, VllmRunner):
-                m.scheduler.on_fatal = functools.partial(self.engine_failed, m.spec.alias)
+            m.scheduler.on_fatal = functools.partial(self.engine_failed, m.spec.alias)
             m.thread = threading.Thread(target=m.scheduler.run, name=f"engine-{m.spec.alias}",
                                         daemon=True)
             m.thread.start()
@@ -364,7 +362,7 @@ class Device:
         if self._media_thread is not None:
             self._media_thread.join(timeout=30)
             media_busy = self._media_thread.is_alive()
-        vllm: list[threading.Thread] = []
+        slow: list[threading.Thread] = []
         for m in models:
             if m.thread:
                 m.thread.join(timeout=30)
@@ -378,16 +376,16 @@ class Device:
                 m.embeddings.embedder.close()
             if m.shares_engine:  # (a LoRA adapter's engine is its base model's to close)
                 continue
-            if isinstance(m.scheduler, VllmRunner):
-                vllm.append(threading.Thread(target=m.engine.close, name=f"close-{m.spec.alias}"))
+            if m.engine.closes_slowly:  # (vLLM's: its engine-core process)
+                slow.append(threading.Thread(target=m.engine.close, name=f"close-{m.spec.alias}"))
             else:
                 m.engine.close()
         # Each vLLM engine waits seconds for its engine-core process to end: all at once,
         # else four of them outlast the supervisor's grace (10 s) and it kills the device
         # before the last engine core was told to go, which then outlives it.
-        for t in vllm:
+        for t in slow:
             t.start()
-        for t in vllm:
+        for t in slow:
             t.join(timeout=30)
         if not media_busy:
             self.region.close()

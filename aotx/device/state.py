@@ -197,12 +197,12 @@ class DeviceState:
             r.phase.name.lower() for r in self.requests.values())
         models = {}
         for m in self.engines():  # (a LoRA adapter's load is its base model's)
-            sc = m.scheduler
+            sc, stats = m.scheduler, m.scheduler.stats
             models[m.spec.alias] = {
                 "queue_depth": len(sc.queue), "active_slots": len(sc.active),
-                "slots": m.spec.slots, "steps": sc.tick, "prompt_tokens": sc.prompt_tokens_in,
-                "completion_tokens": sc.tokens_out, "finished": dict(sc.finished),
-                "ttft_seconds": sc.ttft.snapshot(), "inter_token_seconds": sc.itl.snapshot(),
+                "slots": m.spec.slots, "steps": sc.tick, "prompt_tokens": stats.prompt_tokens_in,
+                "completion_tokens": stats.tokens_out, "finished": dict(stats.finished),
+                "ttft_seconds": stats.ttft.snapshot(), "inter_token_seconds": stats.itl.snapshot(),
                 **sc.engine_metrics()}
         return {"epoch": self.epoch, "requests_by_state": dict(by_phase),
                 "admitted": self.counters.admitted,

@@ -157,6 +157,8 @@ def pool_cells(config: EngineConfig, cell_bytes: float, n_ctx_train: int) -> int
 
 
 class LlamaEngine:
+    closes_slowly = False  # (interface.Model)
+
     def __init__(self, config: EngineConfig) -> None:
         global _backend_ready
         if not _backend_ready:

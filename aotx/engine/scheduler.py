@@ -17,12 +17,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..wire import Finish, Phase
+from ..wire import EngineFeature, Finish, Phase, Sampling
+from .accept import accept
 from .chunking import ChunkCost, widen_final
 from .fair import NOBODY, FairQueue, owner_of, usable_prefix
 from .grammar import MaskFiller
-from .histogram import Histogram
-from .interface import BatchEntry, Engine, Side, StepOutcome
+from .interface import BatchEntry, Engine, EngineError, EngineStats, Side, StepOutcome
 from .kvpool import KvPool
 from .logprobs import Annotations, annotate
 from .multimodal import MediaInputError, MediaSegment, release_all
@@ -81,21 +81,20 @@ class Scheduler:
         self.media_decoded = 0  # media segments decoded into sequences
         self.tick = self.steps_with_tokens = self.tokens_decoded = 0
         # Prompt tokens evaluated; looked up in the cached prefixes, and found there.
-        self.prompt_tokens_in = self.prompt_tokens_looked_up = self.reused_tokens = 0
+        self.prompt_tokens_looked_up = self.reused_tokens = 0
         self.copies = 0  # prefixes copied from a sequence in use
         self.cached: dict[int, list[int]] = {}  # seq -> tokens held in its KV cells
         self.owner: dict[int, int] = {}  # seq -> whose request computed them (fair.owner_of)
         self.public: list[int] = []  # the template's fixed start: anybody may reuse it
-        self.tokens_out = 0
-        self.finished: collections.Counter[str] = collections.Counter()
+        self.stats = EngineStats()  # counts and latencies (the device's /metrics)
         self._ended: list[Request] = []  # the step's terminal requests (StepOutcome.ended)
-        self.ttft = Histogram()
-        self.itl = Histogram()
         self.masks = MaskFiller()  # constrained requests' bitmasks, filled during the decode
         self.pool = KvPool(engine.kv_cells, getattr(engine, "unified", True))
         self.spill = SpillStore(spill_bytes)  # cached prefixes in host memory (spill.py)
         self._stopping = False
         self.side: Side | None = None
+        self.on_fatal: Callable[[str], None] = lambda why: None  # (a step's failure fails
+        # its requests, not the engine: nothing calls it here)
 
     # -- called with the lock held (control thread) -------------------------
     def submit(self, req: Request) -> None:
@@ -111,6 +110,12 @@ class Scheduler:
     @property
     def depth(self) -> int:
         return len(self.queue) + len(self.active)
+
+    def unsupported(self, sampling: Sampling) -> EngineFeature | None:
+        return None  # llama.cpp's sampler chain does every sampling field
+
+    def add_adapter(self, role: int, alias: str, path: str) -> None:
+        raise EngineError(f"{alias}: LoRA adapters are served on vLLM models only")
 
     def engine_metrics(self) -> dict[str, object]:
         """The grammar masks' and the KV cache's figures (the device's /metrics), and the
@@ -136,7 +141,7 @@ class Scheduler:
                 failure: Failure = Failure.NONE) -> None:
         settle(req, phase, finish, failure)
         if not req.background:  # policy work is not a request anybody admitted
-            self.finished[phase.name.lower()] += 1
+            self.stats.finished[phase.name.lower()] += 1
         if req.seq >= 0:
             # Keep the sequence's KV cells: the next request assigned to this
             # sequence reuses the longest common prefix (prompt caching).  A
@@ -429,7 +434,7 @@ class Scheduler:
             if failure is Failure.NONE:
                 req.n_past += seg.n_tokens
                 req.next_segment += 1
-                self.prompt_tokens_in += seg.n_tokens
+                self.stats.prompt_tokens_in += seg.n_tokens
                 self.media_decoded += 1
             elif (failure is Failure.NO_MEMORY and self.pool.shared and req in self.active
                   and self.engine.trim_sequence(req.seq, req.n_past) and self._relieve()):
@@ -490,7 +495,7 @@ class Scheduler:
             for req, n in advances:
                 req.n_past += n
                 if req.phase is Phase.PREPARING:
-                    self.prompt_tokens_in += n
+                    self.stats.prompt_tokens_in += n
             for req, tok, piece in pieces:
                 self._accept(req, tok, piece, now)
             self.tick += 1  # here, not in a lock of its own: one acquisition a step
@@ -524,42 +529,14 @@ class Scheduler:
     def _accept(self, req: Request, token: int, piece: bytes, now: int) -> None:
         if req.phase.terminal:
             return
-        if token < 0:  # the grammar's matcher failed (_sample_constrained)
-            self.active.remove(req)
-            self._finish(req, Phase.FAILED, failure=Failure.GRAMMAR)
-            return
-        req.sampled += 1
-        self.tokens_out += 1
-        if not req.first_token_ns:
-            req.first_token_ns = now
-            self.ttft.observe((now - req.created_ns) / 1e9)
-        else:
-            self.itl.observe((now - req.last_token_ns) / 1e9)
-        req.last_token_ns = now
-        if self.engine.is_eog(token):
-            self.active.remove(req)
-            self._finish(req, Phase.COMPLETED, Finish.STOP)
-            return
-        assert req.buffer is not None
-        published, stopped = req.buffer.push(piece)
-        req.out += published
-        if req.notes is not None:
-            req.notes.push(len(piece), len(req.out))
-        if stopped or (req.matcher is not None and req.matcher.finished):
-            # A stop string, or a grammar that admits nothing more (EOS alone): a
-            # finished grammar is a complete output even at the max_tokens-th token.
-            self.active.remove(req)
-            self._finish(req, Phase.COMPLETED, Finish.STOP)
-        elif req.sampled >= req.max_tokens or req.n_past + 1 >= self.engine.slot_context:
-            self.active.remove(req)
-            self._finish(req, Phase.COMPLETED, Finish.LENGTH)
-        elif req.cancel_requested:
-            self.active.remove(req)
-            self._finish(req, Phase.CANCELLED)
-        else:
-            req.phase = Phase.RUNNING
+        eog = token >= 0 and self.engine.is_eog(token)
+        ending = accept(req, token, piece, now, self.stats, eog=eog, held=req.n_past + 1,
+                        context=self.engine.slot_context)
+        if ending is None:
             req.next_token = token
-            req.generated.append(token)
+        else:
+            self.active.remove(req)
+            self._finish(req, *ending)
 
     def warm(self, prefix: list[int]) -> None:
         """Evaluate ``prefix`` (the chat template's fixed start) into sequence 0 before

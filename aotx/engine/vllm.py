@@ -26,17 +26,18 @@ import asyncio
 import collections
 import json
 import logging
+import math
 import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Protocol
 
-from ..wire import EngineFeature, Finish, Phase
+from ..wire import EngineFeature, Finish, Phase, Sampling
+from .accept import accept
 from .grammar import JSON_OPTIONS, GrammarCompiler, GrammarSpec
 from .hfvocab import HfVocab, from_hf
-from .histogram import Histogram
-from .interface import EngineError
+from .interface import EngineError, EngineStats
 from .logprobs import Annotations, Entry, line
 from .output import OutputBuffer
 from .request import Failure, Request, settle
@@ -78,11 +79,7 @@ class VllmRunner:
         self.queue: collections.deque[Request] = collections.deque()  # sent, no token yet
         self.active: list[Request] = []  # producing tokens
         self.tick = 0  # outputs applied
-        self.prompt_tokens_in = 0
-        self.tokens_out = 0
-        self.finished: collections.Counter[str] = collections.Counter()
-        self.ttft = Histogram()
-        self.itl = Histogram()
+        self.stats = EngineStats()  # counts and latencies (the device's /metrics)
         self.side = None  # no embedding work on this engine thread
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
@@ -102,6 +99,16 @@ class VllmRunner:
     def depth(self) -> int:
         return len(self.queue) + len(self.active)
 
+    def warm(self, prefix: list[int]) -> None:
+        """Nothing to warm: vLLM caches prefixes itself."""
+
+    def unsupported(self, sampling: Sampling) -> EngineFeature | None:
+        return unsupported(sampling)
+
+    def add_adapter(self, role: int, alias: str, path: str) -> None:
+        """Serve the LoRA adapter at ``path`` as model ``role`` (loaded when the loop starts)."""
+        self.loras[role] = lora_request(alias, role, path)
+
     # -- called with the lock held (control thread) -------------------------
     def submit(self, req: Request) -> None:
         req.phase = Phase.QUEUED
@@ -109,7 +116,7 @@ class VllmRunner:
         if req.sampling.logprobs:
             req.notes = Annotations(req.sampling.logprobs - 1)
         self.queue.append(req)
-        self.prompt_tokens_in += len(req.prompt)
+        self.stats.prompt_tokens_in += len(req.prompt)
         self.call_soon(lambda: self._start(req))
 
     def call_soon(self, fn: Callable[[], None]) -> None:
@@ -271,7 +278,7 @@ class VllmRunner:
     def _expanded(self, req: Request, prompt: list[int]) -> None:
         """The prompt as vLLM's processor made it (each image or audio token expanded to
         the part's positions): its length is what the usage counts (lock held)."""
-        self.prompt_tokens_in += len(prompt) - len(req.prompt)
+        self.stats.prompt_tokens_in += len(prompt) - len(req.prompt)
         req.prompt = list(prompt)
         req.segments = []  # (vLLM has the decoded media now)
 
@@ -312,36 +319,15 @@ class VllmRunner:
         return False
 
     def _accept(self, req: Request, token: int, now: int) -> bool:
-        """As Scheduler._accept: count, time, publish; True when the token ends it."""
-        req.sampled += 1
-        self.tokens_out += 1
-        if not req.first_token_ns:
-            req.first_token_ns = now
-            self.ttft.observe((now - req.created_ns) / 1e9)
-            if req in self.queue:
-                self.queue.remove(req)
-                self.active.append(req)
-        else:
-            self.itl.observe((now - req.last_token_ns) / 1e9)
-        req.last_token_ns = now
-        if self.vocab.is_eog(token):
-            return self._end_if_running(req, Phase.COMPLETED, Finish.STOP)
-        req.generated.append(token)
-        assert req.buffer is not None
-        piece = self.vocab.piece(token)
-        published, stopped = req.buffer.push(piece)
-        req.out += published
-        if req.notes is not None:
-            req.notes.push(len(piece), len(req.out))
-        if stopped:
-            return self._end_if_running(req, Phase.COMPLETED, Finish.STOP)
-        if req.sampled >= req.max_tokens or (
-                len(req.prompt) + req.sampled >= self.vocab.slot_context):
-            return self._end_if_running(req, Phase.COMPLETED, Finish.LENGTH)
-        if req.cancel_requested:
-            return self._end_if_running(req, Phase.CANCELLED)
-        req.phase = Phase.RUNNING
-        return False
+        """The shared rule (accept.py); True when the token ends the request."""
+        if not req.first_token_ns and req in self.queue:
+            self.queue.remove(req)
+            self.active.append(req)
+        eog = self.vocab.is_eog(token)
+        ending = accept(req, token, b"" if eog else self.vocab.piece(token), now, self.stats,
+                        eog=eog, held=len(req.prompt) + req.sampled + 1,
+                        context=self.vocab.slot_context)
+        return ending is not None and self._end_if_running(req, *ending)
 
     def _end_if_running(self, req: Request, phase: Phase, finish: Finish = Finish.NONE,
                         failure: Failure = Failure.NONE) -> bool:
@@ -361,7 +347,7 @@ class VllmRunner:
         settle(req, phase, finish, failure)
         req.segments = []  # its decoded media (vLLM has its own copy)
         if not req.background:
-            self.finished[phase.name.lower()] += 1
+            self.stats.finished[phase.name.lower()] += 1
         self.on_terminal(req)
 
 
@@ -376,9 +362,11 @@ def unsupported(sampling: Any) -> EngineFeature | None:
 def entry(token: int, ranked: dict[int, Any], top: int) -> Entry:
     """vLLM's logprobs of one position (the sampled token and the ``top`` likeliest) as
     engine/logprobs.py's entry: the chosen token's, and the alternatives likeliest first
-    (ties by token id)."""
+    (ties by token id).  As on llama.cpp, an alternative the grammar's mask ruled out
+    (vLLM masks the logits first, so its logprob is -inf) is no alternative."""
     alts = sorted(((t, float(p.logprob)) for t, p in ranked.items()
-                   if p.rank is not None and p.rank <= top), key=lambda a: (-a[1], a[0]))
+                   if p.rank is not None and p.rank <= top and math.isfinite(p.logprob)),
+                  key=lambda a: (-a[1], a[0]))
     return float(ranked[token].logprob), alts[:top]
 
 
@@ -431,6 +419,7 @@ class VllmModel(HfVocab):
     KV cache is vLLM's, reported by vLLM's scheduler, not reserved here."""
 
     kv_cells = 0
+    closes_slowly = True  # close() waits for vLLM's engine-core process to end
     model_bytes = 0
     threads = 0
     max_sequences = 0  # vLLM's max_num_seqs (the capabilities' slots)

@@ -111,10 +111,10 @@ def test_a_later_turn_is_widened_and_answers_as_the_whole_prompt_does() -> None:
             prompt = engine.tokenize(tmpl.render(messages), False)
             req = Request(identity=bytes([n]) * 16, principal=1, revision=1, role=1,
                           prompt=prompt, max_tokens=24)
-            before = sched.prompt_tokens_in
+            before = sched.stats.prompt_tokens_in
             submit(sched, req)
             run_until_idle(sched)
-            req.evaluated = sched.prompt_tokens_in - before  # type: ignore[attr-defined]
+            req.evaluated = sched.stats.prompt_tokens_in - before  # type: ignore[attr-defined]
             return req
 
         first_turn = [{"role": "user", "content": STORY + " How many ships on day 3?"}]

@@ -46,6 +46,7 @@ class TokenizingEngine(ScriptedEngine):
     n_vocab = 150  # the tokens it makes are 100..149
     special_ids: frozenset[int] = frozenset()
     model_bytes = 0  # (the telemetry's allocation counts requests and media alone)
+    closes_slowly = False
 
     def kv_bytes(self) -> int:
         return 0

@@ -695,7 +695,7 @@ def test_a_request_that_waits_to_start_copies_the_prefix_evaluated_before_it() -
         submit(sched, r)
     run_until_idle(sched)
     assert first.reused_tokens == 0 and same.reused_tokens == 40 and other.reused_tokens == 0
-    assert sched.prompt_tokens_in == 41 + 1 + 41
+    assert sched.stats.prompt_tokens_in == 41 + 1 + 41
     assert len(engine.copies) == 1
 
 
@@ -718,7 +718,7 @@ def test_the_same_prompt_sent_together_is_evaluated_once() -> None:
     assert len(engine.copies) == 2 and all(t.reused_tokens == 39 for t in twins[1:])
     run_until_idle(sched)
     assert all(r.phase is Phase.COMPLETED for r in [*twins, stranger])
-    assert sched.prompt_tokens_in == 40 + 40 + 1 + 1
+    assert sched.stats.prompt_tokens_in == 40 + 40 + 1 + 1
 
 
 class PoolEngine(ScriptedEngine):

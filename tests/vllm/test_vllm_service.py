@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -323,6 +324,74 @@ def test_logprobs_annotate_every_token(vsvc: Service) -> None:
         tops = [a.logprob for a in t.top_logprobs]
         assert tops == sorted(tops, reverse=True)
         assert t.logprob == pytest.approx(tops[0], abs=1e-4)  # greedy: the likeliest
+
+
+#: Both engines' end-of-generation and special tokens, held back where a test needs a
+#: length (SmolLM2: 0-2; the tiny model: its BOS, EOS and ChatML specials 0-3).
+NO_END = {str(t): -100 for t in range(4)}
+CONTEXT = {"smollm2": 512, "tiny": 1024}  # [default] context; tiny's max_model_len
+
+
+def acceptance(c: openai.OpenAI, model: str) -> dict[str, object]:
+    """How ``model``'s engine ends requests, by the rules of engine/accept.py: the facts
+    each rule must give, whatever the model says."""
+    facts: dict[str, object] = {}
+    r = c.chat.completions.create(model=model, messages=HELLO, max_tokens=8, temperature=0,
+                                  logit_bias=NO_END)
+    facts["length"] = (r.choices[0].finish_reason, r.usage and r.usage.completion_tokens)
+    text = r.choices[0].message.content or ""
+    at = next(i for i in range(1, len(text) - 1) if text[i:i + 2].isascii()
+              and text[i:i + 2].isalnum())
+    cut = text[at:at + 2]
+    s = c.chat.completions.create(model=model, messages=HELLO, max_tokens=8, temperature=0,
+                                  logit_bias=NO_END, stop=[cut])
+    facts["stop"] = (s.choices[0].finish_reason,
+                     s.choices[0].message.content == text[:text.index(cut)])
+    ctx = CONTEXT[model]
+    full = c.completions.create(model=model, prompt=[100] * (ctx - 3), max_tokens=50,
+                                temperature=0, logit_bias=NO_END)
+    assert full.usage is not None
+    facts["context"] = (full.choices[0].finish_reason, full.usage.completion_tokens,
+                        full.usage.prompt_tokens + full.usage.completion_tokens == ctx)
+    schema = {"type": "object", "properties": {"c": {"enum": ["red"]}}, "required": ["c"],
+              "additionalProperties": False}
+    g = c.chat.completions.create(model=model, messages=HELLO, max_tokens=40, temperature=0,
+                                  response_format={"type": "json_schema", "json_schema": {
+                                      "name": "c", "schema": schema}})
+    facts["grammar"] = (g.choices[0].finish_reason,
+                        json.loads(g.choices[0].message.content or ""))
+    # ASCII letters alone (a random model's bytes may end inside a character, and a token
+    # whose bytes are never published has no logprobs line), and more than 6 tokens hold
+    letters = {"type": "string", "pattern": "^[a-z]{60}$"}
+    lp = c.chat.completions.create(model=model, messages=HELLO, max_tokens=6, temperature=0,
+                                   logprobs=True, top_logprobs=2,
+                                   response_format={"type": "json_schema", "json_schema": {
+                                       "name": "letters", "schema": letters}})
+    content = lp.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and lp.usage is not None
+    facts["logprobs"] = (lp.choices[0].finish_reason, len(content),
+                         lp.usage.completion_tokens,
+                         # one or two alternatives (the mask may leave one), likeliest
+                         # first, none ruled out (-inf)
+                         all(1 <= len(t.top_logprobs) <= 2 and math.isfinite(
+                             t.top_logprobs[-1].logprob) and [a.logprob for a in t.top_logprobs]
+                             == sorted((a.logprob for a in t.top_logprobs), reverse=True)
+                             for t in content),
+                         b"".join(bytes(t.bytes or []) for t in content).decode(
+                             "utf-8", errors="replace") == lp.choices[0].message.content)
+    return facts
+
+
+def test_both_engines_end_requests_by_the_same_rules(vsvc: Service) -> None:
+    """Issue 40: llama.cpp's scheduler and the vLLM runner accept tokens through one
+    rule (engine/accept.py): a length, a stop string, the context's end, a grammar's end
+    and logprobs give the same facts on SmolLM2 (llama.cpp) and the tiny model (vLLM)."""
+    c = openai_client(vsvc)
+    llama, vllm = acceptance(c, "smollm2"), acceptance(c, "tiny")
+    assert llama == vllm, (llama, vllm)
+    assert llama == {"length": ("length", 8), "stop": ("stop", True),
+                     "context": ("length", 3, True), "grammar": ("stop", {"c": "red"}),
+                     "logprobs": ("length", 6, 6, True, True)}
 
 
 def test_what_the_engine_lacks_is_refused_not_ignored(vsvc: Service) -> None:
