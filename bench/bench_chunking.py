@@ -25,9 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import llama_cpp  # noqa: E402
 
 from aotx.device.models import default_model_path  # noqa: E402
-from aotx.engine.chunking import ChunkCost, chunk_cost, fa_tile_min_rows  # noqa: E402
 from aotx.engine.interface import BatchEntry  # noqa: E402
-from aotx.engine.llama import EngineConfig, LlamaEngine  # noqa: E402
+from aotx.engine.llama.chunking import ChunkCost, chunk_cost, fa_tile_min_rows  # noqa: E402
+from aotx.engine.llama.engine import EngineConfig, LlamaEngine  # noqa: E402
 
 LENGTHS = (16, 24, 33, 48, 63, 64, 65, 96, 128)
 

@@ -31,7 +31,7 @@ def measure(cases: list[tuple[int, int]], steps: int, flash: bool) -> dict[str, 
     PYTHONPATH holds the checkout: main sets it)."""
     from aotx.device.models import default_model_path
     from aotx.engine.interface import BatchEntry
-    from aotx.engine.llama import EngineConfig, LlamaEngine
+    from aotx.engine.llama.engine import EngineConfig, LlamaEngine
 
     engine = LlamaEngine(EngineConfig(path=default_model_path(), flash_attention=flash))
     tokens = engine.tokenize(" ".join(f"word{i}" for i in range(4000)), False)

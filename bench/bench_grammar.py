@@ -30,9 +30,9 @@ import numpy as np
 from aotx.device.models import default_model_path
 from aotx.device.template import ChatTemplate
 from aotx.engine.grammar import GrammarSpec, apply_mask, mask_words
-from aotx.engine.llama import EngineConfig, LlamaEngine
-from aotx.engine.sampling import Sampler
-from aotx.engine.scheduler import Request, Scheduler
+from aotx.engine.llama.engine import EngineConfig, LlamaEngine
+from aotx.engine.llama.sampling import Sampler
+from aotx.engine.llama.scheduler import Request, Scheduler
 
 _PERSON = {"type": "object",
            "properties": {"name": {"type": "string", "maxLength": 12},

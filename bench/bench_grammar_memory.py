@@ -24,7 +24,7 @@ import numpy as np
 
 from aotx.device.models import default_model_path
 from aotx.engine.grammar import GrammarCompiler, GrammarError, GrammarSpec, mask_words
-from aotx.engine.llama import EngineConfig, LlamaEngine
+from aotx.engine.llama.engine import EngineConfig, LlamaEngine
 
 
 def rss_mib() -> float:

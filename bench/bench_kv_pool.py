@@ -18,9 +18,9 @@ import time
 from aotx.device.models import default_model_path
 from aotx.device.template import ChatTemplate
 from aotx.engine.interface import BatchEntry
-from aotx.engine.llama import EngineConfig, LlamaEngine
-from aotx.engine.sampling import Sampler
-from aotx.engine.scheduler import Request, Scheduler
+from aotx.engine.llama.engine import EngineConfig, LlamaEngine
+from aotx.engine.llama.sampling import Sampler
+from aotx.engine.llama.scheduler import Request, Scheduler
 from aotx.wire import Phase
 
 LAYOUTS = (("streams", False, "f16"), ("pool", True, "f16"), ("pool", True, "q8_0"))

@@ -16,10 +16,10 @@ import argparse
 import time
 from collections.abc import Callable
 
-from aotx.device.loading import llama_template
-from aotx.device.models import ModelSpec, default_model_path
+from aotx.device.models import default_model_path
 from aotx.device.prompt import split, text_tokens
-from aotx.engine.llama import EngineConfig, LlamaEngine
+from aotx.device.template import ChatTemplate
+from aotx.engine.llama.engine import EngineConfig, LlamaEngine
 
 Messages = list[dict[str, str]]
 
@@ -43,7 +43,10 @@ def main() -> None:
     args = ap.parse_args()
     engine = LlamaEngine(EngineConfig(path=default_model_path(), slots=1, slot_context=256,
                                       batch=32, threads=1, poll=-1))
-    template = llama_template(ModelSpec(alias="bench", path="", role=1), engine)
+    template = ChatTemplate(engine.metadata("tokenizer.chat_template") or "",
+                            bos_token=engine.token_text(int(engine.metadata(
+                                "tokenizer.ggml.bos_token_id") or 0)),
+                            eos_token=engine.token_text(engine.eos))
 
     def whole(msgs: Messages) -> list[int]:
         return engine.tokenize(template.render(msgs), False)

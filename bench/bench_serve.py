@@ -72,8 +72,8 @@ RAW = r"""
 import json, sys, time
 from aotx.device.loading import template_prefix
 from aotx.engine.interface import BatchEntry
-from aotx.engine.llama import EngineConfig, LlamaEngine
-from aotx.engine.sampling import Sampler
+from aotx.engine.llama.engine import EngineConfig, LlamaEngine
+from aotx.engine.llama.sampling import Sampler
 from aotx.device.models import default_model_path
 from aotx.device.template import ChatTemplate
 slots = int(sys.argv[1])

@@ -34,8 +34,8 @@ from aotx.device.loading import template_prefix  # noqa: E402
 from aotx.device.models import default_model_path  # noqa: E402
 from aotx.device.template import ChatTemplate  # noqa: E402
 from aotx.engine.interface import BatchEntry  # noqa: E402
-from aotx.engine.llama import EngineConfig, LlamaEngine  # noqa: E402
-from aotx.engine.sampling import Sampler  # noqa: E402
+from aotx.engine.llama.engine import EngineConfig, LlamaEngine  # noqa: E402
+from aotx.engine.llama.sampling import Sampler  # noqa: E402
 
 
 @dataclass

@@ -40,8 +40,8 @@ from aotx.device.prompt import split, text_tokens  # noqa: E402
 from aotx.device.template import ChatTemplate  # noqa: E402
 from aotx.engine.fair import common_prefix  # noqa: E402
 from aotx.engine.interface import BatchEntry  # noqa: E402
-from aotx.engine.llama import EngineConfig, LlamaEngine  # noqa: E402
-from aotx.engine.sampling import Sampler  # noqa: E402
+from aotx.engine.llama.engine import EngineConfig, LlamaEngine  # noqa: E402
+from aotx.engine.llama.sampling import Sampler  # noqa: E402
 
 LAYOUTS = {"streams": {}, "streams_no_fa": {"flash_attention": False},
            "pool": {"unified": True, "kv_cells": 16384}}

@@ -32,7 +32,7 @@ from typing import Any
 from .. import wire
 from ..engine.grammar import Matcher
 from ..engine.multimodal import MediaInputError, MediaProblem, MediaSegment, release_all
-from ..engine.scheduler import Request
+from ..engine.request import Request
 from ..wire import Header, PartKind, Reason, Role
 from . import tool_fields
 from .constraints import constraint_matcher

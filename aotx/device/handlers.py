@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import orjson
 
 from .. import ids, wire
-from ..engine.scheduler import Request
+from ..engine.request import Request
 from ..wire import Action, Header, MemoryOp, Op, Reason
 from .admission import Admission, MediaJob
 from .embeddings import EmbedCall, EmbedCalls, embed

@@ -8,7 +8,7 @@ Threads
   ``WAIT`` packets (a subscriber waiting for new bytes), alone or grouped in a
   ``WAITS``, are parked (:mod:`.waits`) and answered as soon as the engine produces
   bytes or the request changes state.
-* One **engine thread** per model runs its :class:`~aotx.engine.scheduler.Scheduler`.
+* One **engine thread** per model runs its :class:`~aotx.engine.llama.scheduler.Scheduler`.
   After each step it rings the device's own doorbell when packets are parked, so the
   control thread answers them without polling.
 * The **media worker** (models with a projector) prepares media submissions without
@@ -40,7 +40,8 @@ from .. import ids, wire
 from ..config import Settings
 from ..cpuslice import request_short_slice
 from ..engine.embedding import EmbedJob
-from ..engine.scheduler import Request
+from ..engine.request import Request
+from ..engine.spec import ModelSpec
 from ..mailbox import REQUEST, SCAN_ALL, WAKE, Bell, Region
 from ..paths import RuntimePaths
 from ..wire import Header, Op, Reason, WireError
@@ -51,7 +52,7 @@ from .errors import DeviceError
 from .handlers import Handlers, Park, Reply, Result
 from .loading import load_model
 from .memory import EXTRACTION_MAX_TOKENS, EXTRACTION_PROMPT, MAX_SOURCE_CHARS
-from .models import ModelSpec, load_specs
+from .models import load_specs
 from .policy import Policy
 from .prompt import TextRefused, split, text_tokens
 from .state import DeviceLimits, DeviceState

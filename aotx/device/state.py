@@ -24,7 +24,7 @@ from typing import Any
 
 from .. import ids, wire
 from ..engine.logprobs import window as notes_window
-from ..engine.scheduler import Failure, Request
+from ..engine.request import Failure, Request
 from ..wire import Header, Reason
 from .errors import DeviceError
 from .loading import LoadedModel

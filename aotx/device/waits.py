@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import wire
-from ..engine.scheduler import Request
+from ..engine.request import Request
 from ..wire import Action, Header, Op
 from .handlers import Handlers, Park, Reply, wait_ready
 from .state import DeviceState

@@ -9,7 +9,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from aotx.engine.chunking import FA_TILE, fa_tile_min_rows
+from aotx.engine.llama.chunking import FA_TILE, fa_tile_min_rows
 
 from ..helpers import SMALL_MODELS, Service, running_service
 from .test_e2e_choices import prompt_tokens_evaluated

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aotx.engine.interface import BatchEntry, EngineError
-from aotx.engine.llama import EngineConfig, LlamaEngine
-from aotx.engine.sampling import Sampler
+from aotx.engine.llama.engine import EngineConfig, LlamaEngine
+from aotx.engine.llama.sampling import Sampler
 from aotx.seeds import fold
 
 pytestmark = pytest.mark.skipif(os.environ.get("AOTX_SKIP_MODEL") == "1",
@@ -111,7 +111,7 @@ def test_a_kv_cache_committed_as_it_is_written_gives_the_same_tokens(
     from aotx.device.models import default_model_path
 
     assert engine.kv_released >= engine.kv_bytes()
-    monkeypatch.setattr("aotx.engine.llama.create_uncommitted", lambda create, least: (create(), 0))
+    monkeypatch.setattr("aotx.engine.llama.engine.create_uncommitted", lambda create, least: (create(), 0))
     kept = LlamaEngine(EngineConfig(path=default_model_path(), slots=4, slot_context=256,
                                     batch=128))
     try:
@@ -127,7 +127,7 @@ def test_creating_the_context_never_holds_the_whole_reservation() -> None:
     kernel as the clear goes (residency.ReleasingWhile), so the process's peak stays far
     below the reservation (16 x 4096 cells, 1.4 GiB: the peak was 1.6 GiB before)."""
     script = (
-        "from aotx.engine.llama import LlamaEngine, EngineConfig\n"
+        "from aotx.engine.llama.engine import LlamaEngine, EngineConfig\n"
         "from aotx.device.models import default_model_path\n"
         "e = LlamaEngine(EngineConfig(path=default_model_path(), slots=16, "
         "slot_context=4096, batch=512))\n"

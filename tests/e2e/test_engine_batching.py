@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from aotx.engine.chunking import apart_rows
-from aotx.engine.scheduler import Request, Scheduler
+from aotx.engine.llama.chunking import apart_rows
+from aotx.engine.llama.scheduler import Request, Scheduler
 from aotx.wire import Phase
 
 from ..unit.test_scheduler import run_until_idle, submit
@@ -19,8 +19,8 @@ from ..unit.test_scheduler import run_until_idle, submit
 def test_real_engine_batches_sequences_together() -> None:
     from aotx.device.models import default_model_path
     from aotx.device.template import ChatTemplate
-    from aotx.engine.llama import EngineConfig, LlamaEngine
-    from aotx.engine.sampling import Sampler
+    from aotx.engine.llama.engine import EngineConfig, LlamaEngine
+    from aotx.engine.llama.sampling import Sampler
 
     engine = LlamaEngine(EngineConfig(path=default_model_path(), slots=4, slot_context=512,
                                       batch=256))
@@ -55,8 +55,8 @@ def test_real_engine_batches_sequences_together() -> None:
 def test_real_engine_prefix_reuse_evaluates_fewer_tokens_with_the_same_output() -> None:
     from aotx.device.models import default_model_path
     from aotx.device.template import ChatTemplate
-    from aotx.engine.llama import EngineConfig, LlamaEngine
-    from aotx.engine.sampling import Sampler
+    from aotx.engine.llama.engine import EngineConfig, LlamaEngine
+    from aotx.engine.llama.sampling import Sampler
 
     def engine_and_scheduler(slots: int) -> tuple[LlamaEngine, Scheduler]:
         eng = LlamaEngine(EngineConfig(path=default_model_path(), slots=slots, slot_context=512,
@@ -105,8 +105,8 @@ def test_real_engine_copied_prefix_gives_the_same_output() -> None:
     from aotx.device.loading import template_prefix
     from aotx.device.models import default_model_path
     from aotx.device.template import ChatTemplate
-    from aotx.engine.llama import EngineConfig, LlamaEngine
-    from aotx.engine.sampling import Sampler
+    from aotx.engine.llama.engine import EngineConfig, LlamaEngine
+    from aotx.engine.llama.sampling import Sampler
 
     questions = ["Name a fruit.", "Name a color.", "Name a planet."]
 
@@ -164,8 +164,8 @@ def test_a_stream_per_sequence_answers_the_same_beside_others_as_alone() -> None
     from aotx.device.models import default_model_path
     from aotx.device.template import ChatTemplate
     from aotx.engine.interface import BatchEntry
-    from aotx.engine.llama import EngineConfig, LlamaEngine
-    from aotx.engine.sampling import Sampler
+    from aotx.engine.llama.engine import EngineConfig, LlamaEngine
+    from aotx.engine.llama.sampling import Sampler
 
     questions = ["Tell me a short story about a cat.", "Describe the sea in a few sentences.",
                  "Write a short poem about the moon.", "Explain how rain forms.",
@@ -207,7 +207,7 @@ def test_a_prompts_logits_do_not_depend_on_its_chunks_or_its_neighbours() -> Non
     the load."""
     from aotx.device.models import default_model_path
     from aotx.engine.interface import BatchEntry
-    from aotx.engine.llama import EngineConfig, LlamaEngine
+    from aotx.engine.llama.engine import EngineConfig, LlamaEngine
 
     engine = LlamaEngine(EngineConfig(path=default_model_path(), slots=3, slot_context=2048,
                                       batch=1024, flash_attention=False))

@@ -11,9 +11,9 @@ import threading
 
 import pytest
 
-from aotx.engine import chunking
-from aotx.engine.chunking import FA_TILE, ChunkCost, chunk_cost, fa_tile_min_rows
-from aotx.engine.scheduler import Request, Scheduler
+from aotx.engine.llama import chunking
+from aotx.engine.llama.chunking import FA_TILE, ChunkCost, chunk_cost, fa_tile_min_rows
+from aotx.engine.llama.scheduler import Request, Scheduler
 
 from ..unit.test_scheduler import run_until_idle, submit
 
@@ -44,7 +44,7 @@ def test_a_prompt_is_computed_the_same_whatever_its_chunks() -> None:
 
     from aotx.device.models import default_model_path
     from aotx.engine.interface import BatchEntry
-    from aotx.engine.llama import EngineConfig, LlamaEngine
+    from aotx.engine.llama.engine import EngineConfig, LlamaEngine
 
     engine = LlamaEngine(EngineConfig(path=default_model_path(), slots=6, slot_context=512))
     try:
@@ -93,8 +93,8 @@ def test_a_later_turn_is_widened_and_answers_as_the_whole_prompt_does() -> None:
 
     from aotx.device.models import default_model_path
     from aotx.device.template import ChatTemplate
-    from aotx.engine.llama import EngineConfig, LlamaEngine
-    from aotx.engine.sampling import Sampler
+    from aotx.engine.llama.engine import EngineConfig, LlamaEngine
+    from aotx.engine.llama.sampling import Sampler
 
     engine = LlamaEngine(EngineConfig(path=default_model_path(), slots=2, slot_context=2048,
                                       batch=512))
@@ -148,7 +148,7 @@ def test_only_flash_attention_on_f16_cells_is_widened(monkeypatch: pytest.Monkey
     attention (``flash_attention = false``) every chunk is a matrix product: nothing to
     widen.  And with a build that tiles every chunk (aotx's) nothing is widened at all."""
     from aotx.device.models import default_model_path
-    from aotx.engine.llama import EngineConfig, LlamaEngine
+    from aotx.engine.llama.engine import EngineConfig, LlamaEngine
 
     for kv_type, flash, widened in (("q8_0", False, False), ("f16", True, True),
                                     ("f16", False, False)):

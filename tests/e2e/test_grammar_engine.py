@@ -18,10 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aotx.engine.chunking import apart_rows
 from aotx.engine.grammar import GrammarCompiler, GrammarError, GrammarLimits, GrammarSpec
-from aotx.engine.llama import LlamaEngine
-from aotx.engine.scheduler import Failure, Request, Scheduler
+from aotx.engine.llama.chunking import apart_rows
+from aotx.engine.llama.engine import LlamaEngine
+from aotx.engine.llama.scheduler import Failure, Request, Scheduler
 from aotx.wire import Finish, Phase
 
 pytestmark = pytest.mark.skipif(os.environ.get("AOTX_SKIP_MODEL") == "1",
@@ -93,8 +93,8 @@ class Rig:
 def rig() -> Iterator[Rig]:
     from aotx.device.models import default_model_path
     from aotx.device.template import ChatTemplate
-    from aotx.engine.llama import EngineConfig
-    from aotx.engine.sampling import Sampler
+    from aotx.engine.llama.engine import EngineConfig
+    from aotx.engine.llama.sampling import Sampler
 
     engine = LlamaEngine(EngineConfig(path=default_model_path(), slots=SLOTS, slot_context=768,
                                       batch=256))

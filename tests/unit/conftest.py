@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from aotx.device.runtime import Device
-from aotx.engine.scheduler import Scheduler
+from aotx.engine.llama.scheduler import Scheduler
 
 from .devices import scripted_device
 

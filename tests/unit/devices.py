@@ -9,11 +9,11 @@ from collections.abc import Iterator, Sequence
 
 from aotx import wire
 from aotx.device.loading import LoadedModel
-from aotx.device.models import ModelSpec
 from aotx.device.runtime import Device
 from aotx.device.template import ChatTemplate
+from aotx.engine.llama.scheduler import Scheduler
 from aotx.engine.multimodal import MediaSegment
-from aotx.engine.scheduler import Scheduler
+from aotx.engine.spec import ModelSpec
 from aotx.paths import RuntimePaths
 
 from ..helpers import short_tmpdir

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 
 from aotx.engine.accept import CANCELLED, FAILED_GRAMMAR, LENGTH, STOPPED, accept
-from aotx.engine.hfvocab import HfVocab, Vocab
 from aotx.engine.interface import EngineStats
+from aotx.engine.llama.scheduler import Scheduler
 from aotx.engine.logprobs import Annotations
 from aotx.engine.output import OutputBuffer
 from aotx.engine.request import Request
-from aotx.engine.scheduler import Scheduler
+from aotx.engine.vllm.hfvocab import HfVocab, Vocab
 from aotx.wire import Phase
 
 from .test_scheduler import EOG, ScriptedEngine, run_until_idle
@@ -139,7 +139,7 @@ def test_an_alternative_the_mask_ruled_out_is_none_on_either_engine() -> None:
     entry now."""
     from types import SimpleNamespace
 
-    from aotx.engine.vllm import entry
+    from aotx.engine.vllm.runner import entry
 
     ranked = {5: SimpleNamespace(logprob=-0.1, rank=1),
               6: SimpleNamespace(logprob=float("-inf"), rank=2)}

@@ -8,9 +8,9 @@ import threading
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aotx.engine.chunking import FA_TILE, ChunkCost
+from aotx.engine.llama.chunking import FA_TILE, ChunkCost
+from aotx.engine.llama.scheduler import Scheduler
 from aotx.engine.multimodal import MediaSegment
-from aotx.engine.scheduler import Scheduler
 
 from .test_scheduler import ScriptedEngine, req, run_until_idle, submit
 

@@ -15,7 +15,7 @@ import pytest
 from aotx import ids, wire
 from aotx.device.runtime import Device
 from aotx.device.template import ChatTemplate
-from aotx.engine.scheduler import Scheduler
+from aotx.engine.llama.scheduler import Scheduler
 
 from ..helpers import png
 from .devices import call

@@ -10,7 +10,7 @@ import pytest
 
 from aotx import wire
 from aotx.device.runtime import Device
-from aotx.engine.scheduler import Scheduler
+from aotx.engine.llama.scheduler import Scheduler
 
 from .devices import call
 from .test_device_protocol import text_submission

@@ -29,7 +29,7 @@ from aotx.engine.grammar import (
     check_schema,
     mask_words,
 )
-from aotx.engine.scheduler import Failure, Request, Scheduler
+from aotx.engine.llama.scheduler import Failure, Request, Scheduler
 from aotx.wire import Finish, Phase
 
 from .test_scheduler import ScriptedEngine, run_until_idle, submit

@@ -52,12 +52,14 @@ def within(name: str, package: str) -> bool:
 
 def test_imports_point_one_way() -> None:
     """The gateway never imports device or engine code; the device never imports the
-    gateway; the broker neither; the engine none of the three; only the engine imports
-    llama_cpp and llguidance."""
+    gateway, nor an engine kind's package; the broker neither; the engine none of the
+    three; only the engine imports llama_cpp and llguidance."""
     forbidden = {
         "aotx.gateway": ("aotx.device", "aotx.engine", "aotx.broker", "llama_cpp"),
         "aotx.broker": ("aotx.device", "aotx.engine", "aotx.gateway", "llama_cpp"),
-        "aotx.device": ("aotx.gateway", "aotx.broker", "llama_cpp"),
+        # the device knows the engines' contract (engine.interface, engine.load), not a kind
+        "aotx.device": ("aotx.gateway", "aotx.broker", "llama_cpp", "aotx.engine.llama",
+                        "aotx.engine.vllm"),
         "aotx.engine": ("aotx.gateway", "aotx.broker", "aotx.device"),
     }
     shared = ("aotx.wire", "aotx.ids", "aotx.mailbox", "aotx.client", "aotx.paths",
@@ -76,8 +78,8 @@ def test_imports_point_one_way() -> None:
                     if any(within(m, p) for p in forbidden if p != "aotx.engine")
                     or (within(m, "aotx.engine") and name != "aotx.engine")]
     assert not bad, bad
-    assert any(within(m, "llama_cpp") for m in imports("aotx.engine.llama",
-                                                       seen["aotx.engine.llama"]))
+    assert any(within(m, "llama_cpp") for m in imports("aotx.engine.llama.engine",
+                                                       seen["aotx.engine.llama.engine"]))
 
 
 def test_the_checker_sees_lazy_and_relative_imports(tmp_path: pathlib.Path) -> None:
@@ -109,3 +111,19 @@ def test_the_process_packages_exist() -> None:
     for package in ("gateway", "broker", "device", "engine"):
         assert os.path.isfile(ROOT / package / "__init__.py"), package
     assert (ROOT / "wire" / "__init__.py").is_file() and not (ROOT / "wire.py").exists()
+
+
+def test_a_vllm_only_device_never_imports_llama_cpp() -> None:
+    """The device's modules and vLLM's engine package load without llama.cpp: a device
+    that serves vLLM models alone (engine/load.py imports a kind when it loads one)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import aotx.device.runtime, aotx.engine.load, aotx.engine.vllm.load\n"
+            "assert 'aotx.engine.vllm.load' in sys.modules\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('llama_cpp', 'aotx.engine.llama'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout

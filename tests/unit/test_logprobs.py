@@ -19,8 +19,8 @@ from hypothesis.extra import numpy as hnp
 
 from aotx import wire
 from aotx.device.runtime import Device
+from aotx.engine.llama.scheduler import OutputBuffer, Request, Scheduler
 from aotx.engine.logprobs import MAX_TOP, Annotations, compute, line, window
-from aotx.engine.scheduler import OutputBuffer, Request, Scheduler
 
 from .devices import call
 from .test_device_protocol import text_submission

@@ -235,7 +235,7 @@ def test_models_file_kv_budget_type_and_chat_template(tmp_path) -> None:
     import pytest
 
     from aotx.device.models import KV_TYPES, ModelConfigError, load_specs
-    from aotx.engine.llama import KV_TYPES as ENGINE_KV_TYPES
+    from aotx.engine.llama.engine import KV_TYPES as ENGINE_KV_TYPES
 
     assert set(KV_TYPES) == set(ENGINE_KV_TYPES)
     for value, budget in (("268435456", 268435456), ('"256MiB"', 256 << 20),
@@ -270,7 +270,7 @@ def test_models_file_kv_budget_type_and_chat_template(tmp_path) -> None:
 
 
 def test_the_pool_size_rule() -> None:
-    from aotx.engine.llama import MIN_POOL_CELLS, EngineConfig, pool_cells
+    from aotx.engine.llama.engine import MIN_POOL_CELLS, EngineConfig, pool_cells
 
     def cells(**kw: object) -> int:
         return pool_cells(EngineConfig(path="x", slots=16, slot_context=4096, **kw), 23040.0, 8192)  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ import pytest
 from aotx import wire
 from aotx.device.runtime import Device
 from aotx.device.template import ChatTemplate
-from aotx.engine.scheduler import Scheduler
+from aotx.engine.llama.scheduler import Scheduler
 
 from .devices import call
 

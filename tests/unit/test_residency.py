@@ -1,4 +1,4 @@
-"""Zero pages handed back to the kernel (aotx.engine.residency), on a real mapping."""
+"""Zero pages handed back to the kernel (aotx.engine.llama.residency), on a real mapping."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from aotx.engine.residency import (
+from aotx.engine.llama.residency import (
     PAGE,
     ReleasingWhile,
     anonymous_mappings,

@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aotx.engine.interface import BatchEntry
+from aotx.engine.llama.scheduler import Failure, Request, Scheduler
 from aotx.engine.output import OutputBuffer, utf8_complete_length
-from aotx.engine.scheduler import Failure, Request, Scheduler
 from aotx.wire import Finish, Phase
 
 EOG = 0
@@ -753,7 +753,7 @@ def test_a_pool_too_small_for_all_preempts_and_every_request_completes_the_same(
     """Three requests that need 60 cells in a pool of 40: the last admitted gives its
     cells back when a decode finds none, evaluates its prompt and its tokens again later,
     and every request writes the bytes it writes without pressure."""
-    from aotx.engine import kvpool
+    from aotx.engine.llama import kvpool
     monkeypatch.setattr(kvpool, "GROWTH", 1)  # admit up to the brim: the decodes overflow
     scripts = [[1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2], [2] * 14, [1, 1, 2] * 4 + [1, 1]]
     outputs = []
@@ -798,7 +798,7 @@ def test_a_new_request_waits_for_cells_and_cached_prefixes_are_given_back() -> N
 
 
 def kvpool_growth() -> int:
-    from aotx.engine import kvpool
+    from aotx.engine.llama import kvpool
     return kvpool.GROWTH
 
 

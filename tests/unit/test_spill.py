@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aotx.engine.fair import common_prefix
-from aotx.engine.spill import SPILL_MIN_TOKENS, SpillStore
+from aotx.engine.llama.spill import SPILL_MIN_TOKENS, SpillStore
 
 PUBLIC = [1, 2, 3]
 
@@ -54,8 +54,8 @@ def test_nothing_is_worth_spilling_without_a_budget_or_below_the_minimum() -> No
 
 
 def test_the_default_budget_is_an_eighth_of_the_available_memory_at_most_1_gib() -> None:
-    from aotx.engine.residency import available_bytes
-    from aotx.engine.spill import default_budget
+    from aotx.engine.llama.residency import available_bytes
+    from aotx.engine.llama.spill import default_budget
 
     assert default_budget(0) == 0 and default_budget(12345) == 12345
     assert default_budget(-1) == min(1 << 30, available_bytes() // 8) > 0

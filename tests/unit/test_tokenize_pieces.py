@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 
-from aotx.engine.llama import LlamaEngine
+from aotx.engine.llama.engine import LlamaEngine
 
 USER, END, MASK = 1, 2, 3
 

@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 
 from aotx.device.models import ModelConfigError, load_specs
-from aotx.engine.hfvocab import HfVocab, Vocab
 from aotx.engine.interface import EngineError
 from aotx.engine.request import Failure, Request
-from aotx.engine.vllm import VllmRunner, start, unsupported
+from aotx.engine.vllm.hfvocab import HfVocab, Vocab
+from aotx.engine.vllm.model import start
+from aotx.engine.vllm.runner import VllmRunner, unsupported
 from aotx.wire import EngineFeature, Finish, Phase, Sampling
 
 BOS, EOS, A, B = 0, 1, 2, 3  # specials; a byte b is token b + 4
@@ -439,7 +440,7 @@ def embed_all(client: EncodingClient, inputs: list[list[int]]) -> Any:
     import numpy as np
 
     from aotx.engine.embedding import EmbedJob
-    from aotx.engine.vllm_inputs import VllmEmbeddings
+    from aotx.engine.vllm.inputs import VllmEmbeddings
 
     run = Running(client)
     try:

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 import llama_cpp
 import numpy as np
 
-from .embedding import MAX_SEQS, Vectors
-from .interface import EngineError
-from .llama import LlamaEngine, _ggml_libs
+from ..embedding import MAX_SEQS, Vectors
+from ..interface import EngineError
+from .engine import LlamaEngine
+from .libs import ggml_libs
 
 
 @dataclass
@@ -64,7 +65,7 @@ class PieceEmbedder:
         if not self.ctx:
             raise EngineError(f"llama.cpp could not create an embedding context of {context}")
         if engine.threadpool:  # the engine thread's pool: both contexts run on that thread
-            _ggml_libs()
+            ggml_libs()
             llama_cpp.llama_cpp._lib.llama_attach_threadpool(
                 ctypes.c_void_p(self.ctx), ctypes.c_void_p(engine.threadpool),
                 ctypes.c_void_p(engine.threadpool))

@@ -17,17 +17,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..wire import EngineFeature, Finish, Phase, Sampling
-from .accept import accept
+from ...wire import EngineFeature, Finish, Phase, Sampling
+from ..accept import accept
+from ..fair import NOBODY, FairQueue, owner_of, usable_prefix
+from ..grammar import MaskFiller
+from ..interface import BatchEntry, Engine, EngineError, EngineStats, Side, StepOutcome
+from ..logprobs import Annotations, annotate
+from ..multimodal import MediaInputError, MediaSegment, release_all
+from ..output import OutputBuffer
+from ..request import Failure, Request, settle
 from .chunking import ChunkCost, widen_final
-from .fair import NOBODY, FairQueue, owner_of, usable_prefix
-from .grammar import MaskFiller
-from .interface import BatchEntry, Engine, EngineError, EngineStats, Side, StepOutcome
 from .kvpool import KvPool
-from .logprobs import Annotations, annotate
-from .multimodal import MediaInputError, MediaSegment, release_all
-from .output import OutputBuffer
-from .request import Failure, Request, settle
 from .spill import SpillStore
 
 __all__ = ["Failure", "OutputBuffer", "Request", "Scheduler", "StepOutcome"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from .fair import usable_prefix
+from ..fair import usable_prefix
 from .residency import available_bytes
 
 #: A sequence's cached tokens are saved when a new request would discard at least this

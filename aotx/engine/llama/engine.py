@@ -1,7 +1,7 @@
 """The model engine: llama.cpp through llama-cpp-python's low-level batch API.
 
 One :class:`LlamaEngine` owns one model, one context and one batch.  It knows
-nothing about requests: the scheduler (``aotx.engine.scheduler``) decides which
+nothing about requests: the scheduler (``aotx.engine.llama.scheduler``) decides which
 tokens of which sequences go into each ``llama_decode`` call.  Every ctypes
 call into llama.cpp releases the GIL, so the device's control thread keeps
 answering the mailboxes while a decode step runs.
@@ -30,9 +30,10 @@ import llama_cpp
 import numpy as np
 from llama_cpp import _logger as _llama_logger
 
-from .grammar import GrammarCompiler
-from .interface import BatchEntry, EngineError
-from .masks import apply_mask
+from ..grammar import GrammarCompiler
+from ..interface import BatchEntry, EngineError
+from ..masks import apply_mask
+from .libs import ThreadpoolParams, ggml_libs
 from .residency import available_bytes, create_uncommitted
 from .sampling import Sampler
 
@@ -47,66 +48,6 @@ MAX_CACHED_FRAGMENT = 4096
 #: Vocabularies with more special tokens than this tokenize a whole text (``tokenize``)
 #: through llama.cpp (splitting on each of them would cost more than it saves).
 MAX_SPECIALS = 256
-
-
-class _ThreadpoolParams(ctypes.Structure):
-    """ggml's ``struct ggml_threadpool_params`` (ggml.h, GGML_MAX_N_THREADS = 512)."""
-
-    _fields_ = [("cpumask", ctypes.c_bool * 512), ("n_threads", ctypes.c_int),
-                ("prio", ctypes.c_int), ("poll", ctypes.c_uint32), ("strict_cpu", ctypes.c_bool),
-                ("paused", ctypes.c_bool)]
-
-
-_ggml: tuple[ctypes.CDLL, ctypes.CDLL] | None = None
-
-
-def loaded_library(stem: str) -> str:
-    """The file of ``stem`` (``libggml-cpu.so``) that the process has already mapped
-    as a dependency of libllama, so that ``ctypes.CDLL`` returns that same library.
-
-    The wheel ships ``libggml-cpu.so``, ``.so.0`` and ``.so.0.25.3`` as separate
-    copies of one file, and libllama loads ``.so.0``: opening ``libggml-cpu.so`` by
-    name would map a second ggml whose globals ``ggml_cpu_init`` never set up, and
-    the thread pool's workers would run that copy's code.
-    """
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.rstrip("\n").split(maxsplit=5)[-1]
-                name = os.path.basename(path)
-                if (path.startswith("/") and (name == stem or name.startswith(stem + "."))
-                        and os.path.exists(path)):
-                    return path
-    except OSError:
-        pass
-    libdir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
-    for name in (stem + ".0", stem):
-        if os.path.exists(os.path.join(libdir, name)):
-            return os.path.join(libdir, name)
-    return stem
-
-
-def _ggml_libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
-    """(libggml-base, libggml-cpu) as llama-cpp-python loaded them, with the
-    thread-pool functions it does not bind."""
-    global _ggml
-    if _ggml is None:
-        base = ctypes.CDLL(loaded_library("libggml-base.so"))
-        cpu = ctypes.CDLL(loaded_library("libggml-cpu.so"))
-        base.ggml_threadpool_params_init.argtypes = [ctypes.POINTER(_ThreadpoolParams),
-                                                     ctypes.c_int]
-        base.ggml_threadpool_params_init.restype = None
-        cpu.ggml_threadpool_new.argtypes = [ctypes.POINTER(_ThreadpoolParams)]
-        cpu.ggml_threadpool_new.restype = ctypes.c_void_p
-        cpu.ggml_threadpool_free.argtypes = [ctypes.c_void_p]
-        cpu.ggml_threadpool_free.restype = None
-        lib = llama_cpp.llama_cpp._lib
-        lib.llama_attach_threadpool.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        lib.llama_attach_threadpool.restype = None
-        lib.llama_detach_threadpool.argtypes = [ctypes.c_void_p]
-        lib.llama_detach_threadpool.restype = None
-        _ggml = (base, cpu)
-    return _ggml
 
 
 #: KV cache types (the models file's ``kv_type``): ggml type and bytes per element.
@@ -261,8 +202,8 @@ class LlamaEngine:
 
     def _attach_threadpool(self, threads: int, poll: int) -> None:
         """One pool for single-token and batch decodes alike (the same thread count)."""
-        base, cpu = _ggml_libs()
-        params = _ThreadpoolParams()
+        base, cpu = ggml_libs()
+        params = ThreadpoolParams()
         base.ggml_threadpool_params_init(ctypes.byref(params), threads)
         params.poll = poll
         pool = cpu.ggml_threadpool_new(ctypes.byref(params))
@@ -594,7 +535,7 @@ class LlamaEngine:
                 llama_cpp.llama_batch_free(self._embd_batch)
             llama_cpp.llama_free(self.ctx)
             if self.threadpool:
-                _ggml_libs()[1].ggml_threadpool_free(ctypes.c_void_p(self.threadpool))
+                ggml_libs()[1].ggml_threadpool_free(ctypes.c_void_p(self.threadpool))
                 self.threadpool = None
             llama_cpp.llama_model_free(self.model)
             self.ctx = None

@@ -9,16 +9,14 @@ import io
 import logging
 import os
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from .embedding import EmbedJob, Vectors
-from .interface import EngineError
-from .multimodal import MediaInputError, MediaProblem, MediaSegment, check_parts
-
-if TYPE_CHECKING:
-    from .vllm import EngineClient, VllmRunner
+from ..embedding import EmbedJob, Vectors
+from ..interface import EngineError
+from ..multimodal import MediaInputError, MediaProblem, MediaSegment, check_parts
+from .client import EngineClient, Loop
 
 log = logging.getLogger("aotx.engine")
 
@@ -36,7 +34,7 @@ class VllmEmbeddings:
     stands where :class:`~aotx.engine.embedding.EmbedQueue` stands for llama.cpp (the
     device reads ``embedder.dims`` and ``embedder.context``)."""
 
-    def __init__(self, runner: VllmRunner, client: EngineClient, dims: int, context: int,
+    def __init__(self, runner: Loop, client: EngineClient, dims: int, context: int,
                  pooling: str, make_params: Callable[[], Any]) -> None:
         self.runner = runner
         self.client = client

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import llama_cpp
 
-from ..seeds import fold
-from ..wire import Sampling
+from ...seeds import fold
+from ...wire import Sampling
 
 PLAIN = Sampling()  # nothing beyond temperature, top-p and seed
 

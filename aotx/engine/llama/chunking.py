@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 
-from .llama import loaded_library
+from .libs import loaded_library
 
 if TYPE_CHECKING:
-    from .interface import Engine
-    from .llama import LlamaEngine
-    from .request import Request
+    from ..interface import Engine
+    from ..request import Request
+    from .engine import LlamaEngine
 
 #: ggml-cpu's GGML_FA_TILE_Q: query rows per stream from which upstream flash attention
 #: tiles.  aotx's build (scripts/setup, scripts/llama-flash-attention.patch) tiles every
