@@ -1,4 +1,5 @@
-"""Continuous batching over one engine.
+"""Continuous batching over one llama.cpp engine: the step (this module), what it holds
+(plan.py), and which sequence a request starts in, with the KV cells (cache.py).
 
 Each call to :meth:`Scheduler.step` is one ``llama_decode``: one token for every
 running sequence and prompt chunks of sequences being prepared (or the two in turns).
@@ -11,7 +12,6 @@ while a step is planned and its results applied, never during ``llama_decode``.
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from collections.abc import Callable
@@ -19,39 +19,27 @@ from typing import Any
 
 from ...wire import EngineFeature, Finish, Phase, Sampling
 from ..accept import accept
-from ..fair import NOBODY, FairQueue, owner_of, usable_prefix
+from ..fair import FairQueue, owner_of
 from ..grammar import MaskFiller
 from ..interface import BatchEntry, Engine, EngineError, EngineStats, Side, StepOutcome
-from ..logprobs import Annotations, annotate
+from ..logprobs import annotate
 from ..multimodal import MediaInputError, MediaSegment, release_all
 from ..output import OutputBuffer
 from ..request import Failure, Request, settle
-from .chunking import ChunkCost, widen_final
+from .chunking import ChunkCost
 from .kvpool import KvPool
+from .plan import StepPlan
 from .spill import SpillStore
 
 __all__ = ["Failure", "OutputBuffer", "Request", "Scheduler", "StepOutcome"]
 
-
-#: Prompt tokens per step for background (policy) work, so that a foreground
-#: request arriving meanwhile waits for at most one short step.
-BACKGROUND_CHUNK = 16
-#: A running sequence's prefix is copied into a new request's sequence when it
-#: saves at least this many prompt tokens over the best free sequence's cache
-#: (a stream copy costs milliseconds; evaluating 16 tokens costs more).
-COPY_MIN_TOKENS = 16
-#: Choosing a sequence, each cached token it would discard counts this much less than a
-#: token it lets the request reuse; with a spill store the discarded tokens are saved,
-#: not lost, and saving costs ~1/50 of evaluating a token here (19-60 ms against 2.7 s
-#: for 1000), so they count far less.
-DISCARD_WEIGHT = 4
-DISCARD_WEIGHT_SPILLED = 64
-
-
 SamplerFactory = Callable[[Request], object]
 
 
-class Scheduler:
+class Scheduler(StepPlan):
+    """Continuous batching over one llama.cpp engine (module docstring); what a step holds
+    is plan.py's, which sequence a request starts in and the KV cells cache.py's."""
+
     def __init__(self, engine: Engine, slots: int, batch: int, lock: threading.Lock,
                  make_sampler: SamplerFactory, free_sampler: Callable[[object], None],
                  on_step: Callable[[], None] = lambda: None,
@@ -162,260 +150,6 @@ class Scheduler:
         release_all(req.segments)
         self._ended.append(req)
         self.on_terminal(req)
-
-    def _plan(self) -> tuple[list[BatchEntry], list[tuple[Request, int]],
-                             list[tuple[Request, int]], tuple[Request, MediaSegment] | None]:
-        """Choose this step's tokens, and at most one media segment.  Lock held."""
-        self._drop_cancelled()
-        if self.queue and self.free_seqs:
-            running = collections.Counter(owner_of(r) for r in self.active)
-            later: list[Request] = []
-            preparing = sum(1 for r in self.active if r.phase is Phase.PREPARING)
-            while self.queue and self.free_seqs:
-                if self.prompts_per_step and preparing >= self.prompts_per_step:
-                    break
-                req = self.queue.pop_next(running)
-                if self._twin_preparing(req):
-                    later.append(req)
-                    continue
-                if not self._room(req):
-                    later.append(req)  # it waits for cells (kvpool.py)
-                    break
-                running[owner_of(req)] += 1
-                preparing += 1
-                self._start(req)
-            for req in reversed(later):
-                self.queue.push_front(req)
-        return self._choose()
-
-    def _twin_preparing(self, req: Request) -> bool:
-        """Is a request of the same principal with the same prompt still evaluating it?
-        Then ``req`` waits for it and copies its cells (``n`` choices, or a client that
-        sends one prompt several times at once evaluate the prompt once, not n times).
-        Not for media prompts: their placeholder tokens are the same for other images."""
-        if req.segments or len(req.prompt) <= COPY_MIN_TOKENS:  # not worth a copy
-            return False
-        who = owner_of(req)
-        return any(o.phase is Phase.PREPARING and o.n_past < len(o.prompt) - 1
-                   and owner_of(o) == who and not o.segments
-                   and len(o.prompt) == len(req.prompt) and o.prompt == req.prompt
-                   for o in self.active)
-
-    def _drop_cancelled(self) -> None:
-        """End cancelled requests; background work yields when foreground work waits."""
-        for req in [r for r in self.queue if r.cancel_requested]:
-            self.queue.remove(req)
-            self._finish(req, Phase.CANCELLED)
-        for req in [r for r in self.active if r.cancel_requested]:
-            self.active.remove(req)
-            self._finish(req, Phase.CANCELLED)
-        if any(not r.background for r in self.queue):
-            # Foreground work is waiting: background (policy) work yields at this step.
-            for req in [r for r in [*self.queue, *self.active] if r.background]:
-                if req in self.queue:
-                    self.queue.remove(req)
-                else:
-                    self.active.remove(req)
-                req.preempted = True
-                self._finish(req, Phase.CANCELLED)
-
-    def _start(self, req: Request) -> None:
-        """Give a queued request a sequence, with as much of its prompt cached as it may
-        reuse (its principal's own cells, or the public prefix: fair.usable_prefix).  A
-        preempted request evaluates its generated tokens too, and keeps its sampler."""
-        req.prefill = req.prompt + req.generated
-        who = owner_of(req)
-        seq, have = self._best_sequence(req, who)
-        self.free_seqs.remove(seq)
-        keep = min(have, len(req.prefill) - 1)
-        self._spill(seq, keep)
-        if not self.engine.trim_sequence(seq, keep):
-            # The memory cannot be cut back to ``keep`` (a recurrent model):
-            # start the sequence empty and evaluate the whole prompt.
-            self.engine.clear_sequence(seq)
-            keep = 0
-        self.cached[seq] = req.prefill[:keep]
-        self.owner[seq] = who
-        req.seq = seq
-        req.n_past = keep
-        if not req.preemptions:  # (what the client is told was cached: the first start)
-            req.reused_tokens = keep
-        self.reused_tokens += keep
-        self.prompt_tokens_looked_up += len(req.prefill)
-        req.phase = Phase.PREPARING
-        if req.sampler is None:  # (a preempted request keeps its own)
-            req.sampler = self.make_sampler(req)
-            req.buffer = OutputBuffer(req.stops)
-            req.notes = (Annotations(req.sampling.logprobs - 1) if req.sampling.logprobs
-                         else None)
-        self.active.append(req)
-
-    def _best_sequence(self, req: Request, who: int) -> tuple[int, int]:
-        """The free sequence for ``req`` and the tokens of its prefill it holds."""
-        seq, have = self._cached_sequence(req, who)
-        # A sequence in use may hold a longer prefix (requests arriving together
-        # share the chat template's system prompt): copy it into the lowest free
-        # sequence instead of evaluating it again.
-        source, shared = None, 0
-        for other in self.active:
-            n = min(usable_prefix(other.prefill, owner_of(other), req.prefill, who,
-                                  self.public), other.n_past)
-            if n > shared:
-                source, shared = other, n
-        key, saved = self.spill.best(req.prefill, who, self.public) if self.spill.entries \
-            else (0, 0)
-        if saved > shared and self.spill.worth_restoring(key, saved - have):
-            # Its conversation went to host memory when another took its sequence.
-            self._spill(seq, 0)
-            entry = self.spill.take(key)
-            restored = self.engine.restore_sequence(seq, entry.data)
-            self.spill.restores += restored
-            self.cached[seq] = entry.tokens if restored else []
-            self.owner[seq] = entry.owner
-            return seq, saved if restored else 0
-        if source is not None and shared - have >= COPY_MIN_TOKENS:
-            seq = min(self.free_seqs)
-            self._spill(seq, 0)
-            self.engine.copy_sequence(source.seq, seq)
-            self.cached[seq] = source.prefill[:shared]
-            have = shared
-            self.copies += 1
-        return seq, have
-
-    def _spill(self, seq: int, keep: int) -> None:
-        """Save the free sequence's cells to host memory first, when taking it would
-        discard enough of them (tokens past ``keep``) to be worth a later restore."""
-        held = self.cached.get(seq, [])
-        if self.spill.worth(len(held) - keep):
-            self.spill.put(held, self.owner.get(seq, NOBODY), self.engine.save_sequence(seq))
-
-    def _cached_sequence(self, req: Request, who: int) -> tuple[int, int]:
-        """The free sequence whose cached tokens ``req`` reuses best, and how many."""
-        # The free sequence whose cached tokens share the longest usable prefix with
-        # this prompt; at least the prompt's last token is evaluated again,
-        # since its logits are needed for the first sample.
-        # Prefer the longest cached prefix, less a quarter of the cached tokens it would
-        # throw away (another principal's 600 private tokens are worth keeping for it
-        # more than 20 public ones are worth reusing; a 64th when they are spilled,
-        # since its owner gets them back), then the lowest sequence id: streams in use
-        # stay a compact range, which llama.cpp batches fastest.
-        held = {q: usable_prefix(self.cached.get(q, []), self.owner.get(q, NOBODY),
-                                 req.prompt + req.generated, who, self.public)
-                for q in self.free_seqs}
-        weight = DISCARD_WEIGHT_SPILLED if self.spill.budget else DISCARD_WEIGHT
-        seq = max(self.free_seqs, key=lambda q: (
-            held[q] * weight - (len(self.cached.get(q, ())) - held[q]), -q))
-        return seq, held[seq]
-
-    def _room(self, req: Request) -> bool:
-        """Whether ``req`` may start now: its prompt fits the KV pool beside the running
-        sequences, once the least recently used cached prefixes are given back if need
-        be.  Alone, a request always starts (its context fits the pool)."""
-        if not self.active or not self.pool.shared:
-            return True
-        if self.pool.ended < req.resume_after:
-            return False  # preempted: it waits until a request ends, else it would thrash
-        seq, have = self._cached_sequence(req, owner_of(req))
-        need = len(req.prompt) + len(req.generated) - have
-        used = self.pool.in_use(self.active, self.cached, self.free_seqs)
-        if self.pool.room(need, len(self.active), used):
-            return True
-        # Give back least recently used cached prefixes (not the one it reuses), only if
-        # that makes room.
-        evictable = [q for q in self.pool.evictable(self.cached, self.free_seqs) if q != seq]
-        gone = 0
-        for n, q in enumerate(evictable):
-            gone += len(self.cached[q])
-            if self.pool.room(need, len(self.active), used - gone):
-                for r in evictable[:n + 1]:
-                    self._evict(r)
-                return True
-        return False
-
-    def _evict(self, seq: int) -> None:
-        self._spill(seq, 0)
-        self.engine.clear_sequence(seq)
-        self.cached[seq] = []
-        self.pool.evictions += 1
-
-    def _relieve(self) -> bool:
-        """After a decode that found no KV cells: give back the cached prefixes, or else
-        preempt a request (kvpool.py).  False when there is nothing to give back."""
-        cached = self.pool.evictable(self.cached, self.free_seqs)
-        for q in cached:
-            self._evict(q)
-        if cached:
-            return True
-        req = self.pool.victim(self.active)
-        if req is None:
-            return False
-        self.active.remove(req)
-        self.engine.clear_sequence(req.seq)
-        self.cached[req.seq] = []
-        self.free_seqs.append(req.seq)
-        req.seq = -1
-        req.n_past = 0
-        req.phase = Phase.PREPARING  # it evaluates its context again when it starts
-        req.preemptions += 1
-        req.resume_after = self.pool.ended + 1
-        self.pool.preemptions += 1
-        self.queue.push_front(req)
-        return True
-
-    def _choose(self) -> tuple[list[BatchEntry], list[tuple[Request, int]],
-                               list[tuple[Request, int]], tuple[Request, MediaSegment] | None]:
-        """The step's batch entries, samples and advances, and at most one media segment."""
-        # A running sequence's token (a constrained one when its principal's masks have
-        # their turn beside others' plain rows: grammar.py), a prompt chunk of one being
-        # prepared; with ``apart_rows`` a step holds one kind or the other, in turns (a
-        # prompt's rows beside other streams compute otherwise).  Media: alone, first.
-        chosen: list[tuple[Request, list[BatchEntry], bool]] = []
-        media: tuple[Request, MediaSegment] | None = None
-        running = sum(1 for r in self.active if r.phase is Phase.RUNNING)
-        prompts = not running or not self.apart_rows or (self._prompt_turn and any(
-            r.phase is Phase.PREPARING for r in self.active))
-        decode = not (self.apart_rows and prompts)
-        self._prompt_turn = not prompts
-        budget = (self.batch - running * decode) if prompts else 0
-        plain = {owner_of(r) for r in self.active if r.matcher is None and not r.background}
-        for req in self.active:
-            seg = (req.segments[req.next_segment] if req.next_segment < len(req.segments)
-                   else None)
-            if req.phase is Phase.RUNNING:
-                if decode and self.masks.turn(req.matcher, owner_of(req),
-                                              bool(plain - {owner_of(req)})):
-                    chosen.append((req, [BatchEntry(req.next_token, req.n_past, req.seq, True)],
-                                   True))
-            elif seg is not None and seg.start == req.n_past:
-                if media is None:
-                    media = (req, seg)
-            elif budget > 0:
-                end = seg.start if seg is not None else len(req.prefill)
-                take = min(budget, end - req.n_past)
-                if req.background:  # small steps: foreground work waits at most one of them
-                    take = min(take, BACKGROUND_CHUNK)
-                cost = None if req.background else self.chunk_cost  # (no 65-row chunks)
-                if take == end - req.n_past and (cost or self.apart_rows):
-                    take += widen_final(self.engine, req, take, budget, cost, self.apart_rows)
-                last = req.n_past + take == len(req.prefill)
-                chosen.append((req, [BatchEntry(req.prefill[p], p, req.seq,
-                                                last and p == req.n_past + take - 1)
-                                     for p in range(req.n_past, req.n_past + take)], last))
-                # apart: one prompt a step (llama.cpp would split two into equal rows)
-                budget = 0 if self.apart_rows else budget - take
-        # llama.cpp computes a multi-stream batch fastest when its sequences (KV
-        # streams) come in ascending order: a reversed or shuffled order measured
-        # at half the throughput.  Order the batch by sequence id.
-        chosen.sort(key=lambda c: c[0].seq)
-        entries: list[BatchEntry] = []
-        samples: list[tuple[Request, int]] = []
-        advances: list[tuple[Request, int]] = []
-        for req, toks, sample in chosen:
-            entries += toks
-            advances.append((req, len(toks)))
-            if sample:
-                samples.append((req, len(entries) - 1))
-        return entries, samples, advances, media
 
     def _decode_media(self, req: Request, seg: MediaSegment) -> None:
         """Encode one media segment and decode its embeddings into the request's sequence."""
@@ -537,23 +271,6 @@ class Scheduler:
         else:
             self.active.remove(req)
             self._finish(req, *ending)
-
-    def warm(self, prefix: list[int]) -> None:
-        """Evaluate ``prefix`` (the chat template's fixed start) into sequence 0 before
-        serving, so that the first requests, and every request copied from them,
-        start with it in cache.  Called before the engine thread starts."""
-        self.public = list(prefix)  # the same for everybody, cached or not
-        if not prefix or not self.free_seqs:
-            return
-        for start in range(0, len(prefix), self.batch):
-            part = prefix[start:start + self.batch]
-            status = self.engine.decode([BatchEntry(t, start + i, 0, False)
-                                         for i, t in enumerate(part)])
-            if status != 0:
-                self.engine.clear_sequence(0)
-                return
-        self.cached[0] = list(prefix)
-        self.owner[0] = NOBODY
 
     def run(self) -> None:
         """The engine thread: step while there is work, sleep on the condition otherwise."""
