@@ -43,13 +43,13 @@ from . import (
 )
 from . import schemas as S
 from .broker_client import BrokerClient
+from .connection import guarded_protocol
 from .credentials import ensure_admin_token
-from .errors import INTERNAL, NOT_JSON, ApiError, error_body
-from .guard import Guard, guarded_protocol
-from .render import error_response, json_response
+from .errors import ApiError, error_body
+from .guard import Guard
+from .render import failure_response, invalid_body, json_response
 from .response_store import ResponseStore
 from .service import Gateway
-from .validation import explain
 
 log = logging.getLogger("aotx.gateway")
 
@@ -101,27 +101,21 @@ def create_app(paths: RuntimePaths, settings: Settings | None = None, loopback_o
 
 
 def _handle_errors(app: FastAPI) -> None:
+    # The same answers as the guard's routes give (render.failure_response).
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
-        return error_response(exc)
+        return failure_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
-        errs = exc.errors()
-        if any(e.get("type") == "json_invalid" for e in errs):
-            return json_response(error_body(400, NOT_JSON), 400)
-        route = request.scope.get("route")
-        field = getattr(route, "body_field", None)
-        message, param = explain(field.field_info.annotation if field else None, errs)
-        return json_response(error_body(400, message, param=param), 400)
+        field = getattr(request.scope.get("route"), "body_field", None)
+        return failure_response(invalid_body(field.field_info.annotation if field else None,
+                                             exc.errors()))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
-        # A bug: the standard object with a fixed message, never the exception's text
-        # (it may hold a path).  Starlette re-raises it after this answer, and uvicorn
-        # logs the traceback and then closes the connection: ``Connection: close`` says
-        # so, and a pooled client opens a new one instead of failing its next request.
-        return json_response(error_body(500, INTERNAL), 500, {"Connection": "close"})
+        # (Starlette re-raises it after this answer, and uvicorn logs the traceback.)
+        return failure_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:

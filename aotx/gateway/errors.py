@@ -84,6 +84,12 @@ class ApiError(Exception):
         return error_body(self.status, self.message, self.param, self.code)
 
 
+def guard_only(route: str) -> AssertionError:
+    """What a route the guard answers raises if it is ever reached: its FastAPI
+    declaration is its OpenAPI entry, the guard (guard.py) its one path."""
+    return AssertionError(f"{route} is answered by the guard, not the framework's routes")
+
+
 #: What a 400 for a JSON route's body that is not a JSON object says (before the token).
 NOT_JSON = "the body is not valid JSON"
 TOO_DEEP = "the body's JSON is nested too deeply to read"

@@ -1,22 +1,10 @@
-"""The connection guard: every limit on HTTP connections and requests that uvicorn and
-FastAPI alone do not give, and the hottest routes' fast paths.
-
-Connection level (:class:`GuardedHttpToolsProtocol`, uvicorn's protocol class):
-
-* **Header read timeout** (slow-loris): the request line and headers must
-  arrive within ``header_timeout`` seconds of the connection opening (or of the
-  first byte of the next request on a kept-alive connection), else 408 and close.
-* **Header size**: more than ``MAX_HEADER_BYTES`` before the end of the headers
-  answers 431 and closes.
-* **Malformed requests**: bytes the HTTP parser refuses answer 400 with the standard
-  error object (not uvicorn's text) and close.
-* **Request targets**: a path, or an absolute ``http://host/path`` whose authority then
-  stands for the Host header (RFC 9112 3.2.2); anything else answers 400.
+"""The request guard: every limit on HTTP requests that uvicorn and FastAPI alone do not
+give, and the hottest routes' only path.  (The connection level is connection.py's.)
 
 Request level (:class:`Guard`, ASGI middleware in front of every route): one Host
 header, a loopback one on a loopback bind, body size and pacing (each chunk within
 ``body_timeout``), a JSON route's body a JSON object whatever its Content-Type, and the
-fast paths of ``GET /aotx/v1/requests/{id}``, ``GET /v1/models``,
+one path of ``GET /aotx/v1/requests/{id}``, ``GET /v1/models``,
 ``POST /aotx/v1/requests`` and ``POST /v1/chat/completions``.
 """
 
@@ -30,16 +18,14 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
-import httptools
 from pydantic import ValidationError
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ..config import MAX_BODY
 from . import calls, choices, routes_openai
 from .errors import (
-    INTERNAL,
     NO_BODY,
     NOT_AN_OBJECT,
     NOT_JSON,
@@ -47,7 +33,7 @@ from .errors import (
     ApiError,
     error_body,
 )
-from .render import dumps, error_response, json_response, send_json
+from .render import dumps, failure_response, invalid_body, send_json
 from .requests import ChatRequest
 from .validation import kind_of
 
@@ -55,167 +41,6 @@ if TYPE_CHECKING:
     from .service import Gateway
 
 log = logging.getLogger("aotx.gateway.http")
-
-MAX_HEADER_BYTES = 16 * 1024
-
-_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
-NOT_HTTP = "the request is not valid HTTP/1.1"
-#: An absolute-form request target: http(s), an authority without user information
-#: (group 1), then the path and query.
-_ABSOLUTE_FORM = re.compile(rb"https?://([^/?#@]*)(/[^#]*)", re.IGNORECASE)
-
-
-class GuardedHttpToolsProtocol(HttpToolsProtocol):
-    header_timeout = 10.0  # set per server by guarded_protocol()
-    _header_timer: asyncio.TimerHandle | None = None
-    _header_bytes = 0
-    _in_headers = True
-    _refused = False
-    _tail = b""  # the last bytes of the previous read while in headers
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm()
-
-    def _arm(self) -> None:
-        if not self._in_headers:
-            self._in_headers = True
-            self._header_bytes = 0
-            self._tail = b""
-        if self._header_timer is None:
-            self._header_timer = self.loop.call_later(self.header_timeout,
-                                                     self._headers_too_slow)
-
-    def _disarm(self) -> None:
-        self._in_headers = False
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
-
-    def _refuse(self, status: int, message: str) -> None:
-        self._disarm()
-        self._refused = True
-        cycle = getattr(self, "cycle", None)
-        if cycle is not None and not cycle.response_complete:
-            # A pipelined request refused while the previous response is still being
-            # written (an event stream): a raw answer would land inside that response.
-            self.transport.close()
-            return
-        body = dumps(error_body(status, message))
-        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
-                             b"content-length: %d\r\nconnection: close\r\n\r\n"
-                             % (status, _REASONS[status], len(body)) + body)
-        self.transport.close()
-
-    def _headers_too_slow(self) -> None:
-        self._header_timer = None
-        if self._in_headers and not self.transport.is_closing():
-            log.debug("event=gateway.header_timeout client=%s", self.client)
-            self._refuse(408, f"request headers not received within {self.header_timeout:.0f} s")
-
-    def data_received(self, data: bytes) -> None:
-        if self._refused:
-            return
-        if self._in_headers:
-            # Count raw bytes up to the end of the headers (a body may share the chunk,
-            # and the blank line may be split across two reads); this bounds what the
-            # parser buffers before it reports a header.
-            end = (self._tail + data).find(b"\r\n\r\n")
-            if end < 0:
-                self._header_bytes += len(data)
-                self._tail = (self._tail + data)[-3:]
-            else:
-                self._header_bytes += max(0, end - len(self._tail))
-                self._in_headers = False  # until the next request begins
-            if self._header_bytes > MAX_HEADER_BYTES:
-                self._refuse(431, f"request headers exceed {MAX_HEADER_BYTES} bytes")
-                return
-        self._feed(data)
-
-    def _feed(self, data: bytes) -> None:
-        """uvicorn's ``data_received``, but bytes the parser refuses get the standard
-        error object, and its complaint goes to the debug log: anyone who can reach the
-        port can send garbage, and a warning line for each would let them fill the log."""
-        self._unset_keepalive_if_required()
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            if self._should_upgrade():
-                self.handle_websocket_upgrade()
-            else:
-                self._unsupported_upgrade_warning()
-        except httptools.HttpParserError as exc:
-            log.debug("event=gateway.bad_request client=%s error=%s", self.client, exc)
-            self.send_400_response(NOT_HTTP)
-
-    def _unsupported_upgrade_warning(self) -> None:
-        # uvicorn warns (two lines) for every request with an Upgrade header it does not
-        # serve, and none is served here (no WebSocket): any client could fill the log.
-        log.debug("event=gateway.upgrade_ignored client=%s", self.client)
-
-    def send_400_response(self, msg: str) -> None:
-        # uvicorn's own answers text/plain; its message is not the client's business.
-        self._refuse(400, NOT_HTTP)
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self._arm()
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if self._refused:
-            return
-        super().on_header(name, value)
-        self._header_bytes_parsed = getattr(self, "_header_bytes_parsed", 0) + len(name) + len(value) + 4
-        if self._header_bytes_parsed + len(self.url) > MAX_HEADER_BYTES:
-            self._refuse(431, f"request headers exceed {MAX_HEADER_BYTES} bytes")
-
-    def on_headers_complete(self) -> None:
-        self._header_bytes_parsed = 0
-        if self._refused:
-            return  # the connection is closing: never start the application
-        self._disarm()
-        if not self.url.startswith(b"/") and not self._absolute_form():
-            return
-        super().on_headers_complete()
-
-    def _absolute_form(self) -> bool:
-        """A request target that is not a path.  RFC 9112 3.2.2: a server must accept the
-        absolute-form (``GET http://host/path``), and must ignore the Host header for the
-        host the target names; so the target's authority replaces the Host header here,
-        and the Guard checks that.  Authority-form, asterisk-form, another scheme, or user
-        information in the authority (``http://127.0.0.1:80@evil/``) are refused: 400."""
-        m = _ABSOLUTE_FORM.fullmatch(self.url)
-        if m is None:
-            self._refuse(400, "the request target must be a path, or an http URL with no "
-                              "user information")
-            return False
-        self.headers[:] = [(k, v) for k, v in self.headers if k != b"host"]  # scope's list
-        self.headers.append((b"host", m.group(1)))
-        return True
-
-    def on_body(self, body: bytes) -> None:
-        if not self._refused:
-            super().on_body(body)
-
-    def on_message_complete(self) -> None:
-        if not self._refused:
-            super().on_message_complete()
-            # The next bytes on a kept-alive connection are the next request's head:
-            # count them from its first read (its header timer starts at its first byte).
-            self._in_headers = True
-            self._header_bytes = 0
-            self._tail = b""
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
-
-
-def guarded_protocol(header_timeout: float) -> type[GuardedHttpToolsProtocol]:
-    """The protocol class for uvicorn (``Config(http=...)``) with this header timeout."""
-    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,),
-                {"header_timeout": header_timeout})
-
 
 #: A Host naming loopback: exactly one of these names, then at most a numeric port.
 #: Nothing looser: a check that splits or strips the value can take one that names
@@ -285,84 +110,74 @@ class Guard:
         self.body_timeout = body_timeout
         self.json_paths = json_paths
 
-    @staticmethod
-    async def _answer(send: Send, status: int, body: Callable[[], Awaitable[bytes]]) -> None:
-        """Send ``status`` and the JSON ``body()`` returns, or the standard error object
-        of the ApiError it raises (as the app's exception handlers would: any other
-        exception is a 500 with a fixed message, its text in the log only)."""
-        headers: dict[str, str] = {}
-        try:
-            out = await body()
-        except ApiError as exc:
-            status, out, headers = exc.status, dumps(exc.body()), exc.headers
-        except Exception:
-            log.exception("event=gateway.error")
-            status, out = 500, dumps(error_body(500, INTERNAL))
-        await send_json(send, status, out, headers)
+    # -- the routes answered here, and only here ------------------------------------------
+    # GET /aotx/v1/requests/{id}, GET /v1/models, POST /aotx/v1/requests and POST
+    # /v1/chat/completions: the framework's routing and dependency layers cost more than
+    # these answers (~40 % of the gateway's CPU for an admission), so the guard is their
+    # one path.  Their FastAPI declarations are their OpenAPI entries only.  What they
+    # raise is answered by render.failure_response, as the app's handlers answer it;
+    # their credentials are checked before their bodies, as a route's dependency is.
 
-    async def _window_fast_path(self, scope: Scope, send: Send) -> None:
-        """GET /aotx/v1/requests/{id}: the hottest read, without the framework's layers."""
+    async def _answer(self, scope: Scope, receive: Receive, send: Send,
+                      answer: Callable[[], Awaitable[Response | tuple[int, bytes]]]) -> None:
+        """Send what ``answer()`` gives: a response, or (status, JSON bytes) sent as two
+        ASGI messages (a Response object costs more than these answers' own work)."""
+        try:
+            out = await answer()
+        except Exception as exc:
+            if not isinstance(exc, ApiError):
+                log.exception("event=gateway.error")
+            out = failure_response(exc)
+        if isinstance(out, tuple):
+            await send_json(send, *out)
+        else:
+            await out(scope, receive, send)
+
+    async def _window(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """GET /aotx/v1/requests/{id}: a window of the request's output."""
         g = self.gateway()
 
-        async def window() -> bytes:
+        async def window() -> tuple[int, bytes]:
             principal = await g.authenticate(Request(scope))
             query = parse_qs(scope.get("query_string", b"").decode("latin-1"),
                              keep_blank_values=True)
             cursor = query.get("cursor", [None])[-1]
-            return await calls.window_body(g, principal,
-                                           scope["path"][len("/aotx/v1/requests/"):], cursor)
+            return 200, await calls.window_body(
+                g, principal, scope["path"][len("/aotx/v1/requests/"):], cursor)
 
-        await self._answer(send, 200, window)
+        await self._answer(scope, receive, send, window)
 
-    async def _models_fast_path(self, scope: Scope, send: Send) -> None:
-        """GET /v1/models, which clients and load balancers poll, without the framework's
-        layers (they cost more than the answer does)."""
+    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """GET /v1/models, which clients and load balancers poll."""
         g = self.gateway()
 
-        async def models() -> bytes:
-            return await routes_openai.models_body(g, await g.authenticate(Request(scope)))
+        async def models() -> tuple[int, bytes]:
+            principal = await g.authenticate(Request(scope))
+            return 200, await routes_openai.models_body(g, principal)
 
-        await self._answer(send, 200, models)
+        await self._answer(scope, receive, send, models)
 
-    @staticmethod
-    def _valid_chat(body: dict[str, Any]) -> ChatRequest | None:
-        """The body as the route would validate it, when it does; else None (the route
-        answers it exactly as before: its credentials are checked first)."""
-        try:
-            return ChatRequest.model_validate(body)
-        except ValidationError:
-            return None
-
-    async def _submit_fast_path(self, scope: Scope, body: dict[str, Any], send: Send) -> bool:
-        """POST /aotx/v1/requests without the framework's layers (they cost ~40 % of the
-        gateway's CPU for an admission), for a body that validates."""
-        if (chat := self._valid_chat(body)) is None:
-            return False
+    async def _submit(self, scope: Scope, body: dict[str, Any], receive: Receive,
+                      send: Send) -> None:
+        """POST /aotx/v1/requests: an admission."""
         g = self.gateway()
 
-        async def admit() -> bytes:
-            return await calls.admission_body(g, chat, await g.authenticate(Request(scope)))
+        async def admit() -> tuple[int, bytes]:
+            principal = await g.authenticate(Request(scope))
+            return 202, await calls.admission_body(g, _chat(body), principal)
 
-        await self._answer(send, 202, admit)
-        return True
+        await self._answer(scope, receive, send, admit)
 
-    async def _chat_fast_path(self, scope: Scope, body: dict[str, Any], receive: Receive,
-                              send: Send) -> bool:
-        """POST /v1/chat/completions without the framework's layers, for a body that
-        validates: the route's own code (``choices.completion``), its answer or stream
-        sent as the route's would be, an ApiError as the app's handler answers it."""
-        if (chat := self._valid_chat(body)) is None:
-            return False
+    async def _chat(self, scope: Scope, body: dict[str, Any], receive: Receive,
+                    send: Send) -> None:
+        """POST /v1/chat/completions: the answer, or its stream."""
         g = self.gateway()
-        try:
-            response = await choices.completion(g, chat, await g.authenticate(Request(scope)))
-        except ApiError as exc:
-            response = error_response(exc)
-        except Exception:
-            log.exception("event=gateway.error")
-            response = json_response(error_body(500, INTERNAL), 500)
-        await response(scope, receive, send)
-        return True
+
+        async def complete() -> Response:
+            principal = await g.authenticate(Request(scope))
+            return await choices.completion(g, _chat(body), principal)
+
+        await self._answer(scope, receive, send, complete)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -376,10 +191,12 @@ class Guard:
                     or scope["path"] == "/aotx/v1/media")
         has_body = any(k == b"transfer-encoding" or (k == b"content-length" and v.strip(b" 0"))
                        for k, v in scope["headers"])
-        if scope["method"] == "GET" and not has_body and _WINDOW_PATH.match(scope["path"]):
-            await self._window_fast_path(scope, send)
-        elif scope["method"] == "GET" and not has_body and scope["path"] == "/v1/models":
-            await self._models_fast_path(scope, send)
+        if scope["method"] == "GET" and (_WINDOW_PATH.match(scope["path"])
+                                         or scope["path"] == "/v1/models"):
+            if has_body:  # (never read: the connection closes after the answer)
+                receive, send = self._close_unless_read(receive, send)
+            await (self._models if scope["path"] == "/v1/models" else self._window)(
+                scope, receive, send)
         elif streamed:
             await self._streamed(scope, receive, send, has_body)
         else:
@@ -434,13 +251,14 @@ class Guard:
             if isinstance(obj, str):
                 await send_json(send, 400, dumps(error_body(400, obj)))
                 return
-            if not typed_json(scope):
-                scope = as_json(scope)  # FastAPI's route (the fast paths want the type)
-            elif (scope["path"] == "/aotx/v1/requests" and await self._submit_fast_path(
-                    scope, obj, send)
-                    or scope["path"] == "/v1/chat/completions" and await self._chat_fast_path(
-                        scope, obj, receive, send)):
+            if scope["path"] == "/aotx/v1/requests":
+                await self._submit(scope, obj, receive, send)
                 return
+            if scope["path"] == "/v1/chat/completions":
+                await self._chat(scope, obj, receive, send)
+                return
+            if not typed_json(scope):
+                scope = as_json(scope)  # so that FastAPI's route parses it as JSON
         replayed = False
 
         async def replay() -> Any:
@@ -511,3 +329,10 @@ class BodyTimeout(Exception):
     """A request body stalled for ``body_timeout`` (the route answers 408)."""
 
 
+def _chat(body: dict[str, Any]) -> ChatRequest:
+    """The body as ``ChatRequest``, or the 400 its route's validation would answer."""
+    try:
+        return ChatRequest.model_validate(body)
+    except ValidationError as exc:
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
+        raise invalid_body(ChatRequest, errors) from None

@@ -8,6 +8,7 @@ framework encoder), so a route, the exception handlers and the fast paths answer
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -15,7 +16,8 @@ from starlette.responses import Response
 from starlette.types import Send
 
 from .. import ids, wire
-from .errors import ApiError, error_body, wording
+from .errors import INTERNAL, NOT_JSON, ApiError, error_body, wording
+from .validation import explain
 
 PHASE_NAMES = {p: p.name.lower() for p in wire.Phase}
 FINISH_NAMES = {wire.Finish.NONE: None, wire.Finish.STOP: "stop", wire.Finish.LENGTH: "length"}
@@ -33,6 +35,26 @@ def dumps(obj: Any) -> bytes:
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(dumps(obj), status_code=status, headers=headers, media_type=JSON)
+
+
+def failure_response(exc: Exception) -> Response:
+    """The answer to what a route raised, for the app's handlers and the guard's routes
+    alike: an ApiError's standard object; anything else is a bug, answered with the
+    standard object and a fixed message, never the exception's text (it may hold a
+    path), and ``Connection: close`` (uvicorn closes it after logging the traceback, so
+    a pooled client opens a new one instead of failing its next request)."""
+    if isinstance(exc, ApiError):
+        return error_response(exc)
+    return json_response(error_body(500, INTERNAL), 500, {"Connection": "close"})
+
+
+def invalid_body(annotation: Any, errors: Sequence[Any]) -> ApiError:
+    """A body that does not validate as ``annotation``: pydantic's ``errors`` (their
+    ``loc`` starting at ``"body"``, as FastAPI reports them) as one 400 and its ``param``."""
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return ApiError(400, NOT_JSON)
+    message, param = explain(annotation, errors)
+    return ApiError(400, message, param=param)
 
 
 def error_response(exc: ApiError) -> Response:

@@ -12,7 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 from .. import config, ids, wire
 from . import calls
 from . import schemas as S
-from .errors import ApiError
+from .errors import ApiError, guard_only
 from .render import dumps, json_response, model_entry, sse, state_fields
 from .requests import MAX_CHOICES, ChatRequest, b64
 from .service import Caller, Gateway, Principal, Service, parse_id
@@ -58,21 +58,18 @@ async def capabilities(principal: Principal = Caller, g: Gateway = Service) -> R
 
 
 @router.post("/aotx/v1/requests", status_code=202, response_model=S.Admission)
-async def submit(body: ChatRequest, principal: Principal = Caller,
-                 g: Gateway = Service) -> Response:
-    # Served by the guard's fast path when the body is valid JSON (the same code:
-    # calls.admission_body); this route documents it and answers the rest.
-    return Response(await calls.admission_body(g, body, principal), status_code=202,
-                    media_type="application/json")
+async def submit(body: ChatRequest, principal: Principal = Caller) -> Response:
+    # Admit a request (calls.admission_body). The guard answers every request to this
+    # path; this declaration is its OpenAPI entry.
+    raise guard_only("POST /aotx/v1/requests")
 
 
 @router.get("/aotx/v1/requests/{rid}", response_model=S.RequestWindow)
-async def get_request(rid: str, cursor: str | None = None, principal: Principal = Caller,
-                      g: Gateway = Service) -> Response:
-    # Served by the guard's fast path (the same code: calls.window_body); this route
-    # documents it in the OpenAPI document.
-    return Response(await calls.window_body(g, principal, rid, cursor),
-                    media_type="application/json")
+async def get_request(rid: str, cursor: str | None = None,
+                      principal: Principal = Caller) -> Response:
+    # A window of the request's output (calls.window_body). The guard answers every
+    # request to this path; this declaration is its OpenAPI entry.
+    raise guard_only("GET /aotx/v1/requests/{rid}")
 
 
 @router.get("/aotx/v1/requests/{rid}/logprobs", response_model=S.RequestLogprobs)

@@ -11,9 +11,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from . import choices
 from . import schemas as S
-from .render import JSON, dumps, json_response, openai_model
+from .errors import guard_only
+from .render import dumps, json_response, openai_model
 from .requests import ChatRequest
 from .service import Caller, Gateway, Principal, Service
 
@@ -21,8 +21,10 @@ router = APIRouter(tags=["standard"], redirect_slashes=False)
 
 
 @router.get("/v1/models", response_model=S.OpenAIModelList)
-async def list_models(principal: Principal = Caller, g: Gateway = Service) -> Response:
-    return Response(await models_body(g, principal), media_type=JSON)
+async def list_models(principal: Principal = Caller) -> Response:
+    # The models the caller may use (models_body). The guard answers every request to this
+    # path; this declaration is its OpenAPI entry.
+    raise guard_only("GET /v1/models")
 
 
 async def models_body(g: Gateway, principal: Principal) -> bytes:
@@ -42,6 +44,7 @@ async def get_model(model_id: str, principal: Principal = Caller,
              responses={200: {"content": {"text/event-stream": {}},
                               "description": "the completion, or with stream: true an SSE "
                                              "stream of chat.completion.chunk objects"}})
-async def chat_completions(body: ChatRequest, principal: Principal = Caller,
-                           g: Gateway = Service) -> Response:
-    return await choices.completion(g, body, principal)
+async def chat_completions(body: ChatRequest, principal: Principal = Caller) -> Response:
+    # A chat completion, or its stream (choices.completion). The guard answers every
+    # request to this path; this declaration is its OpenAPI entry.
+    raise guard_only("POST /v1/chat/completions")

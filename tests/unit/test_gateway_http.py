@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import uvicorn
 
@@ -38,7 +39,7 @@ from aotx.gateway import (
 )
 from aotx.gateway.app import create_app, server_config
 from aotx.gateway.broker_client import BrokerUnavailable, DeviceSilent
-from aotx.gateway.errors import error_body
+from aotx.gateway.errors import INTERNAL, error_body
 from aotx.paths import RuntimePaths
 
 from ..helpers import eventually, free_port, short_tmpdir
@@ -658,10 +659,12 @@ def test_the_fast_paths_answer_as_the_routes(gw: Any) -> None:
 
 
 
-def test_the_chat_fast_path_answers_as_the_route() -> None:
-    """A chat completion that validates is answered by the guard (choices.completion,
-    without FastAPI's layers): whole, streamed, and refused, it answers as the route
-    itself does (reached here through the app without its guard)."""
+def test_the_guard_is_the_one_path_of_its_routes() -> None:
+    """The window read, the model list, admissions and chat completions are answered by
+    the guard alone: whole, streamed, refused, with an invalid body (its credentials
+    checked first, then the same 400 as any route's validation), with a form's
+    Content-Type; their FastAPI declarations, reached without the guard, are never a
+    path (a 500: guard_only)."""
     state_dir = short_tmpdir()
     broker = ScriptedBroker()
     broker.script[wire.Op.SUBMIT] = lambda h, p: (state(h, 202, wire.Phase.QUEUED), b"")
@@ -669,23 +672,36 @@ def test_the_chat_fast_path_answers_as_the_route() -> None:
         state(h, phase=wire.Phase.COMPLETED, total=3, finish=1), b"abc"[h.cursor:])
     app = create_app(RuntimePaths(state_dir), Settings(), broker=broker)  # type: ignore[arg-type]
 
-    def same(r: httpx.Response) -> Any:
-        r.raise_for_status() if r.status_code < 400 else None
-        text = re.sub(r'"created":\d+', '"created":0', r.text)
-        return r.status_code, r.headers["content-type"], text
-
     async def run() -> None:
-        async with asgi_client(app, RuntimePaths(state_dir)) as fast:
-            route = httpx.AsyncClient(transport=httpx.ASGITransport(app=app.app),  # type: ignore[attr-defined]
-                                      base_url="http://127.0.0.1", headers=fast.headers)
+        async with asgi_client(app, RuntimePaths(state_dir)) as c:
+            whole = await c.post("/v1/chat/completions", json=BODY)
+            assert whole.status_code == 200 and whole.json()["choices"][0]["message"][
+                "content"] == "abc"
             stream = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
-            for body in (BODY, stream, {**BODY, "model": "nope"}):
-                a, b = same(await fast.post("/v1/chat/completions", json=body)), \
-                    same(await route.post("/v1/chat/completions", json=body))
-                assert a == b
-            assert a[0] == 404 and "nope" in a[2]
-            assert "data: [DONE]" in same(await fast.post("/v1/chat/completions", json=stream))[2]
-            await route.aclose()
+            assert "data: [DONE]" in (await c.post("/v1/chat/completions", json=stream)).text
+            refused = await c.post("/v1/chat/completions", json={**BODY, "model": "nope"})
+            assert refused.status_code == 404 and "nope" in error(refused)["message"]
+            for path in ("/v1/chat/completions", "/aotx/v1/requests"):
+                bad = await c.post(path, json={**BODY, "max_tokens": "many"})
+                assert bad.status_code == 400 and error(bad)["param"] == "max_tokens", bad.text
+                anon = await c.post(path, json={**BODY, "max_tokens": "many"},
+                                    headers={"Authorization": ""})
+                assert anon.status_code == 401  # credentials before the body
+                form = await c.post(path, content=orjson.dumps(BODY),
+                                    headers={"Content-Type": "application/x-www-form-urlencoded"})
+                assert form.status_code in (200, 202), form.text
+            assert (await c.get("/v1/models")).json()["data"][0]["id"] == "smollm2"
+            rid = form.json()["id"]
+            assert (await c.get(f"/aotx/v1/requests/{rid}")).json()["state"] == "completed"
+            bare = httpx.AsyncClient(transport=httpx.ASGITransport(
+                app=app.app, raise_app_exceptions=False),  # type: ignore[attr-defined]
+                base_url="http://127.0.0.1", headers=c.headers)
+            for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+                                 ("POST", "/aotx/v1/requests"),
+                                 ("GET", f"/aotx/v1/requests/{rid}")):
+                r = await bare.request(method, path, json=BODY if method == "POST" else None)
+                assert r.status_code == 500 and error(r)["message"] == INTERNAL, (path, r.text)
+            await bare.aclose()
 
     try:
         asyncio.run(run())
