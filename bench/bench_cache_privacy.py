@@ -1,6 +1,6 @@
 """Does another principal's copy of a cached prompt cost a fresh prompt's time?
 
-    .venv/bin/python bench/bench_cache_privacy.py [--rounds 3] [--items 150]
+    .venv/bin/python -m bench.bench_cache_privacy [--rounds 3] [--items 150]
 
 Starts ``aotx serve`` (from this checkout) on a free port, mints principals A and B, and
 per round times a long prompt (about 1400 tokens) sent by A (fresh), the same text by B,
@@ -12,25 +12,15 @@ as fast as A's second (the timing attack of CVE-2025-46570).
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
 import time
 
 import httpx
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from tests.helpers import Service, running_service  # noqa: E402
-
-
-def mint(svc: Service, name: str) -> str:
-    r = subprocess.run([sys.executable, "-m", "aotx", "token", "create", "--principal", name,
-                        "--state-dir", svc.state_dir], capture_output=True, text=True, check=True)
-    return r.stdout.strip().splitlines()[-1]
+from bench.common import Server, serving
+from tests.helpers import SMALL_MODELS
 
 
-def timed(svc: Service, token: str, body: dict[str, object]) -> tuple[float, int]:
+def timed(svc: Server, token: str, body: dict[str, object]) -> tuple[float, int]:
     t = time.monotonic()
     r = httpx.post(svc.url + "/v1/chat/completions", json=body, timeout=300,
                    headers={"Authorization": f"Bearer {token}"})
@@ -43,8 +33,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--items", type=int, default=150)
     args = ap.parse_args()
-    with running_service() as svc:
-        a, b = mint(svc, "a"), mint(svc, "b")
+    with serving(SMALL_MODELS) as svc:
+        a, b = svc.mint("a"), svc.mint("b")
         for rnd in range(args.rounds):
             text = " ".join(f"item {i} is {(i * 7919 + rnd) % 1000}" for i in range(args.items))
             body: dict[str, object] = {"model": "smollm2", "max_tokens": 1, "temperature": 0,

@@ -2,7 +2,7 @@
 attention tiles only from 64 query rows per KV stream, aotx's build every chunk
 (engine/chunking.py).
 
-    PYTHONPATH=. .venv/bin/python bench/bench_chunking.py [--depths 450,1000] [--reps 2]
+    .venv/bin/python -m bench.bench_chunking [--depths 450,1000] [--reps 2]
         [--lengths 16,24,33,48,63,64,65,96,128]
 
 On the embedded model at aotx's defaults (16 streams of 4096 cells), for each depth it
@@ -15,19 +15,14 @@ build's ``llama_cpp`` package first on ``PYTHONPATH`` it measures that build.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import llama_cpp
 
-import llama_cpp  # noqa: E402
-
-from aotx.device.models import default_model_path  # noqa: E402
-from aotx.engine.interface import BatchEntry  # noqa: E402
-from aotx.engine.llama.chunking import ChunkCost, chunk_cost, fa_tile_min_rows  # noqa: E402
-from aotx.engine.llama.engine import EngineConfig, LlamaEngine  # noqa: E402
+from aotx.engine.interface import BatchEntry
+from aotx.engine.llama.chunking import ChunkCost, chunk_cost, fa_tile_min_rows
+from bench import common
 
 LENGTHS = (16, 24, 33, 48, 63, 64, 65, 96, 128)
 
@@ -38,7 +33,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     args = ap.parse_args()
-    engine = LlamaEngine(EngineConfig(path=default_model_path()))
+    engine = common.engine()
     # the upstream cost model, whatever this build: aotx's own (tiles every chunk) widens nothing
     cost = ChunkCost.of(llama_cpp, engine.model)
     print(f"this build's flash attention tiles from {fa_tile_min_rows()} rows; aotx widens "

@@ -1,7 +1,7 @@
 """A decode step at depth, the engine alone: S sequences, each D tokens deep, decode one
 token each in one ``llama_decode`` (a KV stream per sequence, aotx's defaults).
 
-    PYTHONPATH=. .venv/bin/python bench/bench_decode.py \\
+    .venv/bin/python -m bench.bench_decode \\
         [--cases 1x100,1x1000,8x150,8x1000] [--rounds 2] [--steps 8] \\
         [--build upstream=/path/holding/another/llama_cpp]
 
@@ -29,11 +29,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def measure(cases: list[tuple[int, int]], steps: int, flash: bool) -> dict[str, float]:
     """Median ms of a decode step for each (sequences, depth), in this process (its
     PYTHONPATH holds the checkout: main sets it)."""
-    from aotx.device.models import default_model_path
     from aotx.engine.interface import BatchEntry
-    from aotx.engine.llama.engine import EngineConfig, LlamaEngine
+    from bench import common
 
-    engine = LlamaEngine(EngineConfig(path=default_model_path(), flash_attention=flash))
+    engine = common.engine(flash_attention=flash)
     tokens = engine.tokenize(" ".join(f"word{i}" for i in range(4000)), False)
     out = {}
     for n_seq, depth in cases:

@@ -1,6 +1,6 @@
 """What a large embedding call costs the streams being generated, and what it costs alone.
 
-    .venv/bin/python bench/bench_embeddings.py [--inputs 96] [--streams 2] [--rounds 2]
+    .venv/bin/python -m bench.bench_embeddings [--inputs 96] [--streams 2] [--rounds 2]
 
 It starts ``aotx serve`` (the embedded SmolLM2, 4 slots, context 2048) and measures, each
 round: ``--streams`` chat streams alone (tokens a second, the largest gap between two
@@ -16,17 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import signal
 import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 
 import httpx
+
+from bench import common
 
 PROMPT = [{"role": "user", "content": "Count from 1 to 1000, one number per line."}]
 
@@ -35,27 +32,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def start() -> tuple[subprocess.Popen[bytes], str, dict[str, str], str]:
-    state = tempfile.mkdtemp(prefix="aotx-emb-", dir="/tmp")
-    with open(os.path.join(state, "models.toml"), "w") as f:
-        f.write("[default]\nslots = 4\ncontext = 2048\n")
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "aotx", "--log-level", "WARNING", "serve",
-                             "--state-dir", state, "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(base + "/readyz", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    token = open(os.path.join(state, "admin.token")).read().strip()
-    return proc, base, {"Authorization": f"Bearer {token}"}, state
 
 
 def stream(base: str, headers: dict[str, str], arrivals: list[float]) -> None:
@@ -109,8 +85,8 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    proc, base, headers, state = start()
-    try:
+    with common.serving(common.slots_file(4)) as srv:
+        base, headers = srv.url, srv.headers
         embed(base, headers, 4)  # warm
         for _ in range(args.rounds):
             seconds, tokens = embed(base, headers, args.inputs)
@@ -120,10 +96,6 @@ def main() -> None:
                 "embedding_alone": {"embed_s": seconds, "embed_tok_s": tokens / seconds,
                                     "inputs": args.inputs, "tokens": tokens},
                 "load": os.getloadavg()[0]}), flush=True)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
-        shutil.rmtree(state, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Constrained decoding at the engine level: 8 sequences each under a JSON schema against
 8 free ones, through the scheduler on the real model.
 
-    .venv/bin/python bench/bench_grammar.py [--sequences 8] [--tokens 96] [--rounds 4]
+    .venv/bin/python -m bench.bench_grammar [--sequences 8] [--tokens 96] [--rounds 4]
 
 Each round runs A (every sequence constrained) then B (none), so drift of this VM's
 speed hits both alike (A B A B).  The schemas ask for long arrays (``minItems`` past
@@ -27,12 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from aotx.device.models import default_model_path
 from aotx.device.template import ChatTemplate
 from aotx.engine.grammar import GrammarSpec, apply_mask, mask_words
-from aotx.engine.llama.engine import EngineConfig, LlamaEngine
 from aotx.engine.llama.sampling import Sampler
 from aotx.engine.llama.scheduler import Request, Scheduler
+from bench import common
 
 _PERSON = {"type": "object",
            "properties": {"name": {"type": "string", "maxLength": 12},
@@ -104,8 +103,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
     n = args.sequences
-    engine = LlamaEngine(EngineConfig(path=default_model_path(), slots=n, slot_context=1024,
-                                      batch=512, threads=args.threads))
+    engine = common.engine(slots=n, slot_context=1024,
+                           batch=512, threads=args.threads)
     t0 = time.perf_counter()
     compiler = engine.grammar_compiler()
     print(f"tokenizer for llguidance: {time.perf_counter() - t0:.2f} s (once per model)")

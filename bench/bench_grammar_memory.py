@@ -1,6 +1,6 @@
 """What the compiled-grammar cache costs in memory, on the real vocabulary.
 
-    PYTHONPATH=. .venv/bin/python bench/bench_grammar_memory.py [--grammars 64] [--steps 64]
+    .venv/bin/python -m bench.bench_grammar_memory [--grammars 64] [--steps 64]
 
 Fills the cache (``GrammarLimits.cache_size``, 64) with distinct schemas built to grow
 llguidance's lexer: each has 24 string properties with patterns of their own, a
@@ -22,9 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from aotx.device.models import default_model_path
 from aotx.engine.grammar import GrammarCompiler, GrammarError, GrammarSpec, mask_words
-from aotx.engine.llama.engine import EngineConfig, LlamaEngine
+from bench import common
 
 
 def rss_mib() -> float:
@@ -71,8 +70,8 @@ def main() -> None:
     ap.add_argument("--grammars", type=int, default=64)
     ap.add_argument("--steps", type=int, default=64)
     args = ap.parse_args()
-    engine = LlamaEngine(EngineConfig(path=default_model_path(), slots=1, slot_context=64,
-                                      batch=64))
+    engine = common.engine(slots=1, slot_context=64,
+                           batch=64)
     compiler = engine.grammar_compiler()
     base = rss_mib()
     sizes, alive, rnd = [], [], random.Random(0)

@@ -2,7 +2,7 @@
 (issue 39): the factor by which principal B's call latency grows while principal A
 floods, for two floods.
 
-    .venv/bin/python bench/bench_isolation.py [--rounds 3] [--seconds 20] [--only NAME]
+    .venv/bin/python -m bench.bench_isolation [--rounds 3] [--seconds 20] [--only NAME]
 
 * ``schemas``: A keeps 6 chat completions running, each under a JSON schema of an
   ``anyOf`` of 500 patterns (masks that cost more than the decode step); B sends plain
@@ -19,18 +19,14 @@ factor docs/performance.md quotes.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_serve import serve_aotx, stop  # noqa: E402
+from bench import common
 
 #: 500 patterns that overlap (letters, then digits, then a tag): inside the string every
 #: one is still alive, and a mask costs ~3 ms (SmolLM2's 49k tokens), against a decode
@@ -48,12 +44,6 @@ def cpu_model() -> str:
     with open("/proc/cpuinfo") as f:
         return next((line.split(":", 1)[1].strip() for line in f
                      if line.startswith("model name")), "unknown")
-
-
-def mint(state: str, name: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "aotx", "token", "create", "--principal", name,
-                          "--state-dir", state], capture_output=True, text=True, check=True)
-    return out.stdout.strip().splitlines()[-1]
 
 
 def heavy_chat(c: httpx.Client) -> int:
@@ -165,13 +155,10 @@ def main() -> None:
     ap.add_argument("--only", choices=sorted(SCENARIOS))
     args = ap.parse_args()
     print(f"CPU: {cpu_model()}")
-    proc, base, _headers, state = serve_aotx(None)
-    try:
-        a, b = mint(state, "a-flood"), mint(state, "b-plain")
+    with common.serving(None) as srv:
+        a, b = srv.mint("a-flood"), srv.mint("b-plain")
         for name in [args.only] if args.only else list(SCENARIOS):
-            scenario(name, base, a, b, args.rounds, args.seconds)
-    finally:
-        stop(proc)
+            scenario(name, srv.url, a, b, args.rounds, args.seconds)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The KV layout on the embedded model, engine only: one stream per sequence (the former
 layout) against the shared pool, f16 and q8_0; and q8_0's greedy outputs against f16's.
 
-    .venv/bin/python bench/bench_kv_pool.py [--rounds 2] [--quality]
+    .venv/bin/python -m bench.bench_kv_pool [--rounds 2] [--quality]
 
 Speed: N sequences each evaluate a prompt of L tokens, then 48 decode steps of one token
 each are timed; tokens per second, per round (layouts alternate within a round).
@@ -15,13 +15,12 @@ import argparse
 import threading
 import time
 
-from aotx.device.models import default_model_path
 from aotx.device.template import ChatTemplate
 from aotx.engine.interface import BatchEntry
-from aotx.engine.llama.engine import EngineConfig, LlamaEngine
 from aotx.engine.llama.sampling import Sampler
 from aotx.engine.llama.scheduler import Request, Scheduler
 from aotx.wire import Phase
+from bench import common
 
 LAYOUTS = (("streams", False, "f16"), ("pool", True, "f16"), ("pool", True, "q8_0"))
 SHAPES = ((1, 200), (8, 300), (16, 300), (16, 1000))
@@ -36,9 +35,9 @@ PROMPTS = ["Tell me a short story about a cat.", "Describe the sea in a few sent
 
 
 def decode_speed(unified: bool, kv_type: str, n: int, length: int, steps: int = 48) -> float:
-    e = LlamaEngine(EngineConfig(path=default_model_path(), slots=n, slot_context=4096,
-                                 kv_cells=max(8192, n * (length + 64)), kv_type=kv_type,
-                                 unified=unified, batch=512, threads=2))
+    e = common.engine(slots=n, slot_context=4096,
+                      kv_cells=max(8192, n * (length + 64)), kv_type=kv_type,
+                      unified=unified, batch=512, threads=2)
     try:
         for s in range(n):
             toks = [(7 * s + 13 * i) % 5000 + 100 for i in range(length)]
@@ -54,8 +53,8 @@ def decode_speed(unified: bool, kv_type: str, n: int, length: int, steps: int = 
 
 
 def greedy_answers(kv_type: str) -> list[list[int]]:
-    e = LlamaEngine(EngineConfig(path=default_model_path(), slots=1, slot_context=1024,
-                                 kv_cells=1024, kv_type=kv_type, batch=256, threads=2))
+    e = common.engine(slots=1, slot_context=1024,
+                      kv_cells=1024, kv_type=kv_type, batch=256, threads=2)
     try:
         tmpl = ChatTemplate(e.metadata("tokenizer.chat_template"))
         sched = Scheduler(e, 1, 256, threading.Lock(),

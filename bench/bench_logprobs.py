@@ -2,7 +2,7 @@
 llama.cpp's logits buffer, the log-softmax over the vocabulary and the top-k
 (``argpartition``), and the token's annotation line (engine/logprobs.py).
 
-    .venv/bin/python bench/bench_logprobs.py [--vocab 49152] [--repeat 200]
+    .venv/bin/python -m bench.bench_logprobs [--vocab 49152] [--repeat 200]
 
 No model: random float32 logits of SmolLM2's vocabulary (49152), ``n`` rows a step (the
 sequences that asked), ``k`` alternatives each.  It prints the median microseconds per

@@ -1,7 +1,7 @@
 """Resident memory of a whole service while 16 streams run, and at rest after them: aotx
 with a models file of your choice against llama-server at its defaults.
 
-    .venv/bin/python bench/bench_memory.py [--models 'TOML'] [--peer PATH/llama-server]
+    .venv/bin/python -m bench.bench_memory [--models 'TOML'] [--peer PATH/llama-server]
 
 Each server is started on the embedded SmolLM2 GGUF; 16 streaming chat completions of
 128 tokens run at once (distinct prompts) while the resident set of every process of
@@ -14,17 +14,12 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
-import sys
 import threading
 import time
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_serve import start_peer, stop  # noqa: E402
-
-from tests.helpers import running_service  # noqa: E402
+from bench import common
 
 STREAMS = 16
 
@@ -95,7 +90,7 @@ def main() -> None:
     ap.add_argument("--peer", default=os.environ.get("LLAMA_SERVER", ""))
     args = ap.parse_args()
     mib = 1 << 20
-    with running_service(models=args.models.replace("\\n", "\n")) as svc:
+    with common.serving(args.models.replace("\\n", "\n")) as svc:
         assert svc.proc is not None
         peak, rest, per = measure(svc.proc.pid, svc.url, svc.headers, "smollm2")
         names = {pid: open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:60]
@@ -105,13 +100,13 @@ def main() -> None:
         for pid, n in sorted(per.items(), key=lambda x: -x[1]):
             print(f"  {n / mib:6.0f} MiB  {names.get(pid, pid)}")
     if args.peer and os.path.exists(args.peer):
-        peer, url, _ = start_peer(args.peer, None)  # at its defaults
+        peer = common.peer(args.peer)  # at its defaults
         try:
-            assert peer is not None
-            peak, rest, _ = measure(peer.pid, url, {}, "smollm2")
+            assert peer.proc is not None
+            peak, rest, _ = measure(peer.proc.pid, peer.url, {}, "smollm2")
             print(f"llama-server (defaults): peak {peak / mib:.0f} MiB, {rest / mib:.0f} MiB at rest")
         finally:
-            stop(peer)
+            peer.stop()
 
 if __name__ == "__main__":
     main()

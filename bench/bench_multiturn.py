@@ -1,9 +1,9 @@
 """Multi-turn chat benchmark: aotx against llama-server, both at their defaults.
 
-    .venv/bin/python bench/bench_multiturn.py [--users 4,16] [--turns 5] [--max-tokens 64]
+    .venv/bin/python -m bench.bench_multiturn [--users 4,16] [--turns 5] [--max-tokens 64]
         [--rounds 2] [--think 0] [--per-turn] [--models TOML] [--peer PATH/llama-server]
         [--ceiling]
-    LLAMA_SERVER=/path/to/llama-server .venv/bin/python bench/bench_multiturn.py
+    LLAMA_SERVER=/path/to/llama-server .venv/bin/python -m bench.bench_multiturn
 
 U users (concurrent asyncio tasks) each hold a T-turn conversation and, as chat
 clients do, resend the whole history every turn: the same ~150-token system prompt
@@ -42,27 +42,15 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_serve import (  # noqa: E402
-    TOPICS,
-    JsonProcess,
-    cpu_times,
-    pct,
-    serve_aotx,
-    steal_share,
-    stop,
-)
-from bench_serve import start_peer as start_peer_as  # noqa: E402
+from bench import common
+from bench.bench_serve import TOPICS, JsonProcess, cpu_times, pct, steal_share
+from bench.common import Server
 
 SYSTEM = (
     "You are a friendly and knowledgeable assistant who helps people with everyday "
@@ -79,15 +67,6 @@ SYSTEM = (
 )
 
 Message = dict[str, str]
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen[bytes] | None
-    base: str
-    headers: dict[str, str]
-    model: str
-    state: str | None = None
 
 
 @dataclass
@@ -113,29 +92,23 @@ def question(u: int, t: int, session: str) -> str:
 
 def start_aotx(models: str = "") -> Server:
     """aotx with ``models`` as its models file ("": none, its defaults)."""
-    proc, base, headers, state = serve_aotx(models.replace("\\n", "\n") or None)
-    return Server(proc, base, headers, "smollm2", state)
+    return common.aotx(models.replace("\\n", "\n") or None)
 
 
-def start_peer(spec: str) -> Server:
-    """llama-server at its defaults (``-t 2`` only), or a running one at a URL."""
-    proc, base, model = start_peer_as(spec, None)
-    return Server(proc, base, {}, model)
+def model_of(srv: Server) -> str:
+    return "smollm2" if srv.name == "aotx" else "default"  # (what each one serves)
 
 
 def stop_server(srv: Server | None) -> None:
-    if srv is None:
-        return
-    stop(srv.proc)
-    if srv.state is not None:
-        shutil.rmtree(srv.state, ignore_errors=True)
+    if srv is not None:
+        srv.stop()
 
 
 async def chat(c: httpx.AsyncClient, srv: Server, messages: list[Message], max_tokens: int,
                itl: list[float] | None = None) -> tuple[float | None, int, str]:
     """One streamed chat completion: (TTFT or None if no content came, completion
     tokens, the content); the times between its content chunks go to ``itl``."""
-    body = {"model": srv.model, "messages": messages, "temperature": 0,
+    body = {"model": model_of(srv), "messages": messages, "temperature": 0,
             "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft: float | None = None
@@ -146,7 +119,7 @@ async def chat(c: httpx.AsyncClient, srv: Server, messages: list[Message], max_t
     async with c.stream("POST", "/v1/chat/completions", json=body, headers=srv.headers) as r:
         if r.status_code != 200:
             await r.aread()
-            raise SystemExit(f"{srv.base}: HTTP {r.status_code}: {r.text[:300]}")
+            raise SystemExit(f"{srv.url}: HTTP {r.status_code}: {r.text[:300]}")
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -175,7 +148,7 @@ def client(base: str) -> httpx.AsyncClient:
 
 
 async def warm_up(srv: Server) -> None:
-    async with client(srv.base) as c:
+    async with client(srv.url) as c:
         await chat(c, srv, [{"role": "user", "content": "Hello!"}], 1)
 
 
@@ -183,7 +156,7 @@ async def workload(srv: Server, users: int, turns: int, max_tokens: int, think: 
                    session: str) -> Load:
     load = Load()
 
-    async with client(srv.base) as c:
+    async with client(srv.url) as c:
         async def user(u: int) -> None:
             history: list[Message] = [{"role": "system", "content": SYSTEM}]
             for t in range(turns):
@@ -241,8 +214,7 @@ class Ceiling(JsonProcess):
     """turn_ceiling.py: the engine alone holding the same conversations."""
 
     def __init__(self) -> None:
-        super().__init__([os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                       "turn_ceiling.py")], "engine-alone")
+        super().__init__(["-m", "bench.turn_ceiling"], "engine-alone")
 
     def measure(self, users: int, args: argparse.Namespace, session: str
                 ) -> dict[str, dict[str, list[float]]]:
@@ -306,7 +278,7 @@ def main() -> None:
                 stop_server(srv)
                 srv = None
                 if peer_spec:  # one server at a time: A B A B
-                    srv = start_peer(peer_spec)
+                    srv = common.peer(peer_spec)
                     theirs.append(run(srv, users, args, session))
                     stop_server(srv)
                     srv = None

@@ -2,7 +2,7 @@
 device, per streamed token, while N streaming chat completions decode (aotx at its
 defaults, no models file).
 
-    .venv/bin/python bench/bench_path.py [--clients 1,4,8] [--requests 2] [--max-tokens 128]
+    .venv/bin/python -m bench.bench_path [--clients 1,4,8] [--requests 2] [--max-tokens 128]
 
 For each N, N clients each stream ``--requests`` chat completions one after another
 (temperature 0, distinct prompts, a fresh connection per request); the CPU time
@@ -21,15 +21,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_memory import tree  # noqa: E402
-from bench_serve import run_load  # noqa: E402
-
-from tests.helpers import running_service  # noqa: E402
+from bench import common
+from bench.bench_memory import tree
+from bench.bench_serve import run_load
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -101,7 +97,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     args = ap.parse_args()
-    with running_service(models="") as svc:
+    with common.serving("") as svc:
         assert svc.proc is not None
         asyncio.run(run_load(svc.url, svc.headers, "smollm2", 1, 1, 16, 900))  # warm
         for n in (int(x) for x in args.clients.split(",")):

@@ -1,6 +1,6 @@
 """Prompt tokenization time on the embedded model: what admission spends on a chat prompt.
 
-    .venv/bin/python bench/bench_prompt.py [--prompts 2000] [--rounds 5]
+    .venv/bin/python -m bench.bench_prompt [--prompts 2000] [--rounds 5]
 
 ``whole`` is the path the device took before issue 19 (render the template, tokenize the
 rendering with every special-token text parsed); ``pieces`` is today's (render, tell the
@@ -16,10 +16,9 @@ import argparse
 import time
 from collections.abc import Callable
 
-from aotx.device.models import default_model_path
 from aotx.device.prompt import split, text_tokens
 from aotx.device.template import ChatTemplate
-from aotx.engine.llama.engine import EngineConfig, LlamaEngine
+from bench import common
 
 Messages = list[dict[str, str]]
 
@@ -41,8 +40,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    engine = LlamaEngine(EngineConfig(path=default_model_path(), slots=1, slot_context=256,
-                                      batch=32, threads=1, poll=-1))
+    engine = common.engine(slots=1, slot_context=256,
+                           batch=32, threads=1, poll=-1)
     template = ChatTemplate(engine.metadata("tokenizer.chat_template") or "",
                             bos_token=engine.token_text(int(engine.metadata(
                                 "tokenizer.ggml.bos_token_id") or 0)),

@@ -1,6 +1,6 @@
 """The fast paths of two revisions side by side: admission latency and window reads.
 
-    .venv/bin/python bench/bench_revisions.py OLD NEW [--rounds 4] [--seconds 5]
+    .venv/bin/python -m bench.bench_revisions OLD NEW [--rounds 4] [--seconds 5]
 
 OLD and NEW are git revisions of this repository.  Each is checked out into a
 temporary worktree (removed at the end) and served in turn, A B A B, by a fresh
@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import statistics
 import subprocess
 import tempfile
 from pathlib import Path
 
-import bench_serve as bench
+from bench import bench_serve as bench
+from bench import common
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,17 +39,9 @@ def worktree(rev: str, parent: str, name: str) -> str:
 
 def measure(tree: str, seconds: float) -> tuple[float, float]:
     """One fresh server from ``tree``: (admission p50 in ms, window reads per second)."""
-    here = os.getcwd()
-    os.chdir(tree)
-    try:
-        proc, base, headers, _ = bench.start_aotx(16)
-    finally:
-        os.chdir(here)
-    try:
-        latencies = asyncio.run(bench.admission_latency(base, headers))
-        rate = asyncio.run(bench.window_reads(base, headers, seconds))
-    finally:
-        bench.stop(proc)
+    with common.serving(common.slots_file(16), cwd=tree) as srv:
+        latencies = asyncio.run(bench.admission_latency(srv.url, srv.headers))
+        rate = asyncio.run(bench.window_reads(srv.url, srv.headers, seconds))
     return bench.pct(latencies, 50) * 1e3, rate
 
 
@@ -72,8 +64,6 @@ def main() -> None:
                     print(f"round {rnd} {name} {names[name]}: admission p50 {p50:.2f} ms, "
                           f"window reads {rate:.0f} req/s", flush=True)
         finally:
-            for state in bench.STATES:  # each server's state folder
-                shutil.rmtree(state, ignore_errors=True)
             for tree in trees.values():
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", tree],
                                check=False, capture_output=True)

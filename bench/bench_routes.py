@@ -2,7 +2,7 @@
 their defaults, and aotx's window reads (``GET /aotx/v1/requests/{id}``, through broker and
 device) with the same client.
 
-    .venv/bin/python bench/bench_routes.py [--peer PATH/llama-server] [--rounds 4] [--seconds 5]
+    .venv/bin/python -m bench.bench_routes [--peer PATH/llama-server] [--rounds 4] [--seconds 5]
 
 Both servers stay up, idle, for the whole run; their figures alternate A B A B, one
 server loaded at a time (``--seconds`` each).  The client is bench_serve's ``RawHttp``
@@ -18,21 +18,17 @@ import asyncio
 import http.client
 import os
 import statistics
-import sys
 import threading
 import time
 
 import httpx
 import uvloop
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_serve import cpu_times, rate, start_peer, steal_share, stop  # noqa: E402
-
-from aotx import wire  # noqa: E402
-from aotx.gateway.broker_client import BrokerClient  # noqa: E402
-from aotx.paths import for_state_dir  # noqa: E402
-from tests.helpers import running_service  # noqa: E402
+from aotx import wire
+from aotx.gateway.broker_client import BrokerClient
+from aotx.paths import for_state_dir
+from bench import common
+from bench.bench_serve import cpu_times, rate, steal_share
 
 
 def rate_http_client(base: str, headers: dict[str, str], path: str, seconds: float) -> float:
@@ -100,18 +96,18 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0)
     args = ap.parse_args()
     times0 = cpu_times()
-    peer = None
-    pbase = ""
+    peer: common.Server | None = None
     rows: list[dict[str, float]] = []
-    with running_service(models="") as svc:
+    with common.serving("") as svc:
         try:
             if args.peer:
-                peer, pbase, _ = start_peer(args.peer, None)  # at its defaults
+                peer = common.peer(args.peer)  # at its defaults
             rid = completed_request(svc.url, svc.headers)
             targets = [("models", svc.url, svc.headers, "/v1/models"),
                        ("window", svc.url, svc.headers, f"/aotx/v1/requests/{rid}")]
             if peer is not None:
-                targets.insert(1, ("peer", pbase, {"Authorization": "Bearer none"}, "/v1/models"))
+                targets.insert(1, ("peer", peer.url, {"Authorization": "Bearer none"},
+                                   "/v1/models"))
             for r in range(args.rounds):
                 row: dict[str, float] = {}
                 for client in ("raw", "http.client"):
@@ -119,12 +115,13 @@ def main() -> None:
                         row[f"{key} {client}"] = (
                             asyncio.run(rate(base, headers, path, args.seconds)) if client == "raw"
                             else rate_http_client(base, headers, path, args.seconds))
-                row["mailbox"] = uvloop.run(round_trips(svc.state_dir, args.seconds))
+                row["mailbox"] = uvloop.run(round_trips(svc.state, args.seconds))
                 rows.append(row)
                 print(f"round {r + 1}: " + "  ".join(f"{k} {v:.0f}" for k, v in row.items()),
                       flush=True)
         finally:
-            stop(peer)
+            if peer is not None:
+                peer.stop()
 
     for client in ("raw", "http.client"):
         def med(key: str, client: str = client) -> float:

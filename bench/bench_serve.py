@@ -1,8 +1,8 @@
 """Serving benchmark: aotx against the raw engine limit (and a peer server, if given).
 
-    .venv/bin/python bench/bench_serve.py [--clients 1,4,8,16] [--max-tokens 128]
+    .venv/bin/python -m bench.bench_serve [--clients 1,4,8,16] [--max-tokens 128]
         [--requests 2] [--rounds 2] [--seconds 5] [--defaults] [--thin]
-    LLAMA_SERVER=/path/to/llama-server .venv/bin/python bench/bench_serve.py   # A B A B vs a peer
+    LLAMA_SERVER=/path/to/llama-server .venv/bin/python -m bench.bench_serve  # A B A B vs a peer
     LLAMA_SERVER=http://127.0.0.1:8080 ...                                      # a running peer
 
 For each N it runs rounds (``--rounds``, 2 by default); each round measures the
@@ -32,18 +32,16 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
+
+from bench import common
 
 TOPICS = ["the sea", "a mountain", "a city at night", "an old library", "a desert", "rain",
           "a train journey", "a forest", "the moon", "a market", "winter", "a lighthouse",
@@ -62,22 +60,15 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 RAW = r"""
 import json, sys, time
 from aotx.device.loading import template_prefix
 from aotx.engine.interface import BatchEntry
-from aotx.engine.llama.engine import EngineConfig, LlamaEngine
 from aotx.engine.llama.sampling import Sampler
-from aotx.device.models import default_model_path
 from aotx.device.template import ChatTemplate
+from bench import common
 slots = int(sys.argv[1])
-e = LlamaEngine(EngineConfig(path=default_model_path(), slots=slots, slot_context=1024, batch=512))
+e = common.engine(slots=slots, slot_context=1024, batch=512)
 t = ChatTemplate(e.metadata("tokenizer.chat_template"))
 prefix = template_prefix(e, t)
 print("ready", flush=True)
@@ -132,7 +123,8 @@ class JsonProcess:
     def __init__(self, argv: list[str], name: str) -> None:
         self.name = name
         self.proc = subprocess.Popen([sys.executable, *argv], text=True, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     cwd=common.REPO)
         assert self.proc.stdout is not None
         if self.proc.stdout.readline().strip() != "ready":
             raise SystemExit(f"the {name} process did not start")
@@ -352,99 +344,6 @@ def steal_share(before: list[int], after: list[int]) -> float | None:
     return d[7] / sum(d) if sum(d) else None
 
 
-STATES: list[str] = []
-
-
-def start_aotx(slots: int | None) -> tuple[subprocess.Popen[bytes], str, dict[str, str], str]:
-    """aotx with ``slots`` of 2048 tokens, or at its defaults (no models file) for None."""
-    return serve_aotx(None if slots is None else f"[default]\nslots = {slots}\ncontext = 2048\n"
-                      + os.environ.get("AOTX_BENCH_MODEL_EXTRA", ""))
-
-
-def serve_aotx(models: str | None, python: str = sys.executable, env: dict[str, str] | None = None,
-               prepare: object = None) -> tuple[subprocess.Popen[bytes], str, dict[str, str], str]:
-    """aotx serving from a fresh state folder with ``models`` as its models file (None:
-    none, its defaults), run by ``python`` with ``env`` added; ``prepare(state)`` runs
-    first (to put model files there): (process, base URL, the admin's headers, the state
-    folder)."""
-    state = tempfile.mkdtemp(prefix="aotx-bench-", dir="/tmp")
-    STATES.append(state)
-    if models is not None:
-        with open(os.path.join(state, "models.toml"), "w") as f:
-            f.write(models)
-    if callable(prepare):
-        prepare(state)
-    port = free_port()
-    proc = subprocess.Popen([python, "-m", "aotx", "--log-level", "WARNING", "serve",
-                             "--state-dir", state, "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=open(os.environ.get("AOTX_BENCH_LOG", os.devnull), "ab"),
-                            start_new_session=True, env={**os.environ, **(env or {})})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(base + "/readyz", proc)
-    except BaseException:
-        stop(proc)
-        raise
-    token = open(os.path.join(state, "admin.token")).read().strip()
-    return proc, base, {"Authorization": f"Bearer {token}"}, state
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise SystemExit(f"server exited while starting ({url})")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"{url} not ready")
-
-
-def launch(cmd: list[str]) -> tuple[subprocess.Popen[bytes], str]:
-    """``cmd`` with ``--port`` and a free port added, once its ``/health`` answers."""
-    port = free_port()
-    proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(base + "/health", proc)
-    except BaseException:
-        stop(proc)
-        raise
-    return proc, base
-
-
-def start_peer(spec: str, slots: int | None) -> tuple[subprocess.Popen[bytes] | None, str, str]:
-    """llama-server with ``slots`` of 2048 tokens, or at its defaults (``-t 2`` only)."""
-    if spec.startswith("http"):
-        return None, spec.rstrip("/"), "default"
-    from aotx.device.models import default_model_path
-
-    shape = (["--parallel", str(slots), "-c", str(2048 * slots)] if slots is not None
-             else ["-t", "2"])
-    proc, base = launch([spec, "-m", default_model_path(), *shape, "--host", "127.0.0.1"])
-    return proc, base, "default"
-
-
-def start_thin(slots: int, context: int) -> tuple[subprocess.Popen[bytes] | None, str, str]:
-    """``thin_server.py``: the same engine behind the thinnest server (the ceiling)."""
-    proc, base = launch([sys.executable, os.path.join(os.path.dirname(__file__), "thin_server.py"),
-                         "--slots", str(slots), "--context", str(context)])
-    return proc, base, "thin"
-
-
-def stop(proc: subprocess.Popen[bytes] | None) -> None:
-    if proc is not None and proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
 def summary(rounds: list[dict], key: str) -> dict[str, float]:
     """One server's loads over the rounds: mean tok/s, and the latency percentiles of
     all its requests together."""
@@ -484,34 +383,37 @@ def main() -> None:
     times0 = cpu_times()
     peer_spec = os.environ.get("LLAMA_SERVER")
     raw = RawEngine(slots)
-    proc: subprocess.Popen[bytes] | None = None
-    peer = None
-    others: list[tuple[str, Callable[[], tuple[subprocess.Popen[bytes] | None, str, str]]]] = []
+    models = common.slots_file(None if args.defaults else slots)
+    others: list[tuple[str, Callable[[], common.Server]]] = []
     if args.thin:
-        others.append(("thin", lambda: start_thin(slots, 4096 if args.defaults else 2048)))
+        others.append(("thin", lambda: common.thin(slots, 4096 if args.defaults else 2048)))
     if peer_spec:
-        others.append(("peer", lambda: start_peer(peer_spec, None if args.defaults else 8)))
+        others.append(("peer", lambda: common.peer(peer_spec, None if args.defaults else 8)))
     itl_p50s: list[float] = []  # each N's aotx median inter-token time
+    srv: common.Server | None = None
     try:
-        proc, base, headers, _ = start_aotx(None if args.defaults else slots)
+        srv = common.aotx(models)
         for n in ns:
             rounds: list[dict] = []
             for _ in range(args.rounds):
                 # The limit right before the load, in the same minute of this VM's speed.
                 decode_only, same_work = raw.measure(n, args.max_tokens, args.requests)
-                if proc is None:
-                    proc, base, headers, _ = start_aotx(None if args.defaults else slots)
+                if srv is None:
+                    srv = common.aotx(models)
                 rnd = {"limit": {"tok_s": decode_only}, "same_work": {"tok_s": same_work},
-                       "aotx": asyncio.run(run_load(base, headers, "smollm2", n, args.requests,
-                                                    args.max_tokens, 0))}
+                       "aotx": asyncio.run(run_load(srv.url, srv.headers, "smollm2", n,
+                                                    args.requests, args.max_tokens, 0))}
                 for key, start in others:  # one server at a time: A B A B
-                    stop(proc)
-                    proc = None
-                    peer, pbase, pmodel = start()
-                    rnd[key] = asyncio.run(run_load(pbase, {}, pmodel, n, args.requests,
-                                                    args.max_tokens, 0))
-                    stop(peer)
-                    peer = None
+                    if srv is not None:
+                        srv.stop()
+                        srv = None
+                    other = start()
+                    model = "thin" if key == "thin" else "default"  # (what each one serves)
+                    try:
+                        rnd[key] = asyncio.run(run_load(other.url, {}, model, n, args.requests,
+                                                        args.max_tokens, 0))
+                    finally:
+                        other.stop()
                 rounds.append(rnd)
             a = summary(rounds, "aotx")
             itl_p50s.append(a["itl_p50"])
@@ -535,8 +437,9 @@ def main() -> None:
                          f"ITL p50 {b['itl_p50'] * 1e3:5.1f} ms")
             print(line, flush=True)
         raw.close()
-        if proc is None:
-            proc, base, headers, _ = start_aotx(None if args.defaults else slots)
+        if srv is None:
+            srv = common.aotx(models)
+        base, headers = srv.url, srv.headers
         for n in (8,):
             print(f"native N={n}: admission -> SSE until terminal: "
                   f"{asyncio.run(native_load(base, headers, n, args.max_tokens)):.1f} tok/s",
@@ -557,10 +460,8 @@ def main() -> None:
             print(f"CPU steal during the run: {100 * steal:.1f} % of the machine's CPU time")
     finally:
         raw.close()
-        stop(proc)
-        stop(peer)
-        for state in STATES:
-            shutil.rmtree(state, ignore_errors=True)
+        if srv is not None:
+            srv.stop()
 
 
 if __name__ == "__main__":

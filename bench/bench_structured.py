@@ -1,8 +1,8 @@
 """Structured outputs through the service: 8 streams each under a ``json_schema`` against
 8 free ones, A B A B, and beside them llama.cpp's server doing the same when given.
 
-    .venv/bin/python bench/bench_structured.py [--streams 8] [--tokens 96] [--rounds 3]
-    LLAMA_SERVER=/path/to/llama-server .venv/bin/python bench/bench_structured.py
+    .venv/bin/python -m bench.bench_structured [--streams 8] [--tokens 96] [--rounds 3]
+    LLAMA_SERVER=/path/to/llama-server .venv/bin/python -m bench.bench_structured
 
 Each round runs, one after the other: aotx constrained, aotx free, then (with a peer)
 the peer constrained and the peer free.  Every request is a streaming chat completion
@@ -25,16 +25,13 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import statistics
-import sys
 import time
 from typing import Any
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_serve import start_aotx, start_peer, stop  # noqa: E402
+from bench import common
 
 ITEM = {"type": "object",
         "properties": {"name": {"type": "string", "maxLength": 12},
@@ -106,13 +103,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     peer_spec = os.environ.get("LLAMA_SERVER")
-    aotx, base, headers, state = start_aotx(args.streams)
-    peer, pbase, pmodel = None, "", ""
+    aotx = common.aotx(common.slots_file(args.streams))
+    base, headers = aotx.url, aotx.headers
+    peer: common.Server | None = None
+    pbase, pmodel = "", ""
     sides: dict[str, list[float]] = {"aotx json_schema": [], "aotx free": [],
                                      "peer json_schema": [], "peer free": []}
     try:
         if peer_spec:
-            peer, pbase, pmodel = start_peer(peer_spec, args.streams)
+            peer = common.peer(peer_spec, args.streams)
+            pbase, pmodel = peer.url, "default"
         # warm-up: the compiler's tokenizer (first constrained request) and both servers
         asyncio.run(side(base, headers, "smollm2", 2, 8, True, 10_000))
         if peer:
@@ -132,9 +132,9 @@ def main() -> None:
                                                   for k, v in sides.items() if v), flush=True)
         m1 = grammar_metrics(base, headers)
     finally:
-        stop(aotx)
-        stop(peer)
-        shutil.rmtree(state, ignore_errors=True)
+        aotx.stop()
+        if peer is not None:
+            peer.stop()
     print("\nmedians: " + ", ".join(f"{k} {statistics.median(v):.1f} tok/s"
                                     for k, v in sides.items() if v))
     print("aotx json_schema / free: " + ratio(sides["aotx json_schema"], sides["aotx free"]))

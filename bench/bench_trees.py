@@ -1,7 +1,7 @@
 """aotx from two source trees, A B A B: did a change make serving faster?
 
     git worktree add /tmp/before HEAD~1
-    .venv/bin/python bench/bench_trees.py /tmp/before [--after .] [--clients 4,8]
+    .venv/bin/python -m bench.bench_trees /tmp/before [--after .] [--clients 4,8]
         [--rounds 3] [--requests 2] [--max-tokens 128]
 
 Each round starts a default service (no models file) from the ``before`` tree, runs
@@ -20,13 +20,9 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_serve import run_load  # noqa: E402
-
-from tests.helpers import running_service  # noqa: E402
+from bench import common
+from bench.bench_serve import run_load
 
 
 def main() -> None:
@@ -50,7 +46,7 @@ def main() -> None:
             # PYTHONSAFEPATH: ``python -m aotx`` would otherwise import the package from
             # the current directory, before PYTHONPATH (both trees would be this one).
             env = {"PYTHONPATH": tree, "PYTHONSAFEPATH": "1"}
-            with running_service(models="", env=env) as svc:
+            with common.serving("", env=env) as svc:
                 asyncio.run(run_load(svc.url, svc.headers, "smollm2", 1, 1, 16, 900))  # warm
                 for n in clients:
                     out = asyncio.run(run_load(svc.url, svc.headers, "smollm2", n,

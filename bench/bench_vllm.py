@@ -1,9 +1,9 @@
 """The vLLM engine's path: aotx in front of vLLM against vLLM's own OpenAI server on the
 same model, beside aotx on llama.cpp, A B C A B C.
 
-    .venv/bin/python bench/bench_vllm.py [--clients 1,4,8] [--max-tokens 64]
+    .venv/bin/python -m bench.bench_vllm [--clients 1,4,8] [--max-tokens 64]
         [--requests 2] [--rounds 2] [--model FOLDER]
-    .venv/bin/python bench/bench_vllm.py --admissions 20 [--bind auto]
+    .venv/bin/python -m bench.bench_vllm --admissions 20 [--bind auto]
 
 Both vLLM servers run from the vLLM Python (``scripts/setup-vllm``; AOTX_VLLM_PYTHON)
 with the same engine arguments; the model is ``--model`` (a Hugging Face folder) or the
@@ -31,16 +31,14 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_serve import STATES, free_port, pct, run_load, serve_aotx, stop, wait_ready  # noqa: E402
+from bench import common
+from bench.bench_serve import pct, run_load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE_ARGS = {"enforce_eager": True, "max_model_len": 1024, "dtype": "float32"}
@@ -69,22 +67,12 @@ def models_file(folder: str) -> str:
             f'path = "{folder}"\n[model.vllm]\n{args}\n')
 
 
-def start_vllm_server(python: str, folder: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
+def start_vllm_server(python: str, folder: str) -> common.Server:
     flags = ["--enforce-eager", "--max-model-len", str(ENGINE_ARGS["max_model_len"]),
              "--dtype", str(ENGINE_ARGS["dtype"]), "--served-model-name", "m",
              "--disable-log-stats"]
-    proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                             folder, "--host", "127.0.0.1", "--port", str(port), *flags],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, env={**os.environ, **ENV})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(base + "/health", proc, timeout=600)
-    except BaseException:
-        stop(proc)
-        raise
-    return proc, base
+    return common.launch([python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                          folder, "--host", "127.0.0.1", *flags], "vllm serve", ENV, 600)
 
 
 def runq_wait_ns() -> int:
@@ -97,18 +85,15 @@ def admissions(folder: str, python: str, n: int, bind: str) -> None:
     env = {**ENV, "VLLM_CPU_OMP_THREADS_BIND": bind}
     body = {"model": "m", "messages": [{"role": "user", "content": "Hello world"}],
             "max_tokens": 480, "temperature": 1, "logit_bias": {"1": -100}}
-    proc, base, headers, _ = serve_aotx(models_file(folder), python, env)
     took: list[tuple[float, float]] = []  # (seconds, of which waiting for a CPU)
-    try:
-        with httpx.Client(base_url=base, headers=headers, timeout=60) as c:
-            for _ in range(n):
-                t, w = time.monotonic(), runq_wait_ns()
-                rid = c.post("/aotx/v1/requests", json=body).raise_for_status().json()["id"]
-                took.append((time.monotonic() - t, (runq_wait_ns() - w) / 1e9))
-                while c.get(f"/aotx/v1/requests/{rid}").json()["state"] not in ENDED:
-                    time.sleep(0.05)
-    finally:
-        stop(proc)
+    with common.serving(models_file(folder), python=python, env=env) as srv, \
+            httpx.Client(base_url=srv.url, headers=srv.headers, timeout=60) as c:
+        for _ in range(n):
+            t, w = time.monotonic(), runq_wait_ns()
+            rid = c.post("/aotx/v1/requests", json=body).raise_for_status().json()["id"]
+            took.append((time.monotonic() - t, (runq_wait_ns() - w) / 1e9))
+            while c.get(f"/aotx/v1/requests/{rid}").json()["state"] not in ENDED:
+                time.sleep(0.05)
     slow = max(took)
     print(f"{n} admissions, VLLM_CPU_OMP_THREADS_BIND={bind}: "
           f"{sum(t > 0.1 for t, _ in took)} over 100 ms; median "
@@ -147,24 +132,20 @@ def main() -> None:
         for n in (int(x) for x in args.clients.split(",")):
             got: dict[str, list[dict]] = {"aotx+vllm": [], "vllm serve": [], "aotx+llama": []}
             for _ in range(args.rounds):
-                proc, base, headers, _ = serve_aotx(models_file(folder), python, ENV)
-                try:
+                with common.serving(models_file(folder), python=python, env=ENV) as srv:
                     got["aotx+vllm"].append(asyncio.run(run_load(
-                        base, headers, "m", n, args.requests, args.max_tokens, 0, ban_end)))
-                finally:
-                    stop(proc)
-                vproc, vbase = start_vllm_server(python, folder)
+                        srv.url, srv.headers, "m", n, args.requests, args.max_tokens, 0,
+                        ban_end)))
+                vllm = start_vllm_server(python, folder)
                 try:
                     got["vllm serve"].append(asyncio.run(run_load(
-                        vbase, {}, "m", n, args.requests, args.max_tokens, 0, ban_end)))
+                        vllm.url, {}, "m", n, args.requests, args.max_tokens, 0, ban_end)))
                 finally:
-                    stop(vproc)
-                proc, base, headers, _ = serve_aotx("[default]\nslots = 8\ncontext = 1024\n")
-                try:
+                    vllm.stop()
+                with common.serving("[default]\nslots = 8\ncontext = 1024\n") as srv:
                     got["aotx+llama"].append(asyncio.run(run_load(
-                        base, headers, "smollm2", n, args.requests, args.max_tokens, 0)))
-                finally:
-                    stop(proc)
+                        srv.url, srv.headers, "smollm2", n, args.requests, args.max_tokens,
+                        0)))
             each = [a["tok_s"] / b["tok_s"] for a, b in zip(got["aotx+vllm"],
                                                                got["vllm serve"], strict=True)]
             print(f"{n} client(s):")
@@ -175,8 +156,6 @@ def main() -> None:
     finally:
         if not args.model:
             shutil.rmtree(folder, ignore_errors=True)
-        for state in STATES:
-            shutil.rmtree(state, ignore_errors=True)
 
 
 if __name__ == "__main__":

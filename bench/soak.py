@@ -1,6 +1,6 @@
 """A bounded soak of mixed clients against a real ``aotx serve`` on 127.0.0.1.
 
-    .venv/bin/python bench/soak.py --seconds 600 --workers 8
+    .venv/bin/python -m bench.soak --seconds 600 --workers 8
 
 Each worker loops over four kinds of client until the time is up, and checks
 every byte it received against the request's final windows:
@@ -39,16 +39,14 @@ import collections
 import json
 import os
 import random
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from bench import common
 
 KINDS = ("native", "events", "standard", "cancel")
 TOPICS = ["a cat", "the sea", "a robot", "Paris", "a storm", "music", "a garden", "trains"]
@@ -332,74 +330,44 @@ async def soak(base: str, headers: dict[str, str], seconds: float, workers: int,
     return report
 
 
-def cli(state: str, *args: str) -> str:
-    r = subprocess.run([sys.executable, "-m", "aotx", *args, "--state-dir", state],
-                       capture_output=True, text=True, timeout=60, check=True)
-    return r.stdout
-
-
-def revoke(state: str, principal: str) -> None:
+def revoke(srv: common.Server, principal: str) -> None:
     """Revoke the principal's tokens: the device cancels its requests."""
-    for line in cli(state, "token", "list").splitlines():
+    for line in srv.cli("token", "list").splitlines():
         tid, who, live = line.split("\t")
         if who == principal and live == "live":
-            cli(state, "token", "revoke", tid)
+            srv.cli("token", "revoke", tid)
 
 
-def start(retention: int) -> tuple[subprocess.Popen[bytes], str, dict[str, str], str]:
-    state = tempfile.mkdtemp(prefix="aotx-soak-", dir="/tmp")
-    with open(os.path.join(state, "models.toml"), "w") as f:
-        f.write("[default]\nslots = 8\ncontext = 2048\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "aotx", "--log-level", "WARNING", "serve",
-                             "--state-dir", state, "--port", str(port),
-                             "--retention-seconds", str(retention),
-                             # small pools, so the hostile principal reaches its shares
-                             # within seconds (64 requests, 32 MiB of media)
-                             "--max-active", "128", "--media-pool-bytes", str(64 << 20)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            if httpx.get(base + "/readyz", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit("aotx serve did not start")
-        time.sleep(0.2)
-    token = open(os.path.join(state, "admin.token")).read().strip()
-    return proc, base, {"Authorization": f"Bearer {token}"}, state
+def start(retention: int) -> common.Server:
+    # small pools, so the hostile principal reaches its shares within seconds (64
+    # requests, 32 MiB of media)
+    return common.aotx("[default]\nslots = 8\ncontext = 2048\n",
+                       args=["--retention-seconds", str(retention), "--max-active", "128",
+                             "--media-pool-bytes", str(64 << 20)])
 
 
 def run(seconds: float, workers: int, seed: int = 1, retention: int = 3,
         with_hostile: bool = True, each: int = 0) -> tuple[Report, dict]:
     """Soak for ``seconds``, longer until each kind of client was served ``each`` times."""
-    proc, base, headers, state = start(retention)
+    srv = start(retention)
+    base, headers, state = srv.url, srv.headers, srv.state
     try:
         pids = components(state)
-        token = (cli(state, "token", "create", "--principal", "hostile").split()[-1]
-                 if with_hostile else None)
+        token = srv.mint("hostile") if with_hostile else None
         alloc0 = asyncio.run(allocation(base, headers))
         rss0 = {k: rss_kib(p) for k, p in pids.items()}
         t0 = time.monotonic()
         report = asyncio.run(soak(base, headers, seconds, workers, seed, token, each))
         wall = time.monotonic() - t0
         if with_hostile:
-            revoke(state, "hostile")
+            revoke(srv, "hostile")
         time.sleep(retention + 2.5)  # every result reclaimed
         alloc1 = asyncio.run(allocation(base, headers))
         rss1 = {k: rss_kib(p) for k, p in pids.items()}
         return report, {"alloc0": alloc0, "alloc1": alloc1, "rss0": rss0, "rss1": rss1,
                         "wall": wall}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
-        shutil.rmtree(state, ignore_errors=True)
+        srv.stop()
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """The thinnest streaming chat server this benchmark's clients can be served by: the
 ceiling that ``bench_serve.py --thin`` measures beside aotx and the peer.
 
-    .venv/bin/python bench/thin_server.py --port P [--slots 16] [--context 4096]
+    .venv/bin/python -m bench.thin_server --port P [--slots 16] [--context 4096]
 
 One process: an asyncio HTTP/1.1 server (no framework: it reads one request, answers
 ``POST /v1/chat/completions`` with ``stream: true`` and closes) and one engine thread
@@ -22,20 +22,15 @@ import argparse
 import asyncio
 import codecs
 import json
-import os
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from aotx.device.loading import template_prefix  # noqa: E402
-from aotx.device.models import default_model_path  # noqa: E402
-from aotx.device.template import ChatTemplate  # noqa: E402
-from aotx.engine.interface import BatchEntry  # noqa: E402
-from aotx.engine.llama.engine import EngineConfig, LlamaEngine  # noqa: E402
-from aotx.engine.llama.sampling import Sampler  # noqa: E402
+from aotx.device.loading import template_prefix
+from aotx.device.template import ChatTemplate
+from aotx.engine.interface import BatchEntry
+from aotx.engine.llama.sampling import Sampler
+from bench import common
 
 
 @dataclass
@@ -56,8 +51,8 @@ class Engine:
 
     def __init__(self, slots: int, context: int, loop: asyncio.AbstractEventLoop) -> None:
         # Sequence 0 holds the template prefix; 1..slots serve the streams.
-        self.e = LlamaEngine(EngineConfig(path=default_model_path(), slots=slots + 1,
-                                          slot_context=context, batch=512))
+        self.e = common.engine(slots=slots + 1,
+                               slot_context=context, batch=512)
         self.template = ChatTemplate(self.e.metadata("tokenizer.chat_template"))
         self.prefix = template_prefix(self.e, self.template)
         assert self.e.decode([BatchEntry(t, i, 0, False) for i, t in enumerate(self.prefix)]) == 0

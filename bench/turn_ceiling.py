@@ -28,20 +28,17 @@ sequence already holds, as a server with a prompt cache finds them.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from aotx.device.models import default_model_path  # noqa: E402
-from aotx.device.prompt import split, text_tokens  # noqa: E402
-from aotx.device.template import ChatTemplate  # noqa: E402
-from aotx.engine.fair import common_prefix  # noqa: E402
-from aotx.engine.interface import BatchEntry  # noqa: E402
-from aotx.engine.llama.engine import EngineConfig, LlamaEngine  # noqa: E402
-from aotx.engine.llama.sampling import Sampler  # noqa: E402
+from aotx.device.prompt import split, text_tokens
+from aotx.device.template import ChatTemplate
+from aotx.engine.fair import common_prefix
+from aotx.engine.interface import BatchEntry
+from aotx.engine.llama.engine import LlamaEngine
+from aotx.engine.llama.sampling import Sampler
+from bench import common
 
 LAYOUTS = {"streams": {}, "streams_no_fa": {"flash_attention": False},
            "pool": {"unified": True, "kv_cells": 16384}}
@@ -135,8 +132,7 @@ def later_turns(engine: LlamaEngine, template: ChatTemplate, job: dict[str, Any]
 
 
 def main() -> None:
-    engines = {name: LlamaEngine(EngineConfig(path=default_model_path(), **kw))  # type: ignore[arg-type]
-               for name, kw in LAYOUTS.items()}
+    engines = {name: common.engine(**kw) for name, kw in LAYOUTS.items()}  # type: ignore[arg-type]
     template = ChatTemplate(next(iter(engines.values())).metadata("tokenizer.chat_template"))
     print("ready", flush=True)
     for line in sys.stdin:

@@ -10,24 +10,12 @@ results are reclaimed the device's service allocation is back where it started.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 
-SOAK = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "soak.py")
-
-
-def load_soak():
-    spec = importlib.util.spec_from_file_location("aotx_bench_soak", SOAK)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
+from bench import soak
 
 
 def test_short_soak_loses_nothing() -> None:
-    soak = load_soak()
     report, m = soak.run(seconds=float(os.environ.get("AOTX_SOAK_SECONDS", "45")), workers=4,
                          seed=7, retention=3, each=5)
     # it ran until every kind of client was served five times (longer on a slow machine)

@@ -127,3 +127,18 @@ def test_a_vllm_only_device_never_imports_llama_cpp() -> None:
                          timeout=120, cwd=ROOT.parent)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_benchmarks_start_what_they_measure_through_common() -> None:
+    """bench/ is a package its scripts import (``python -m bench.NAME``): none edits
+    sys.path, and only bench/common.py starts aotx or builds a LlamaEngine."""
+    bench = ROOT.parent / "bench"
+    assert (bench / "__init__.py").is_file()
+    bad = []
+    for path in sorted(bench.glob("*.py")):
+        text = path.read_text()
+        if "sys.path" in text:
+            bad.append((path.name, "sys.path"))
+        if path.name != "common.py" and ('"-m", "aotx"' in text or "LlamaEngine(" in text):
+            bad.append((path.name, "its own launcher or engine"))
+    assert not bad, bad
