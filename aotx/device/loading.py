@@ -1,6 +1,7 @@
-"""Loading one model of the models file: the file's digest, the llama.cpp engine, its chat
-template, its projector (``mmproj``), its scheduler, and whether the whole profile is
-qualified for automatic memory.
+"""Loading one model of the models file: its digest (a GGUF file's, or a model folder's)
+and pin, its engine kind's factory (engine/load.py: the engine, its runner, projector and
+embeddings, behind the engines' contract), its chat template, the runner's warm start,
+and whether the whole profile is qualified for automatic memory.
 
 A model that cannot be served as configured stops the device at start
 (``ModelConfigError`` with the reason: the device exits with EX_CONFIG, and ``aotx serve``

@@ -95,9 +95,8 @@ class Guard:
       token is read (docs/api.md, "Order of checks").  The object is read as JSON
       whatever the Content-Type says, as llama.cpp's server and Ollama read it, so
       ``curl -d '{...}'`` (which sends a form's type) works.
-    * The fast paths answer the window read, the model list, a valid admission and a
-      valid chat completion without the framework's routing and dependency layers (the
-      same code as their routes).
+    * The window read, the model list, admissions and chat completions are answered
+      here, their one path, without the framework's routing and dependency layers.
     """
 
     def __init__(self, app: ASGIApp, loopback_only: bool, gateway: Callable[[], Gateway],

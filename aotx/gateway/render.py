@@ -2,7 +2,7 @@
 from wire values (request state, media sources, the policy status, model entries).
 
 Every JSON body the gateway writes goes through :func:`json_response` (orjson, no
-framework encoder), so a route, the exception handlers and the fast paths answer alike.
+framework encoder), so a route, the exception handlers and the guard's routes answer alike.
 """
 
 from __future__ import annotations

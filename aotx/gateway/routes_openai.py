@@ -28,7 +28,7 @@ async def list_models(principal: Principal = Caller) -> Response:
 
 
 async def models_body(g: Gateway, principal: Principal) -> bytes:
-    """The model list ``principal`` may see (the route's and the guard's fast path's)."""
+    """The model list ``principal`` may see (GET /v1/models, answered by the guard)."""
     await g.ensure_ready()
     return dumps({"object": "list", "data": [openai_model(m) for m in g.visible_models(principal)]})
 
