@@ -38,7 +38,7 @@ from .requests import ChatRequest
 from .validation import kind_of
 
 if TYPE_CHECKING:
-    from .service import Gateway
+    from .service import Gateway, Principal
 
 log = logging.getLogger("aotx.gateway.http")
 
@@ -118,11 +118,14 @@ class Guard:
     # their credentials are checked before their bodies, as a route's dependency is.
 
     async def _answer(self, scope: Scope, receive: Receive, send: Send,
-                      answer: Callable[[], Awaitable[Response | tuple[int, bytes]]]) -> None:
-        """Send what ``answer()`` gives: a response, or (status, JSON bytes) sent as two
-        ASGI messages (a Response object costs more than these answers' own work)."""
+                      answer: Callable[[Gateway, Principal],
+                                       Awaitable[Response | tuple[int, bytes]]]) -> None:
+        """Authenticate the caller, then send what ``answer(gateway, principal)`` gives: a
+        response, or (status, JSON bytes) sent as two ASGI messages (a Response object
+        costs more than these answers' own work)."""
+        g = self.gateway()
         try:
-            out = await answer()
+            out = await answer(g, await g.authenticate(Request(scope)))
         except Exception as exc:
             if not isinstance(exc, ApiError):
                 log.exception("event=gateway.error")
@@ -134,10 +137,7 @@ class Guard:
 
     async def _window(self, scope: Scope, receive: Receive, send: Send) -> None:
         """GET /aotx/v1/requests/{id}: a window of the request's output."""
-        g = self.gateway()
-
-        async def window() -> tuple[int, bytes]:
-            principal = await g.authenticate(Request(scope))
+        async def window(g: Gateway, principal: Principal) -> tuple[int, bytes]:
             query = parse_qs(scope.get("query_string", b"").decode("latin-1"),
                              keep_blank_values=True)
             cursor = query.get("cursor", [None])[-1]
@@ -148,10 +148,7 @@ class Guard:
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         """GET /v1/models, which clients and load balancers poll."""
-        g = self.gateway()
-
-        async def models() -> tuple[int, bytes]:
-            principal = await g.authenticate(Request(scope))
+        async def models(g: Gateway, principal: Principal) -> tuple[int, bytes]:
             return 200, await routes_openai.models_body(g, principal)
 
         await self._answer(scope, receive, send, models)
@@ -159,22 +156,16 @@ class Guard:
     async def _submit(self, scope: Scope, body: dict[str, Any], receive: Receive,
                       send: Send) -> None:
         """POST /aotx/v1/requests: an admission."""
-        g = self.gateway()
-
-        async def admit() -> tuple[int, bytes]:
-            principal = await g.authenticate(Request(scope))
-            return 202, await calls.admission_body(g, _chat(body), principal)
+        async def admit(g: Gateway, principal: Principal) -> tuple[int, bytes]:
+            return 202, await calls.admission_body(g, _chat_request(body), principal)
 
         await self._answer(scope, receive, send, admit)
 
     async def _chat(self, scope: Scope, body: dict[str, Any], receive: Receive,
                     send: Send) -> None:
         """POST /v1/chat/completions: the answer, or its stream."""
-        g = self.gateway()
-
-        async def complete() -> Response:
-            principal = await g.authenticate(Request(scope))
-            return await choices.completion(g, _chat(body), principal)
+        async def complete(g: Gateway, principal: Principal) -> Response:
+            return await choices.completion(g, _chat_request(body), principal)
 
         await self._answer(scope, receive, send, complete)
 
@@ -328,7 +319,7 @@ class BodyTimeout(Exception):
     """A request body stalled for ``body_timeout`` (the route answers 408)."""
 
 
-def _chat(body: dict[str, Any]) -> ChatRequest:
+def _chat_request(body: dict[str, Any]) -> ChatRequest:
     """The body as ``ChatRequest``, or the 400 its route's validation would answer."""
     try:
         return ChatRequest.model_validate(body)
