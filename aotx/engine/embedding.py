@@ -19,7 +19,7 @@ the queue its decodes are of :data:`SHARED_TOKENS`: what one principal sends nev
 makes another's call wait for more than a short decode.  A job can be withdrawn at any time (:meth:`EmbedQueue.withdraw`, its
 caller gone): it is answered at once and its inputs are not embedded.  An embedder thread of its own would instead
 compete with the generation thread pool for the same cores, where ggml's spinning
-workers slow both down (docs/architecture.md, "Embeddings", has the figures).
+workers slow both down (docs/engine.md, "Embeddings", has the figures).
 """
 
 from __future__ import annotations

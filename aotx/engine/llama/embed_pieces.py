@@ -8,7 +8,7 @@ state depends only on the tokens before it: :class:`PieceEmbedder` decodes an in
 piece at a time, its earlier pieces kept in the KV cache under the input's own
 sequence, reads every token's hidden state (pooling ``NONE``) and pools them itself.
 The vector is llama.cpp's mean pooling of the whole input, to float rounding (cosine
-1 - 6e-8 for 512 tokens in pieces of 4 to 512: bench figures in docs/architecture.md,
+1 - 6e-8 for 512 tokens in pieces of 4 to 512: bench figures in docs/engine.md,
 "Embeddings").  A piece's cost is nearly its tokens' (SmolLM2-135M, two cores: 4
 tokens 28 ms, 8 50 ms, 64 350 ms, 512 2.5 s), so small decodes cost little throughput
 and bound what another caller waits for.
