@@ -7,11 +7,13 @@ For each ``threads`` (the models file's; 0 is the default, one a core) it starts
 A B A B, times a greedy chat completion of ``--tokens`` tokens (the median of three) with
 nothing else running and beside ``python -c 'while 1: pass'``; then it times one
 stream's decode steps on the engine alone (depth ~100, the median of 30), the same way.
-On 2 cores (AMD EPYC, 2026-12-06, issue 40), two ggml threads beside the busy process
-made a 32-token answer 47 x slower (0.39 -> 18.3 s; in a second run 0.44 -> 78.6 s)
-while the engine alone was 1.6-2 x slower (12.0 -> 22.4 ms a step):
-ggml's compute threads spin in the graph's barriers whenever one of them is descheduled,
-and the service's own threads then wait for a CPU too.  One thread: 0.45 -> 0.53 s.
+On 2 cores (AMD EPYC, 2026-12-06, issue 40), two fixed ggml threads beside the busy
+process made a 32-token answer 47 x slower (0.39 -> 18.3 s; in a second run 0.44 -> 78.6 s)
+while the engine alone was 1.6-2 x slower (12.0 -> 22.4 ms a step): ggml's compute
+threads spin in the graph's barriers whenever one of them is descheduled, and the
+service's own threads then wait for a CPU too.  Since ``threads = 0`` follows the free
+cores (engine/llama/cores.py): 0.30 -> 0.53 s; one thread: 0.51 -> 0.49 s.  The
+engine-alone figure is 30 steps, shorter than the window the count is decided on.
 """
 
 from __future__ import annotations

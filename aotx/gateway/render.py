@@ -215,6 +215,10 @@ _MODEL_FAMILIES = (  # (key in the device's per-model counters, name, help, coun
      "Host memory held by cached prefixes saved from reused sequences", False),
     ("kv_spills", "aotx_kv_spills", "Cached prefixes saved to host memory", True),
     ("kv_restores", "aotx_kv_restores", "Cached prefixes restored from host memory", True),
+    ("engine_threads", "aotx_engine_threads",
+     "ggml threads a decode runs on now (fewer while other processes keep cores busy)", False),
+    ("engine_thread_changes", "aotx_engine_thread_changes",
+     "Times the decode's thread count followed the free cores", True),
 )
 #: The same figures under vLLM's names and its ``model_name`` label, for a router's
 #: scorers that read vLLM (llm-d's queue, KV and prefix scorers: docs/scale-out.md).

@@ -42,6 +42,9 @@ class ScriptedEngine:
         self.restore_fails = False  # llama_state_seq_set_data refuses (a full pool)
         self.rows_read: list[list[int]] = []  # logits_rows' calls (logprobs)
 
+    def thread_figures(self) -> tuple[int, int]:
+        return 1, 0
+
     def decode(self, entries: list[BatchEntry]) -> int:
         self.steps.append(list(entries))
         return 0

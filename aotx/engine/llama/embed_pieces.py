@@ -21,7 +21,6 @@ in progress to end).
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass, field
 
 import llama_cpp
@@ -30,7 +29,6 @@ import numpy as np
 from ..embedding import MAX_SEQS, Vectors
 from ..interface import EngineError
 from .engine import LlamaEngine
-from .libs import ggml_libs
 
 
 @dataclass
@@ -64,11 +62,8 @@ class PieceEmbedder:
         self.ctx = llama_cpp.llama_init_from_model(engine.model, params)
         if not self.ctx:
             raise EngineError(f"llama.cpp could not create an embedding context of {context}")
-        if engine.threadpool:  # the engine thread's pool: both contexts run on that thread
-            ggml_libs()
-            llama_cpp.llama_cpp._lib.llama_attach_threadpool(
-                ctypes.c_void_p(self.ctx), ctypes.c_void_p(engine.threadpool),
-                ctypes.c_void_p(engine.threadpool))
+        engine.attach(self.ctx)  # the engine thread's pool: both contexts run on that thread
+        self.engine = engine
         self.context = context
         self.cells = 2 * context
         self.dims = int(llama_cpp.llama_model_n_embd(engine.model))
@@ -90,7 +85,7 @@ class PieceEmbedder:
                 b.seq_id[n][0], b.logits[n] = seq, True
                 n += 1
         b.n_tokens = n
-        status = int(llama_cpp.llama_decode(self.ctx, b))
+        status = self.engine.decode_batch(self.ctx, b)
         if status != 0:
             self.reset()
             raise EngineError(f"llama_decode returned {status}")

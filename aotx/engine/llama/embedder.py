@@ -12,15 +12,12 @@ through it.
 
 from __future__ import annotations
 
-import ctypes
-
 import llama_cpp
 import numpy as np
 
 from ..embedding import MAX_SEQS, Vectors
 from ..interface import EngineError
 from .engine import LlamaEngine
-from .libs import ggml_libs
 
 #: Pooling names (the models file's and the capabilities') -> llama.cpp's pooling types.
 POOLING = {"mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN, "cls": llama_cpp.LLAMA_POOLING_TYPE_CLS,
@@ -61,12 +58,8 @@ class Embedder:
             llama_cpp.llama_free(self.ctx)
             raise EngineError(f"pooling type {kind} does not give embeddings")
         self.pooling = names[kind]
-        if engine.threadpool:  # the engine thread's pool: both contexts run on that thread
-            lib = llama_cpp.llama_cpp._lib
-            ggml_libs()
-            lib.llama_attach_threadpool(ctypes.c_void_p(self.ctx),
-                                        ctypes.c_void_p(engine.threadpool),
-                                        ctypes.c_void_p(engine.threadpool))
+        engine.attach(self.ctx)  # the engine thread's pool: both contexts run on that thread
+        self.engine = engine
         self.context = context
         self.dims = int(llama_cpp.llama_model_n_embd(engine.model))
         self.memory = llama_cpp.llama_get_memory(self.ctx)  # None for an encoder without KV
@@ -86,7 +79,7 @@ class Embedder:
         b.n_tokens = n
         if self.memory:
             llama_cpp.llama_memory_clear(self.memory, True)
-        status = int(llama_cpp.llama_decode(self.ctx, b))
+        status = self.engine.decode_batch(self.ctx, b)
         if status != 0:
             raise EngineError(f"llama_decode returned {status}")
         out = np.empty((len(inputs), self.dims), dtype=np.float32)

@@ -33,6 +33,7 @@ from llama_cpp import _logger as _llama_logger
 from ..grammar import GrammarCompiler
 from ..interface import BatchEntry, EngineError
 from ..masks import apply_mask
+from .cores import FreeCores
 from .libs import ThreadpoolParams, ggml_libs
 from .residency import available_bytes, create_uncommitted
 from .sampling import Sampler
@@ -164,6 +165,9 @@ class LlamaEngine:
         self.bos = int(llama_cpp.llama_vocab_bos(self.vocab))
         self.eos = int(llama_cpp.llama_vocab_eos(self.vocab))
         self.threads = threads
+        #: the count follows the free cores when the models file names none (cores.py)
+        self.free_cores = FreeCores(threads) if not config.threads else None
+        self._ctx_threads: dict[llama_cpp.llama_context_p, int] = {}  # the count each context was last given
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         self._logits_row = ctypes.POINTER(ctypes.c_float * self.n_vocab)
         # the width of one input embedding row (what a projector must produce)
@@ -212,8 +216,7 @@ class LlamaEngine:
                         threads)
             return
         self.threadpool = pool
-        llama_cpp.llama_cpp._lib.llama_attach_threadpool(
-            ctypes.c_void_p(self.ctx), ctypes.c_void_p(pool), ctypes.c_void_p(pool))
+        self.attach(self.ctx)
 
     # -- metadata ------------------------------------------------------------
     def metadata(self, key: str) -> str | None:
@@ -394,7 +397,36 @@ class LlamaEngine:
             b.seq_id[i][0] = e.seq
             b.logits[i] = e.logits
         b.n_tokens = len(entries)
-        return int(llama_cpp.llama_decode(self.ctx, b))
+        return self.decode_batch(self.ctx, b)
+
+    def decode_batch(self, ctx: llama_cpp.llama_context_p, batch: llama_cpp.llama_batch) -> int:
+        """``llama_decode`` on this engine's thread count for now (cores.py): its own
+        context, or an embedding context attached to its pool (:meth:`attach`)."""
+        n = self.free_cores.threads() if self.free_cores is not None else self.threads
+        if self._ctx_threads.get(ctx) != n:
+            self._ctx_threads[ctx] = n
+            if self.threadpool:
+                # One thread runs on the calling thread without the pool: an idle pool
+                # worker would still be woken (and poll) at every graph.
+                if n == 1:
+                    llama_cpp.llama_cpp._lib.llama_detach_threadpool(ctypes.c_void_p(ctx))
+                else:
+                    self.attach(ctx)
+            llama_cpp.llama_set_n_threads(ctx, n, n)
+        return int(llama_cpp.llama_decode(ctx, batch))
+
+    def thread_figures(self) -> tuple[int, int]:
+        """The thread count decodes run on now, and how often it has changed."""
+        cores = self.free_cores
+        return (cores.current, cores.changes) if cores is not None else (self.threads, 0)
+
+    def attach(self, ctx: llama_cpp.llama_context_p) -> None:
+        """Run another context's graphs (an embedding context: it decodes on the engine
+        thread too) on this engine's thread pool."""
+        if self.threadpool:
+            llama_cpp.llama_cpp._lib.llama_attach_threadpool(
+                ctypes.c_void_p(ctx), ctypes.c_void_p(self.threadpool),
+                ctypes.c_void_p(self.threadpool))
 
     def decode_embeddings(self, embd: ctypes.Array[ctypes.c_float], n_tokens: int, pos: int,
                           seq: int, non_causal: bool = False) -> int:
@@ -420,7 +452,7 @@ class LlamaEngine:
                     b.seq_id[i][0] = seq
                     b.logits[i] = False
                 b.n_tokens = n
-                status = int(llama_cpp.llama_decode(self.ctx, b))
+                status = self.decode_batch(self.ctx, b)
                 if status != 0:
                     return status
                 done += n

@@ -122,7 +122,9 @@ class Scheduler(StepPlan):
                 "num_requests_running": len(self.active), "num_requests_waiting": len(self.queue),
                 "kv_cache_usage_perc": min(1.0, used / max(1, self.engine.kv_cells)),
                 "prefix_cache_queries": self.prompt_tokens_looked_up,
-                "prefix_cache_hits": self.reused_tokens}
+                "prefix_cache_hits": self.reused_tokens,
+                **dict(zip(("engine_threads", "engine_thread_changes"),
+                           self.engine.thread_figures(), strict=True))}
 
     # -- engine thread -------------------------------------------------------
     def _finish(self, req: Request, phase: Phase, finish: Finish = Finish.NONE,
