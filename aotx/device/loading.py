@@ -55,6 +55,14 @@ class LoadedModel:
     embeddings: Embeddings | None = None  # /v1/embeddings (engine thread)
     chat: bool = True  # False: an embedding model (kind = "embedding"), no SUBMIT
     shares_engine: bool = False  # a LoRA adapter: its base model's thread runs the engine
+    built: Loaded | None = None  # what the factory built (None: a LoRA adapter, its base's)
+
+    def close(self) -> None:
+        """Give back what the load built, once its engine thread has ended (the device
+        stops, or the model is unloaded).  An adapter's engine is its base model's."""
+        if self.built is not None:
+            self.built.close()
+            self.built = None
 
 
 #: The template of an embedding model: it takes no chat request, so it renders nothing.
@@ -90,7 +98,8 @@ def load_model(spec: ModelSpec, state_dir: str, lock: threading.Lock,
     model = LoadedModel(got.spec, got.engine, template, got.runner, digest,
                         int(os.stat(spec.path).st_mtime), modalities=got.modalities,
                         encoder=got.encoder, embeddings=got.embeddings, chat=chat,
-                        automatic_memory=chat and qualified(digest, template.source, projector))
+                        automatic_memory=chat and qualified(digest, template.source, projector),
+                        built=got)
     log.info("event=model.ready alias=%s role=%d sha256=%s %s automatic_memory=%s "
              "tool_format=%s seconds=%.1f", spec.alias, spec.role, digest.hex(),
              " ".join(f"{k}={v}" for k, v in got.facts.items()), model.automatic_memory,

@@ -369,18 +369,12 @@ class Device:
                 m.thread.join(timeout=30)
                 if m.thread.is_alive():
                     continue  # still inside llama.cpp: leave its memory to the exit
-            if m.encoder is not None:
-                if media_busy:
-                    continue  # the worker still uses it (and the model): leave them to the exit
-                m.encoder.close()
-            if m.embeddings is not None:  # its context, before the model it shares goes
-                m.embeddings.embedder.close()
-            if m.shares_engine:  # (a LoRA adapter's engine is its base model's to close)
-                continue
-            if m.engine.closes_slowly:  # (vLLM's: its engine-core process)
-                slow.append(threading.Thread(target=m.engine.close, name=f"close-{m.spec.alias}"))
+            if m.encoder is not None and media_busy:
+                continue  # the worker still uses it (and the model): leave them to the exit
+            if m.engine.closes_slowly and not m.shares_engine:  # (vLLM's: engine-core process)
+                slow.append(threading.Thread(target=m.close, name=f"close-{m.spec.alias}"))
             else:
-                m.engine.close()
+                m.close()
         # Each vLLM engine waits seconds for its engine-core process to end: all at once,
         # else four of them outlast the supervisor's grace (10 s) and it kills the device
         # before the last engine core was told to go, which then outlives it.
