@@ -160,19 +160,23 @@ class LlamaEngine:
         self._piece_cache: dict[int, bytes] = {}
         self._piece_buf = ctypes.create_string_buffer(256)
         self.model_bytes = int(llama_cpp.llama_model_size(self.model))
+        self.threads = threads
+        #: the count follows the free cores when the models file names none (cores.py)
+        self.free_cores = FreeCores(threads) if not config.threads else None
+        self._ctx_threads: dict[llama_cpp.llama_context_p, int] = {}  # each context's last
+        # the width of one input embedding row (what a projector must produce)
+        self.n_embd = int(llama_cpp.llama_model_n_embd_inp(self.model))
+        self._embd_batch: llama_cpp.llama_batch | None = None
+        self._init_vocab()
+
+    def _init_vocab(self) -> None:
+        """The vocabulary's facts, and the tokenizer's caches."""
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.add_eos = bool(llama_cpp.llama_vocab_get_add_eos(self.vocab))
         self.bos = int(llama_cpp.llama_vocab_bos(self.vocab))
         self.eos = int(llama_cpp.llama_vocab_eos(self.vocab))
-        self.threads = threads
-        #: the count follows the free cores when the models file names none (cores.py)
-        self.free_cores = FreeCores(threads) if not config.threads else None
-        self._ctx_threads: dict[llama_cpp.llama_context_p, int] = {}  # the count each context was last given
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         self._logits_row = ctypes.POINTER(ctypes.c_float * self.n_vocab)
-        # the width of one input embedding row (what a projector must produce)
-        self.n_embd = int(llama_cpp.llama_model_n_embd_inp(self.model))
-        self._embd_batch: llama_cpp.llama_batch | None = None
         self._specials, self._lstrip, self._rstrip = self._special_texts()
         #: every token special parsing can produce (control, user-defined, unknown)
         self.special_ids = frozenset(t for _, t in self._specials)
