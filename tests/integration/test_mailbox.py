@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -21,10 +22,13 @@ from aotx.paths import RuntimePaths
 from ..helpers import short_tmpdir
 
 
-def _echo_device(run_dir: str, count: int, n_packets: int, plain: bool = TSO) -> None:
-    """A device stand-in in another process: answers each request with status 200."""
+def _echo_device(run_dir: str, count: int, n_packets: int, plain: bool,
+                 ready: Any) -> None:
+    """A device stand-in in another process: answers each request with status 200
+    (``ready`` is set once it waits on its doorbell)."""
     region = Region(os.path.join(run_dir, "mailboxes"), count, plain=plain)
     bell = Bell(os.path.join(run_dir, "device.bell"), os.path.join(run_dir, "broker.bell"))
+    ready.set()
     answered = 0
     while answered < n_packets:
         select.select([bell.fd], [], [], 5)
@@ -56,10 +60,14 @@ def test_mailboxes_between_two_processes(plain_here: bool, plain_there: bool) ->
         region = Region(os.path.join(run_dir, "mailboxes"), count, plain=plain_here)
         assert region.plain is plain_here
         bell = Bell(os.path.join(run_dir, "broker.bell"), os.path.join(run_dir, "device.bell"))
-        proc = mp.get_context("spawn").Process(target=_echo_device,
-                                               args=(run_dir, count, 40, plain_there))
+        spawn = mp.get_context("spawn")
+        ready = spawn.Event()
+        proc = spawn.Process(target=_echo_device, args=(run_dir, count, 40, plain_there, ready))
         proc.start()
-        time.sleep(1.0)  # let it start and go idle
+        # started (however long its imports took on a busy machine), then a moment to
+        # reach its select
+        assert ready.wait(120)
+        time.sleep(0.2)
         # Idle means asleep on the doorbell, not spinning: no CPU over a second.
         before = _cpu_ticks(proc.pid)
         time.sleep(1.0)
