@@ -46,6 +46,7 @@ from ..mailbox import REQUEST, SCAN_ALL, WAKE, Bell, Region
 from ..paths import RuntimePaths
 from ..wire import Header, Op, Reason, WireError
 from .admission import Admission, MediaJob
+from .catalog import settle_roles
 from .embeddings import EmbedCall, withdraw_due
 from .embeddings import reply as embed_reply
 from .errors import DeviceError
@@ -402,7 +403,7 @@ def run(paths: RuntimePaths, mailboxes: int, models_file: str | None = None,
         limits: DeviceLimits | None = None, settings: Settings | None = None) -> None:
     settings = settings or Settings()
     paths.ensure()
-    specs = load_specs(paths.state_dir, models_file)
+    specs = settle_roles(paths.state_dir, load_specs(paths.state_dir, models_file))
     device = Device(paths, specs, mailboxes, limits, settings.log_prompts, settings.short_slice)
     signal.signal(signal.SIGTERM, lambda *_: device.stop())
     signal.signal(signal.SIGINT, lambda *_: device.stop())
