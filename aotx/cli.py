@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import ids
 from .config import ConfigError, Settings, log_level
@@ -116,24 +116,7 @@ def build_parser(settings: Settings | None = None) -> argparse.ArgumentParser:
     _state_dir(g, state)
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=_int_in(1, 65535), default=8000)
-    t = sub.add_parser("token", help="manage bearer tokens")
-    tsub = t.add_subparsers(dest="token_command", required=True)
-    tc = tsub.add_parser("create", help="create a token; prints it as the last line")
-    _state_dir(tc, state)
-    tc.add_argument("--principal", required=True)
-    tc.add_argument("--actions", default="submit,read,cancel,media",
-                    help="comma list of: submit, read, cancel, media, telemetry, "
-                         "policy-read, policy-control, admin")
-    tc.add_argument("--models", default="*", help="comma list of model aliases, * for all")
-    tc.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE",
-                    help="active, output_tokens, input_bytes, media_sources, media_bytes, rate")
-    tc.add_argument("--memory", action="store_true",
-                    help="enable automatic memory for this principal (off unless given)")
-    tl = tsub.add_parser("list", help="list tokens (never their values)")
-    _state_dir(tl, state)
-    tr = tsub.add_parser("revoke", help="revoke a token by id")
-    _state_dir(tr, state)
-    tr.add_argument("id", type=int)
+    _token_parsers(sub, state)
     sb = sub.add_parser("submit", help="submit a prompt; print its id (and follow it)")
     _state_dir(sb, state)
     sb.add_argument("prompt")
@@ -165,7 +148,52 @@ def build_parser(settings: Settings | None = None) -> argparse.ArgumentParser:
     gsub = gr.add_subparsers(dest="grant_command", required=True)
     gs = gsub.add_parser("show", help="show grant definitions and what the device holds")
     _state_dir(gs, state)
+    _pull_parser(sub, state)
     return parser
+
+
+def _token_parsers(sub: Any, state: str) -> None:
+    t = sub.add_parser("token", help="manage bearer tokens")
+    tsub = t.add_subparsers(dest="token_command", required=True)
+    tc = tsub.add_parser("create", help="create a token; prints it as the last line")
+    _state_dir(tc, state)
+    tc.add_argument("--principal", required=True)
+    tc.add_argument("--actions", default="submit,read,cancel,media",
+                    help="comma list of: submit, read, cancel, media, telemetry, "
+                         "policy-read, policy-control, admin")
+    tc.add_argument("--models", default="*", help="comma list of model aliases, * for all")
+    tc.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE",
+                    help="active, output_tokens, input_bytes, media_sources, media_bytes, rate")
+    tc.add_argument("--memory", action="store_true",
+                    help="enable automatic memory for this principal (off unless given)")
+    tl = tsub.add_parser("list", help="list tokens (never their values)")
+    _state_dir(tl, state)
+    tr = tsub.add_parser("revoke", help="revoke a token by id")
+    _state_dir(tr, state)
+    tr.add_argument("id", type=int)
+
+
+def _pull_parser(sub: Any, state: str) -> None:
+    pl = sub.add_parser("pull", help="fetch a GGUF model into the models folder")
+    _state_dir(pl, state)
+    pl.add_argument("ref", help="owner/repo[:QUANT or :FILE.gguf] (Hugging Face), or an https "
+                                "URL of a .gguf file")
+    pl.add_argument("--mmproj", action="store_true", help="also fetch the model's projector")
+    pl.add_argument("--models-dir", help="default: STATE_DIR/models")
+
+
+def _pull(args: argparse.Namespace, state_dir: str) -> int:
+    from .pull import PullError, pull
+
+    try:
+        placed = pull(args.ref, args.models_dir or os.path.join(state_dir, "models"),
+                      mmproj=args.mmproj)
+    except PullError as exc:
+        print(f"aotx pull: {exc}", file=sys.stderr)
+        return 1
+    for path in placed:
+        print(path)
+    return 0
 
 
 def _token_command(args: argparse.Namespace, state_dir: str) -> int:
@@ -456,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
         return _status(args, paths.state_dir, paths.run_dir)
     if args.command == "grant":
         return _grant_show(paths.state_dir, paths.socket)
+    if args.command == "pull":
+        return _pull(args, paths.state_dir)
     return _component(args, paths, settings)
 
 
