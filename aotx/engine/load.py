@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..wire import MOD_AUDIO, MOD_IMAGE, MOD_TEXT, MODALITY_BITS, modality_names
 from .embedding import Embeddings
@@ -25,6 +25,9 @@ from .interface import EngineError, Model, Runner
 from .multimodal import MediaTokenizer
 from .request import Request
 from .spec import ModelSpec
+
+if TYPE_CHECKING:
+    from .llama.describe import Description
 
 
 @dataclass
@@ -65,6 +68,15 @@ def factory(kind: str) -> Factory:
         from .llama.load import load as llama_load
         return llama_load
     raise ValueError(f"no engine kind {kind!r}")
+
+
+def describe(spec: ModelSpec) -> Description:
+    """What ``spec``'s model is before it is loaded, and the memory it will take
+    (engine/llama/describe.py); EngineError for a kind that cannot tell before loading."""
+    if spec.engine != "llama":
+        raise EngineError(f"a model of engine {spec.engine!r} is described once loaded")
+    from .llama.describe import describe as llama_describe
+    return llama_describe(spec)
 
 
 def modality_bits(declared: tuple[str, ...], media: MediaTokenizer | None,
