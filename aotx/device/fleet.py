@@ -1,0 +1,87 @@
+"""Which loaded models make room for another under a memory budget, and which have been
+idle past their keep-alive: the residency rule, with no I/O (the device applies it).
+
+A model's memory is its estimate (engine/llama/describe.py).  To load a model of ``need``
+bytes, :func:`plan_room` gives back the loaded models to unload first, least recently
+used first, and as few as make it fit.  A model is never chosen when
+
+* it is **pinned** (a keep-alive of -1): it counts against the budget, always;
+* it is **busy**: a request of it is running or queued;
+* **another principal** used it within its keep-alive (:attr:`Resident.users`).  One
+  principal's traffic must not unload the model another is in the middle of using: the
+  other principal's next request would wait for a load it did not cause.  This is the
+  eviction row of the shared-resources table in docs/security.md.  The requester's own
+  use does not protect a model from the requester.
+
+When no choice fits, the load waits (the device answers 503 with ``Retry-After`` once the
+request's deadline passes); a model larger than the whole budget never fits.
+:func:`expired` lists the models idle past their keep-alive (0: unloaded as soon as
+idle), which the device unloads without being asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+PINNED = -1.0  # a keep-alive that never expires
+
+
+@dataclass
+class Resident:
+    """A loaded model as the rule sees it."""
+
+    role: int
+    bytes: int  # its estimated memory
+    keep_alive: float  # seconds it stays loaded once idle; PINNED: for ever
+    busy: bool = False  # requests running or queued
+    last_used: float = 0.0  # when its last request ended (or it was loaded)
+    users: dict[int, float] = field(default_factory=dict)  # principal -> last use
+
+    @property
+    def pinned(self) -> bool:
+        return self.keep_alive < 0
+
+    def protected_from(self, principal: int, now: float) -> bool:
+        """Whether ``principal``'s load may not unload it: pinned, busy, or used by another
+        principal within its keep-alive."""
+        if self.pinned or self.busy:
+            return True
+        return any(p != principal and now - at < self.keep_alive for p, at in self.users.items())
+
+
+class NeverFits(Exception):
+    """The model is larger than the whole budget."""
+
+
+def plan_room(need: int, budget: int, loaded: Sequence[Resident], principal: int,
+              now: float) -> list[Resident] | None:
+    """The models to unload, in order, so that a model of ``need`` bytes fits ``budget``
+    beside the others; None when it cannot fit now (wait).  Raises NeverFits when it
+    cannot fit however many are unloaded."""
+    if need > budget:
+        raise NeverFits(f"the model needs {need} bytes, the budget is {budget}")
+    used = sum(r.bytes for r in loaded)
+    if used + need <= budget:
+        return []
+    chosen: list[Resident] = []
+    for r in sorted(loaded, key=lambda r: r.last_used):  # least recently used first
+        if r.protected_from(principal, now):
+            continue
+        chosen.append(r)
+        used -= r.bytes
+        if used + need <= budget:
+            return chosen
+    return None
+
+
+def expired(loaded: Sequence[Resident], now: float) -> list[Resident]:
+    """The idle, unpinned models whose keep-alive has run out since their last use."""
+    return [r for r in loaded if not r.pinned and not r.busy
+            and now - r.last_used >= r.keep_alive]
+
+
+def default_budget(total_bytes: int) -> int:
+    """Three quarters of the machine's memory: the rest for the system, the service's
+    other processes and what the estimate leaves out."""
+    return total_bytes * 3 // 4
