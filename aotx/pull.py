@@ -146,6 +146,7 @@ def _fetch_hub(repo: str, filename: str, staging: str, info: object) -> str:
     checked against the SHA-256 of its LFS pointer.  (``hf_hub_download`` resumes only
     within one run since huggingface_hub 1.x: each run writes a temporary file of its own.)"""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
     # (documented public API, not re-exported for type checkers)
     from huggingface_hub.utils import build_hf_headers  # type: ignore[attr-defined]
 
