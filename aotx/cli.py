@@ -99,12 +99,16 @@ def build_parser(settings: Settings | None = None) -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=_int_in(1, 65535), default=8000)
     s.add_argument("--models", help="models file (default: STATE_DIR/models.toml)")
+    s.add_argument("--models-dir", help="folder of GGUF models loaded on first use "
+                                        "(default: STATE_DIR/models)")
     s.add_argument("--mailboxes", type=_int_in(1, SCAN_ALL - 1), default=DEFAULT_MAILBOXES)
     _device_limits(s)
 
     d = sub.add_parser("device", help="run the device runtime alone")
     _state_dir(d, state)
     d.add_argument("--models", help="models file (default: STATE_DIR/models.toml)")
+    d.add_argument("--models-dir", help="folder of GGUF models loaded on first use "
+                                        "(default: STATE_DIR/models)")
     d.add_argument("--mailboxes", type=_int_in(1, SCAN_ALL - 1), default=DEFAULT_MAILBOXES)
     _device_limits(d)
 
@@ -501,6 +505,8 @@ def _component(args: argparse.Namespace, paths: RuntimePaths, settings: Settings
                        "--media-pool-bytes", str(args.media_pool_bytes),
                        "--principal-share", str(args.principal_share),
                        "--device-id", str(args.device_id)]
+        if args.models_dir:
+            device_args += ["--models-dir", args.models_dir]
         return serve(paths, args.host, args.port, args.models, args.mailboxes, device_args,
                      log_level=args.log_level, settings=settings)
     if args.command == "device":
@@ -517,7 +523,7 @@ def _component(args: argparse.Namespace, paths: RuntimePaths, settings: Settings
                               principal_share=args.principal_share,
                               device_id=args.device_id)
         try:
-            runtime.run(paths, args.mailboxes, args.models, limits, settings)
+            runtime.run(paths, args.mailboxes, args.models, limits, settings, args.models_dir)
         except ModelConfigError as exc:  # its models file: starting again would not help
             print(f"aotx device: refused to start: {exc}", file=sys.stderr)
             return EX_CONFIG

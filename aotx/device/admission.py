@@ -22,6 +22,7 @@ Every refusal is a :class:`~aotx.device.errors.DeviceError`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import secrets
 import struct
@@ -32,7 +33,7 @@ from typing import Any
 from .. import wire
 from ..engine.grammar import Matcher
 from ..engine.multimodal import MediaInputError, MediaProblem, MediaSegment, release_all
-from ..engine.request import Request
+from ..engine.request import Failure, Request, settle
 from ..wire import Header, PartKind, Reason, Role
 from . import tool_fields
 from .constraints import constraint_matcher
@@ -41,6 +42,7 @@ from .loading import LoadedModel
 from .media import Source
 from .memory import Source as MemorySource
 from .memory import inject
+from .ondemand import FAILED, Deferred
 from .prompt import Prompt, TextRefused, has_fields, media_tokens, raw, split, text_tokens
 from .state import DeviceState
 from .template import TemplateError
@@ -81,8 +83,9 @@ class MediaJob:
     """A submission waiting for the media worker (its mailbox is busy): its media are
     decoded, or its constraint compiled, off the lock, which a step needs."""
 
-    mailbox: int
+    mailbox: int  # -1: a deferred request's (ondemand.py): nobody waits on a mailbox
     prepared: Prepared
+    stub: Request | None = None  # the deferred request it admits
 
 
 class Admission:
@@ -92,15 +95,68 @@ class Admission:
     def submit(self, h: Header, payload: bytes, mailbox: int) -> Reply | MediaJob:
         """Admit a text request now, or hand back the job of one whose media or constraint
         take the media worker (leasing its media meanwhile)."""
+        if not self.state.loaded(h.role):
+            return self._defer(h, payload)
         p = self._prepare(h, payload)
-        model = p.model
+        job = self._text_or_job(p, mailbox)
+        return job if isinstance(job, MediaJob) else self._admit(p, job, [])
+
+    def _text_or_job(self, p: Prepared, mailbox: int, stub: Request | None = None
+                     ) -> list[int] | MediaJob:
+        """A text request's tokens, or the media worker's job (its media leased now)."""
         if not p.leased and p.submission.constraint is None:
-            return self._admit(p, self._tokens(p), [])
-        if p.leased and model.encoder is None:
+            return self._tokens(p)
+        if p.leased and p.model.encoder is None:
             raise DeviceError(400, Reason.NO_PROJECTOR)
         for src in p.leased:
             self.state.media.lease(src)
-        return MediaJob(mailbox, p)
+        return MediaJob(mailbox, p, stub)
+
+    # -- models loaded on demand (ondemand.py) --------------------------------------------
+    def _defer(self, h: Header, payload: bytes) -> Reply:
+        """A SUBMIT for a model not loaded yet: checked as far as it can be without the
+        model, then a request in ``preparing`` that waits for the load."""
+        st = self.state
+        grant = st.submit_grant(h)
+        if grant.max_input_bytes and len(payload) > grant.max_input_bytes:
+            raise DeviceError(413, Reason.INPUT_BYTES, grant.max_input_bytes)
+        wire.decode_submission(payload)  # a malformed payload is refused now
+        self._check_capacity(h, grant)
+        od = st.on_demand[h.role]
+        if od.state == FAILED and not od.retry():
+            raise DeviceError(503, Reason.MODEL_LOAD, retry_after=60)
+        identity = secrets.token_bytes(wire.IDENTITY_SIZE)
+        req = Request(identity=identity, principal=h.principal, revision=grant.revision,
+                      role=h.role, prompt=[], max_tokens=0, phase=wire.Phase.PREPARING,
+                      kept_flags=h.submit_flags & (wire.SUBMIT_FLAG_TOOLS
+                                                   | wire.SUBMIT_TOOL_FORMAT))
+        st.requests[identity] = req
+        st.active[h.principal] += 1
+        st.deferred[identity] = deferred = Deferred(req, h, payload)
+        od.waiting.append(deferred)
+        st.counters.admitted += 1
+        log.debug("event=request.deferred id=%s role=%d", st.request_id(identity), h.role)
+        return h.reply(202, epoch=st.epoch, identity=identity, **st.state_fields(req)), b""
+
+    def admit_deferred(self, d: Deferred) -> MediaJob | None:
+        """Admit a request whose model has loaded, as if it had just come (lock held); a
+        refusal fails it with the refusal's status and reason."""
+        self.state.deferred.pop(d.req.identity, None)
+        try:
+            p = self._prepare(d.header, d.payload)
+            job = self._text_or_job(p, -1, d.req)
+            if isinstance(job, MediaJob):
+                return job
+            self._admit(p, job, [], stub=d.req)
+        except DeviceError as exc:
+            self.fail_deferred(d.req, exc.status, exc.reason)
+        return None
+
+    def fail_deferred(self, req: Request, status: int, reason: Reason) -> None:
+        """End a request that never reached its engine: failed with ``status``."""
+        req.refused = (status, int(reason))
+        settle(req, wire.Phase.FAILED, wire.Finish.NONE, Failure.REFUSED)
+        self.state.ended(req)
 
     def _prepare(self, h: Header, payload: bytes) -> Prepared:
         st = self.state
@@ -249,7 +305,7 @@ class Admission:
                 # The grant may have been replaced or revoked meanwhile: admit under the
                 # one installed now.
                 p.grant = self.state.submit_grant(p.header)
-                reply = self._admit(p, prompt, segments, matcher)
+                reply = self._admit(p, prompt, segments, matcher, job.stub)
                 admitted = True
                 return reply
         finally:
@@ -260,12 +316,14 @@ class Admission:
                         self.state.media.unlease(src.id)
 
     def _admit(self, p: Prepared, prompt: list[int], segments: list[MediaSegment],
-               matcher: Matcher | None = None) -> Reply:
-        """Check the limits and queue the request (lock held)."""
+               matcher: Matcher | None = None, stub: Request | None = None) -> Reply:
+        """Check the limits and queue the request (lock held); ``stub``: the deferred
+        request it becomes (counted when it was deferred)."""
         st, h, grant, model = self.state, p.header, p.grant, p.model
         max_tokens = self._output_limit(p, len(prompt))
-        self._check_capacity(h, grant)
-        identity = secrets.token_bytes(wire.IDENTITY_SIZE)
+        if stub is None:
+            self._check_capacity(h, grant)
+        identity = stub.identity if stub is not None else secrets.token_bytes(wire.IDENTITY_SIZE)
         seed = h.seed if h.submit_flags & wire.SUBMIT_FLAG_SEED else secrets.randbits(32)
         req = Request(identity=identity, principal=h.principal, revision=grant.revision,
                       role=h.role, prompt=prompt, max_tokens=max_tokens,
@@ -285,13 +343,19 @@ class Admission:
                      st.request_id(identity), len(prompt),
                      sum(1 for t in prompt if t in model.engine.special_ids),
                      p.prompt.method.value, p.prompt.text)
-        st.requests[identity] = req
-        st.active[h.principal] += 1
+        if stub is None:
+            st.requests[identity] = req
+            st.active[h.principal] += 1
+            st.counters.admitted += 1
+        else:  # the deferred request becomes this one (its creation time kept)
+            for f in dataclasses.fields(Request):
+                if f.name != "created_ns":
+                    setattr(stub, f.name, getattr(req, f.name))
+            req = stub
         if p.leased:  # leased when the request came in (Admission.submit)
             st.leases[identity] = [src.id for src in p.leased]
             req.media = [src.data for src in p.leased]
         model.scheduler.submit(req)
-        st.counters.admitted += 1
         # A request's own events are DEBUG: at INFO every admission wrote a line to a log
         # that nothing rotates (the service's start, stop, errors and grants stay INFO).
         log.debug("event=request.admitted id=%s role=%d prompt_tokens=%d max_tokens=%d",

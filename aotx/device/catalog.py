@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 
 from ..engine.spec import ModelSpec
 from .models import ModelConfigError
+
+log = logging.getLogger("aotx.models")
 
 MAX_ROLE = 31
 ROLES_FILE = "model-roles.json"
@@ -166,19 +169,47 @@ def write_roles(state_dir: str, roles: dict[str, int]) -> None:
     os.replace(tmp, path)
 
 
-def settle_roles(state_dir: str, specs: Sequence[ModelSpec]) -> list[ModelSpec]:
-    """``specs`` with the roles their aliases were given before (new aliases take the
-    lowest free roles, in the models file's order; on a first start that is 1, 2, ...),
-    the assignment kept in the state folder.  More declared models than roles stop the
-    start (ModelConfigError)."""
+def settle_roles(state_dir: str, specs: Sequence[ModelSpec],
+                 found: Sequence[ModelSpec] = ()) -> list[ModelSpec]:
+    """``specs`` (the models file's) and ``found`` (the models folder's) with the roles
+    their aliases were given before (new aliases take the lowest free roles, the models
+    file's first, in order; on a first start that is 1, 2, ...), the assignment kept in
+    the state folder.  A declared model beyond the roles stops the start
+    (ModelConfigError); a found one is left out, and the log says so."""
     try:
         given = read_roles(state_dir)
     except ValueError as exc:
         raise ModelConfigError(str(exc)) from None
-    roles, over = assign_roles(given, [s.alias for s in specs])
-    if over:
+    roles, over = assign_roles(given, [s.alias for s in (*specs, *found)])
+    declared_over = [a for a in over if a in {s.alias for s in specs}]
+    if declared_over:
         raise ModelConfigError(f"at most {MAX_ROLE} models have roles; no role is left for "
-                               f"{over} (roles kept in {ROLES_FILE})")
+                               f"{declared_over} (roles kept in {ROLES_FILE})")
+    for alias in over:
+        log.warning("event=models_dir.no_role alias=%s: all %d roles are given (%s)", alias,
+                    MAX_ROLE, ROLES_FILE)
     if roles != given:
         write_roles(state_dir, roles)
-    return [dataclasses.replace(s, role=roles[s.alias]) for s in specs]
+    return [dataclasses.replace(s, role=roles[s.alias]) for s in (*specs, *found)
+            if s.alias in roles]
+
+
+def folder_specs(models_dir: str, declared: Sequence[ModelSpec]) -> list[ModelSpec]:
+    """A spec for each model of ``models_dir`` the models file does not declare (by file
+    or alias), loaded on demand with a ``[[model]]``'s defaults (8 slots, 4096 tokens)."""
+    found, skipped = scan(models_dir)
+    for s in skipped:
+        log.warning("event=models_dir.skipped path=%s reason=%s", s.path, s.reason)
+    files = {os.path.realpath(s.path) for s in declared}
+    aliases = {s.alias for s in declared}
+    out = []
+    for f in found:
+        if os.path.realpath(f.path) in files:
+            continue
+        if f.alias in aliases:
+            log.warning("event=models_dir.skipped path=%s reason=the models file declares "
+                        "the alias %s for another file", f.path, f.alias)
+            continue
+        out.append(ModelSpec(alias=f.alias, path=f.path, role=0, slots=8, context=4096,
+                             mmproj=f.mmproj, on_demand=True))
+    return out

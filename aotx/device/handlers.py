@@ -101,7 +101,7 @@ class Handlers:
         req = self._admin_lookup(h) if h.cancel_flags & wire.CANCEL_FLAG_ADMIN else st.lookup(
             h, Action.CANCEL)
         if not req.phase.terminal:
-            st.models[req.role].scheduler.cancel(req)
+            st.cancel(req)
             log.debug("event=request.cancel id=%s", st.request_id(req.identity))
             self.cancelled(req.identity)
         return h.reply(202, epoch=st.epoch, **st.state_fields(req)), b""

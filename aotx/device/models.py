@@ -141,7 +141,7 @@ COMMON_KEYS = frozenset({
     "embedding_context", "kv_budget", "kv_spill", "kv_type", "prompts_per_step",
     "flash_attention"})
 DEFAULT_KEYS = COMMON_KEYS | {"enabled"}
-MODEL_KEYS = COMMON_KEYS | {"path", "engine", "vllm", "lora", "sha256", "kind"}
+MODEL_KEYS = COMMON_KEYS | {"path", "engine", "vllm", "lora", "sha256", "kind", "on_demand"}
 
 
 def _known(table: dict[str, object], keys: frozenset[str], what: str) -> None:
@@ -385,6 +385,9 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
         if sha is not None and (not isinstance(sha, str) or len(sha) != 64):
             raise ModelConfigError(f"model {n}: sha256 must be 64 hex digits")
         kind = _kind(entry, f"model {n}")
+        on_demand = entry.get("on_demand", False)
+        if not isinstance(on_demand, bool) or (on_demand and engine.get("engine") == "vllm"):
+            raise ModelConfigError(f"model {n}: on_demand is true or false, for a GGUF model")
         specs.append(ModelSpec(alias=_check_alias(entry.get("alias")), **engine,
                                role=len(specs) + 1,  # an embedding model decodes no stream
                                slots=_positive(entry, "slots", 8) if kind == "chat" else 1,
@@ -395,7 +398,8 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
                                kind=kind, chat_template=_template_file(
                                    state_dir, entry, f"model {n}"),
                                **_kv(entry, f"model {n}"),
-                               embedding_context=_positive(entry, "embedding_context", 512)))
+                               embedding_context=_positive(entry, "embedding_context", 512),
+                               on_demand=on_demand))
         if engine.get("engine") == "vllm":
             base = specs[-1]
             specs += [dataclasses.replace(base, alias=alias, path=path, role=len(specs) + 1 + i,

@@ -24,6 +24,7 @@ becomes a reply in one place: :meth:`Device.reply_to`.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import logging
@@ -46,14 +47,15 @@ from ..mailbox import REQUEST, SCAN_ALL, WAKE, Bell, Region
 from ..paths import RuntimePaths
 from ..wire import Header, Op, Reason, WireError
 from .admission import Admission, MediaJob
-from .catalog import settle_roles
+from .catalog import folder_specs, settle_roles
 from .embeddings import EmbedCall, withdraw_due
 from .embeddings import reply as embed_reply
 from .errors import DeviceError
 from .handlers import Handlers, Park, Reply, Result
-from .loading import load_model
+from .loading import LoadedModel, load_model
 from .memory import EXTRACTION_MAX_TOKENS, EXTRACTION_PROMPT, MAX_SOURCE_CHARS
 from .models import load_specs
+from .ondemand import FAILED, LOADED, UNLOADED, Loader, describe_all
 from .policy import Policy
 from .prompt import TextRefused, split, text_tokens
 from .state import DeviceLimits, DeviceState
@@ -123,9 +125,15 @@ class Device:
         # llama.cpp contexts first: they are created while no other thread runs
         # (engine/residency.py), and vLLM's AsyncLLM starts threads of its own.
         for spec in sorted(specs, key=lambda s: s.engine == "vllm"):
-            st.models[spec.role] = load_model(spec, paths.state_dir, st.lock, self._after_step,
-                                              self.on_terminal, list(st.models.values()))
+            if not spec.on_demand:
+                st.models[spec.role] = load_model(spec, paths.state_dir, st.lock,
+                                                  self._after_step, self.on_terminal,
+                                                  list(st.models.values()))
         st.models = dict(sorted(st.models.items()))  # in role order again
+        st.on_demand = describe_all([s for s in specs if s.on_demand])
+        self.loader = Loader(lambda spec: load_model(spec, paths.state_dir, st.lock,
+                                                     self._after_step, self.on_terminal),
+                             self.bell.ring_self)
         st.policy = Policy(os.path.join(paths.state_dir, "memory"),
                            enabled=any(m.automatic_memory for m in st.models.values()))
 
@@ -246,8 +254,54 @@ class Device:
                                    functools.partial(self.admission.run_media_job, job))
             assert isinstance(result, tuple)
             with self.state.lock:
+                if job.stub is not None:  # a deferred request's: its reply is its state
+                    if result[0].status >= 400:
+                        self.admission.fail_deferred(job.stub, result[0].status,
+                                                     Reason(result[0].reason))
+                        self.waits.force(job.stub.identity)
+                    continue
                 self.busy_mailboxes.discard(job.mailbox)
                 self._publish(job.mailbox, *result)
+
+    # -- models loaded on demand (control thread, lock held) ---------------------------------
+    def _on_demand(self) -> None:
+        """Start the loads requests wait for; install the models whose load ended and
+        admit their requests (a failed load fails them)."""
+        st = self.state
+        for od in st.on_demand.values():
+            if od.state == UNLOADED and od.waiting:
+                self.loader.start(od)
+        for od, result, seconds in self.loader.finished():
+            od.loads += 1
+            od.load_seconds += seconds
+            waiting, od.waiting = od.waiting, []
+            if isinstance(result, Exception):
+                od.state, od.reason = FAILED, str(result)
+                with contextlib.suppress(OSError):
+                    stat = os.stat(od.spec.path)
+                    od.failed_file = (stat.st_size, stat.st_mtime_ns)
+                for d in waiting:
+                    st.deferred.pop(d.req.identity, None)
+                    self.admission.fail_deferred(d.req, 503, Reason.MODEL_LOAD)
+                    self.waits.force(d.req.identity)
+                continue
+            self._install(result)
+            od.state = LOADED
+            log.info("event=model.loaded_on_demand alias=%s seconds=%.1f waiting=%d",
+                     od.spec.alias, seconds, len(waiting))
+            for d in waiting:
+                job = self.admission.admit_deferred(d)
+                if job is not None and self._media_jobs is not None:
+                    self._media_jobs.put(job)
+                self.waits.force(d.req.identity)
+
+    def _install(self, model: LoadedModel) -> None:
+        st = self.state
+        st.models[model.spec.role] = model
+        st.models = dict(sorted(st.models.items()))
+        self._start_engine(model)
+        if self._media_jobs is None:
+            self._start_media_worker()
 
     # -- the resident policy (control thread, lock held) ------------------------------------
     def policy_tick(self) -> None:
@@ -281,17 +335,22 @@ class Device:
     # -- the control loop -----------------------------------------------------------------------
     def _start_threads(self) -> None:
         for m in self.state.models.values():
-            if m.shares_engine:
-                continue  # a LoRA adapter: its base model's thread runs the engine
-            m.scheduler.on_fatal = functools.partial(self.engine_failed, m.spec.alias)
-            m.thread = threading.Thread(target=m.scheduler.run, name=f"engine-{m.spec.alias}",
-                                        daemon=True)
-            m.thread.start()
+            if not m.shares_engine:  # (a LoRA adapter: its base model's thread runs it)
+                self._start_engine(m)
         if self.state.models:  # media, and constraints to compile, for every model
-            self._media_jobs = queue.Queue()
-            self._media_thread = threading.Thread(target=self._media_worker, name="media",
-                                                  daemon=True)
-            self._media_thread.start()
+            self._start_media_worker()
+
+    def _start_engine(self, m: LoadedModel) -> None:
+        m.scheduler.on_fatal = functools.partial(self.engine_failed, m.spec.alias)
+        m.thread = threading.Thread(target=m.scheduler.run, name=f"engine-{m.spec.alias}",
+                                    daemon=True)
+        m.thread.start()
+
+    def _start_media_worker(self) -> None:
+        self._media_jobs = queue.Queue()
+        self._media_thread = threading.Thread(target=self._media_worker, name="media",
+                                              daemon=True)
+        self._media_thread.start()
 
     def _pass(self, pending: list[int], timers: dict[str, float]) -> float:
         """One pass of the control loop (lock held): the mailboxes in ``pending``, the
@@ -306,6 +365,7 @@ class Device:
             for i in pending:
                 if 0 <= i < self.region.count:
                     self._take(i)
+            self._on_demand()
             now = time.monotonic()
             self.waits.settle(now)
             embeds_due = withdraw_due(self.handlers.embeds, now)  # (callers given up)
@@ -355,6 +415,8 @@ class Device:
     def _shutdown(self) -> None:
         if self._media_jobs is not None:
             self._media_jobs.put(None)
+        for t in self.loader.threads:  # a load in progress: its model is not installed
+            t.join(timeout=60)
         models = self.state.models.values()
         for m in models:
             m.scheduler.stop()
@@ -400,10 +462,13 @@ class Device:
 
 
 def run(paths: RuntimePaths, mailboxes: int, models_file: str | None = None,
-        limits: DeviceLimits | None = None, settings: Settings | None = None) -> None:
+        limits: DeviceLimits | None = None, settings: Settings | None = None,
+        models_dir: str | None = None) -> None:
     settings = settings or Settings()
     paths.ensure()
-    specs = settle_roles(paths.state_dir, load_specs(paths.state_dir, models_file))
+    declared = load_specs(paths.state_dir, models_file)
+    found = folder_specs(models_dir or os.path.join(paths.state_dir, "models"), declared)
+    specs = settle_roles(paths.state_dir, declared, found)
     device = Device(paths, specs, mailboxes, limits, settings.log_prompts, settings.short_slice)
     signal.signal(signal.SIGTERM, lambda *_: device.stop())
     signal.signal(signal.SIGINT, lambda *_: device.stop())

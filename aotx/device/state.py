@@ -24,11 +24,12 @@ from typing import Any
 
 from .. import ids, wire
 from ..engine.logprobs import window as notes_window
-from ..engine.request import Failure, Request
+from ..engine.request import Failure, Request, settle
 from ..wire import Header, Reason
 from .errors import DeviceError
 from .loading import LoadedModel
 from .media import MediaTable
+from .ondemand import LOADED, Deferred, OnDemand
 from .policy import Policy
 
 log = logging.getLogger("aotx.device")
@@ -69,6 +70,7 @@ FAILURES: dict[Failure, tuple[int, Reason]] = {
     # A grammar's matcher ran past llguidance's per-step limits mid-generation (the
     # request's compile checks passed).
     Failure.GRAMMAR: (500, Reason.GRAMMAR_FAILED),
+    Failure.MODEL_LOAD: (503, Reason.MODEL_LOAD),
 }
 
 
@@ -92,6 +94,8 @@ class DeviceState:
             collections.deque)
         self.counters = Counters()
         self.models: dict[int, LoadedModel] = {}
+        self.on_demand: dict[int, OnDemand] = {}  # models loaded on first use (ondemand.py)
+        self.deferred: dict[bytes, Deferred] = {}  # requests waiting for their model's load
         self.media = MediaTable(limits.media_bytes, limits.media_total_bytes,
                                 limits.share(limits.media_total_bytes))
         self.leases: dict[bytes, list[bytes]] = {}  # request identity -> leased source ids
@@ -115,6 +119,12 @@ class DeviceState:
         ask it for embeddings; an embedding model takes nothing else)."""
         grant = self.grant_for(h, wire.Action.SUBMIT)
         m = self.models.get(h.role)
+        waiting = self.on_demand.get(h.role) if m is None else None
+        if waiting is not None and (grant.model_mask >> h.role) & 1:
+            if embed:  # (no embedding context until it is loaded)
+                raise DeviceError(503, Reason.MODEL_UNLOADED, retry_after=5)
+            if waiting.spec.kind == "chat":
+                return grant
         if (m is None or not (grant.model_mask >> h.role) & 1
                 or not (m.embeddings is not None if embed else m.chat)):
             raise DeviceError(404, Reason.NO_MODEL)
@@ -137,7 +147,8 @@ class DeviceState:
     def state_fields(self, req: Request, notes: bool = False) -> dict[str, Any]:
         """The state a reply carries; ``total``: the annotation stream's bytes with
         ``notes`` (a READ_FLAG_ANNOTATIONS read), else the output's."""
-        failure, reason = FAILURES[req.failure]
+        failure, reason = (req.refused if req.failure is Failure.REFUSED
+                           else FAILURES[req.failure])
         return dict(phase=int(req.phase), role=req.role, total=len(notes_of(req))
                     if notes else len(req.out),
                     prompt_tokens=req.prompt_tokens, sampled_tokens=req.sampled,
@@ -166,15 +177,19 @@ class DeviceState:
         return [m for m in self.models.values() if not m.shares_engine]
 
     def info(self, mailboxes: int) -> wire.Info:
-        first = next(iter(self.models.values()))
+        rows = {m.spec.role: wire.ModelInfo(m.spec.role, m.spec.alias, m.sha256, m.modalities,
+                                            m.published_at,
+                                            m.engine.slot_context if m.chat else 0,
+                                            m.automatic_memory, *_embedding_limits(m),
+                                            m.template.tool_format)
+                for m in self.models.values()}
+        for role, od in self.on_demand.items():
+            rows.setdefault(role, od.info)  # (loaded, the model's own row)
+        models = tuple(rows[r] for r in sorted(rows))
         return wire.Info(
-            epoch=self.epoch,
-            models=tuple(wire.ModelInfo(m.spec.role, m.spec.alias, m.sha256, m.modalities,
-                                        m.published_at, m.engine.slot_context if m.chat else 0,
-                                        m.automatic_memory, *_embedding_limits(m),
-                                        m.template.tool_format)
-                         for m in self.models.values()),
-            window_bytes=self.limits.window_bytes, context_tokens=first.engine.slot_context,
+            epoch=self.epoch, models=models,
+            window_bytes=self.limits.window_bytes,
+            context_tokens=models[0].context_tokens if models else 0,
             output_tokens=self.limits.max_output_tokens,
             active_requests=self.limits.max_active,
             slots=sum(m.spec.slots for m in self.engines()),
@@ -209,7 +224,11 @@ class DeviceState:
                 "refused": {str(k): v for k, v in self.counters.refused.items()},
                 "models": models, "parked_waits": parked_waits,
                 "media_bytes": self.media.total_bytes,
-                "allocation_bytes": self.telemetry().allocation_bytes}
+                "allocation_bytes": self.telemetry().allocation_bytes,
+                "on_demand": {od.spec.alias: {"state": od.state, "loads": od.loads,
+                                              "load_seconds": od.load_seconds,
+                                              "memory_bytes": od.memory_bytes}
+                              for od in self.on_demand.values()}}
 
     # -- retention -------------------------------------------------------------------------------
     def reclaim(self, now_ns: int) -> None:
@@ -243,8 +262,24 @@ class DeviceState:
         mine = [r for r in self.requests.values() if r.principal == principal
                 and not r.phase.terminal and r.revision != keep_revision]
         for r in mine:
-            self.models[r.role].scheduler.cancel(r)
+            self.cancel(r)
         return mine
+
+    def cancel(self, req: Request) -> None:
+        """Ask for ``req``'s end: its engine's, or, while its model loads, at once."""
+        deferred = self.deferred.pop(req.identity, None)
+        if deferred is None:
+            self.models[req.role].scheduler.cancel(req)
+            return
+        od = self.on_demand[req.role]
+        od.waiting = [d for d in od.waiting if d is not deferred]
+        req.cancel_requested = True
+        settle(req, wire.Phase.CANCELLED, wire.Finish.NONE, Failure.NONE)
+        self.ended(req)
+
+    def loaded(self, role: int) -> bool:
+        od = self.on_demand.get(role)
+        return od is None or od.state == LOADED
 
 
 def _embedding_limits(m: LoadedModel) -> tuple[int, int]:

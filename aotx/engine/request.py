@@ -22,6 +22,8 @@ class Failure(enum.Enum):
     DECODE = enum.auto()  # llama_decode failed otherwise
     MEDIA = enum.auto()  # the projector could not encode a media segment
     GRAMMAR = enum.auto()  # the request's grammar matcher failed (a step limit of llguidance)
+    MODEL_LOAD = enum.auto()  # its model, loaded on demand, could not be loaded (the device's)
+    REFUSED = enum.auto()  # its admission, deferred while its model loaded, refused it
 
 
 
@@ -72,6 +74,7 @@ class Request:
     # spec).matcher()), set before submit; the engine thread owns it from then on.
     matcher: Matcher | None = None
     notes: Annotations | None = None  # logprobs asked (sampling.logprobs): logprobs.py
+    refused: tuple[int, int] = (0, 0)  # Failure.REFUSED: the refusal's status and reason
 
     @property
     def prompt_tokens(self) -> int:

@@ -31,3 +31,4 @@ class ModelSpec:
     engine: str = "llama"  # "llama" (llama.cpp, a GGUF file) or "vllm" (a model folder)
     vllm: tuple[tuple[str, Any], ...] = ()  # vLLM's own engine arguments, by name
     lora_of: str | None = None  # a LoRA adapter: the alias of the vLLM model it adapts
+    on_demand: bool = False  # loaded when a request first names it (device/ondemand.py)

@@ -213,6 +213,10 @@ REASONS: dict[Reason, Wording] = {
     Reason.DECODE: Wording("the engine failed while decoding this request"),
     Reason.MEDIA_ENCODE: Wording("the engine failed to encode this request's media"),
     Reason.WITHDRAWN: Wording("the device did not finish the embeddings in time; try again"),
+    Reason.MODEL_LOAD: Wording("the model could not be loaded (the service's log says why)",
+                               "model_load_failed", "model"),
+    Reason.MODEL_UNLOADED: Wording("the model is not loaded; a chat request to it loads it",
+                                   "model_not_loaded", "model"),
 }
 
 
@@ -299,5 +303,8 @@ def refusal(h: wire.Header, call: Call = NO_CALL, body: bytes = b"") -> ApiError
     if h.reason == wire.Reason.GRAMMAR and call.tools:
         message, param = _tool_why(body, call.tools), "tools"
     status = h.status if 400 <= h.status < 600 else 500
-    headers = {"Retry-After": str(max(1, h.retry_after))} if status == 429 else None
+    # 429: when the principal's rate allows again; a 503 that names a time (a model whose
+    # load failed, or that loads on demand): when to try again
+    headers = ({"Retry-After": str(max(1, h.retry_after))}
+               if status == 429 or (status == 503 and h.retry_after) else None)
     return ApiError(status, message, param=param, code=code, headers=headers)

@@ -247,10 +247,35 @@ def render_metrics(device: dict[str, Any], broker: dict[str, Any], gateway_packe
             yield from _request_families(device)
             yield from _model_families(device["models"])
             yield from _transport_families(device, broker, gateway_packets, gateway_waits)
+            yield from _on_demand_families(device.get("on_demand", {}))
 
     registry = CollectorRegistry()
     registry.register(Snapshot())
     return bytes(generate_latest(registry))
+
+
+#: The states of a model loaded on first use (device/ondemand.py).
+MODEL_STATES = ("unloaded", "loading", "loaded", "failed")
+
+
+def _on_demand_families(models: dict[str, Any]) -> Any:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    state = GaugeMetricFamily("aotx_model_state", "A model loaded on first use: 1 for its "
+                              "state now", labels=["model", "state"])
+    loads = CounterMetricFamily("aotx_model_loads", "Loads of a model loaded on first use",
+                                labels=["model"])
+    seconds = CounterMetricFamily("aotx_model_load_seconds", "Time its loads took",
+                                  labels=["model"])
+    memory = GaugeMetricFamily("aotx_model_memory_bytes", "Its memory once loaded, as "
+                               "estimated from its GGUF header", labels=["model"])
+    for alias, m in sorted(models.items()):
+        for name in MODEL_STATES:
+            state.add_metric([alias, name], float(m["state"] == name))
+        loads.add_metric([alias], m["loads"])
+        seconds.add_metric([alias], m["load_seconds"])
+        memory.add_metric([alias], m["memory_bytes"])
+    yield from (state, loads, seconds, memory)
 
 
 def _request_families(device: dict[str, Any]) -> Any:

@@ -287,15 +287,27 @@ class Gateway:
                 if self.info is None:
                     await self.refresh(info_timeout=POLL_WAIT)
                 else:
-                    h, _ = await self.broker.call(wire.Header(op=wire.Op.INFO),
-                                                  timeout=POLL_WAIT)
+                    h, body = await self.broker.call(wire.Header(op=wire.Op.INFO),
+                                                     timeout=POLL_WAIT)
                     if h.epoch != self.epoch:
                         await self.refresh()
+                    elif h.status == 200:
+                        self._models_changed(wire.decode_info(body))
                     elif self._load_credentials() or self.grants_dirty:
                         await self.sync_grants()
             except (BrokerUnavailable, wire.WireError) as exc:
                 log.debug("event=gateway.device_unreachable error=%s", exc)
             await asyncio.sleep(0.5 if self.info is not None else 0.2)
+
+    def _models_changed(self, info: wire.Info) -> None:
+        """Take the rows of the same epoch's INFO when they changed: a model loaded on
+        first use is listed from its description until it is loaded (device/ondemand.py)."""
+        if self.info is not None and info.models != self.info.models:
+            self.models = {m.alias: m for m in info.models}
+            self.by_role = {m.role: m for m in info.models}
+            self.info = info
+            log.info("event=gateway.models_changed models=%s",
+                     ",".join(m.alias for m in info.models))
 
     # -- models and handles ------------------------------------------------------------------
     def visible_models(self, principal: Principal) -> list[wire.ModelInfo]:

@@ -197,6 +197,8 @@ class Reason(enum.IntEnum):
     MEDIA_ENCODE = 62  #: encoding a media part failed (500)
     GRAMMAR_FAILED = 63  #: the constraint's matcher failed while generating (500)
     WITHDRAWN = 64  #: an EMBED call was withdrawn: its ``wait_ms`` ran out, or its caller sent UNPARK (503)
+    MODEL_LOAD = 65  #: the model, loaded on demand, could not be loaded (503; the device's log says why)
+    MODEL_UNLOADED = 66  #: the model is loaded on demand and not loaded now: a chat request loads it (503)
     TOKEN_ID = 70  #: an EMBED input (its index at offset 64) holds a token id outside the vocabulary; detail: the id
 
 

@@ -42,6 +42,7 @@ def test_the_description_is_what_the_load_reserves(which: str, kv: dict[str, obj
         f16_cell = 2 * engine._cell_elements()  # type: ignore[attr-defined]  # (the embedder's)
         assert d.kv_bytes == engine.kv_bytes() + cells * f16_cell
         assert d.n_vocab == engine.n_vocab and d.n_ctx_train == engine.n_ctx_train
+        assert d.n_embd == embedding.embedder.dims
         assert d.compute_bytes == 4 * engine.n_vocab * spec.slots + COMPUTE_ALLOWANCE
         assert d.bos_text == engine.token_text(got.bos)
         assert d.eos_text == engine.token_text(got.eos)

@@ -40,6 +40,7 @@ class Description:
     eos_text: str
     n_ctx_train: int
     n_vocab: int
+    n_embd: int  # the width of a hidden state (an embedding's dimensions)
     file_bytes: int  # the model file (a split model: every shard) and its projector
     weights_bytes: int
     kv_bytes: int
@@ -128,7 +129,8 @@ def describe(spec: ModelSpec) -> Description:
             chat_template=_meta(model, "tokenizer.chat_template"),
             bos_text=_token_text(vocab, int(llama_cpp.llama_vocab_bos(vocab))),
             eos_text=_token_text(vocab, int(llama_cpp.llama_vocab_eos(vocab))),
-            n_ctx_train=n_ctx_train, n_vocab=n_vocab, file_bytes=file_bytes(spec),
+            n_ctx_train=n_ctx_train, n_vocab=n_vocab,
+            n_embd=_int(model, f"{arch}.embedding_length"), file_bytes=file_bytes(spec),
             weights_bytes=int(llama_cpp.llama_model_size(model)),
             kv_bytes=int(per_cell * cells + f16_cell * embedding_cells),
             compute_bytes=4 * n_vocab * spec.slots + COMPUTE_ALLOWANCE)

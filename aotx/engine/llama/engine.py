@@ -75,6 +75,7 @@ class EngineConfig:
     # Flash attention with a stream per sequence and an f16 cache (a pool or a q8_0 cache
     # always has it): docs/performance.md, "Flash attention, or not".
     flash_attention: bool = True
+    alone: bool = True  # created while no other thread runs (residency.create_uncommitted)
 
 
 #: The fewest cells a pool has (llama.cpp pads the KV cache to 256 cells).
@@ -135,7 +136,7 @@ class LlamaEngine:
         # the KV buffer llama.cpp clears is committed as cells are written (residency.py)
         self.ctx, self.kv_released = create_uncommitted(
             lambda: llama_cpp.llama_init_from_model(self.model, cparams),
-            int(self.kv_cell_bytes * cells))
+            int(self.kv_cell_bytes * cells), config.alone)
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
             raise EngineError(f"llama.cpp could not create a context ({cells} KV cells of "

@@ -41,7 +41,8 @@ def load(spec: ModelSpec, lock: threading.Lock, on_step: Callable[[], None],
                                       unified=chat and spec.kv_budget != 0,
                                       kv_type=spec.kv_type, flash_attention=spec.flash_attention,
                                       batch=max(spec.batch, spec.slots),  # a step holds all
-                                      threads=spec.threads, poll=spec.poll))
+                                      threads=spec.threads, poll=spec.poll,
+                                      alone=not spec.on_demand))
     encoder, mods = _projector(spec, engine)
     scheduler = Scheduler(
         engine, spec.slots, engine.n_batch, lock,

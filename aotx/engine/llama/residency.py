@@ -54,16 +54,21 @@ KV_SLACK = 1 << 20
 T = TypeVar("T")
 
 
-def create_uncommitted(create: Callable[[], T], kv_bytes: int) -> tuple[T, int]:
+def create_uncommitted(create: Callable[[], T], kv_bytes: int,
+                       alone: bool = True) -> tuple[T, int]:
     """``create()`` (a llama.cpp context whose KV buffer is ``kv_bytes``), with the zero
     pages of its KV buffer handed back as the clear goes, and those of the new mappings of
     at least half that size once it has returned; and the bytes released (a page the
-    clear wrote again after its release counts again)."""
+    clear wrote again after its release counts again).  ``alone``: no other thread of
+    this process runs (at start); a model loaded while others serve (on demand) has only
+    its KV buffer's mapping scanned after creation too."""
     with ReleasingWhile(kv_bytes, kv_bytes + KV_SLACK) as early:
         made = create()
     assert early.before is not None
-    return made, early.released + release_zero_pages(
-        new_regions(early.before, anonymous_mappings()), kv_bytes // 2)
+    regions = new_regions(early.before, anonymous_mappings())
+    if not alone:  # other threads run: the KV buffer's own mapping only, as while creating
+        regions = {r for r in regions if kv_bytes <= r[1] - r[0] <= kv_bytes + KV_SLACK}
+    return made, early.released + release_zero_pages(regions, kv_bytes // 2)
 
 
 def available_bytes() -> int:

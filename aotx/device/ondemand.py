@@ -1,0 +1,137 @@
+"""Models loaded on first use: a model of the models folder (or one the models file marks
+``on_demand``) is described at start and loaded when a request first names it.
+
+Until it is loaded a model is listed from its description (engine/llama/describe.py): its
+context, its template's tool format, text input.  A SUBMIT for it is answered at once
+with a request in the seed's ``preparing`` phase (:class:`Deferred`: the header and
+payload kept, the principal's active count taken), and the load starts on a thread of
+its own (:class:`Loader`), one per model however many requests wait.  When the load
+ends, the control thread installs the model and admits the waiting requests as if they
+had just come (``Admission.admit_deferred``): a refusal then fails the request with the
+refusal's status and reason.  A load that fails fails every waiting request (503,
+``MODEL_LOAD``), and the model shows ``failed`` until the device starts again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .. import wire
+from ..engine.interface import EngineError
+from ..engine.load import describe
+from ..engine.request import Request
+from ..engine.spec import ModelSpec
+from ..wire import Header
+from .loading import LoadedModel
+from .template import ChatTemplate, TemplateError
+
+log = logging.getLogger("aotx.device")
+
+UNLOADED, LOADING, LOADED, FAILED = "unloaded", "loading", "loaded", "failed"
+
+
+@dataclass
+class Deferred:
+    """A SUBMIT admitted while its model loads: its request (``preparing``) and what the
+    admission needs once the model is there."""
+
+    req: Request
+    header: Header
+    payload: bytes
+
+
+@dataclass
+class OnDemand:
+    spec: ModelSpec
+    info: wire.ModelInfo  # what INFO lists while it is not loaded
+    memory_bytes: int  # the description's estimate
+    state: str = UNLOADED
+    reason: str = ""  # why it failed (the device's log says it too)
+    waiting: list[Deferred] = field(default_factory=list)
+    loads: int = 0
+    load_seconds: float = 0.0
+    failed_file: tuple[int, int] = (0, 0)  # the file's size and mtime when its load failed
+
+    def retry(self) -> bool:
+        """Whether a failed model's file has changed since (then it may load again)."""
+        try:
+            st = os.stat(self.spec.path)
+        except OSError:
+            return False
+        if (st.st_size, st.st_mtime_ns) == self.failed_file:
+            return False
+        self.state, self.reason = UNLOADED, ""
+        return True
+
+
+def listed(spec: ModelSpec) -> OnDemand:
+    """``spec`` described, as INFO lists it until it is loaded (EngineError, TemplateError
+    when its file or template cannot be read)."""
+    d = describe(spec)
+    source = spec.chat_template and open(spec.chat_template, encoding="utf-8").read()
+    template = ChatTemplate(source or d.chat_template, bos_token=d.bos_text,
+                            eos_token=d.eos_text)
+    chat = spec.kind == "chat"
+    info = wire.ModelInfo(spec.role, spec.alias, bytes(32), wire.MOD_TEXT, 0,
+                          spec.context if chat else 0, embedding_dims=d.n_embd,
+                          embedding_tokens=spec.embedding_context,
+                          tool_format=template.tool_format)
+    return OnDemand(spec, info, d.memory_bytes)
+
+
+def describe_all(specs: list[ModelSpec]) -> dict[int, OnDemand]:
+    """The on-demand models, by role; one that cannot be described is listed ``failed``."""
+    out = {}
+    for spec in specs:
+        try:
+            out[spec.role] = listed(spec)
+        except (EngineError, TemplateError, OSError) as exc:
+            log.warning("event=model.undescribed alias=%s error=%s", spec.alias, exc)
+            info = wire.ModelInfo(spec.role, spec.alias, bytes(32), wire.MOD_TEXT, 0,
+                                  spec.context)
+            out[spec.role] = OnDemand(spec, info, 0, FAILED, str(exc))
+    return out
+
+
+class Loader:
+    """Loads on-demand models, each on a thread of its own; the control thread takes the
+    results (:meth:`finished`) when ``ring`` wakes it."""
+
+    def __init__(self, load: Callable[[ModelSpec], LoadedModel], ring: Callable[[], None]) -> None:
+        self._load, self._ring = load, ring
+        self._done: queue.Queue[tuple[OnDemand, LoadedModel | Exception, float]] = queue.Queue()
+        self.threads: list[threading.Thread] = []
+
+    def start(self, entry: OnDemand) -> None:
+        """Begin loading ``entry`` (control thread, lock held): its state is ``loading``."""
+        entry.state = LOADING
+        log.info("event=model.load_on_demand alias=%s waiting=%d", entry.spec.alias,
+                 len(entry.waiting))
+        t = threading.Thread(target=self._run, args=(entry,), name=f"load-{entry.spec.alias}",
+                             daemon=True)
+        self.threads.append(t)
+        t.start()
+
+    def _run(self, entry: OnDemand) -> None:
+        t0 = time.monotonic()
+        try:
+            result: LoadedModel | Exception = self._load(entry.spec)
+        except Exception as exc:  # any failure of a load is the model's, reported to its waiters
+            log.warning("event=model.load_failed alias=%s error=%s", entry.spec.alias, exc)
+            result = exc
+        self._done.put((entry, result, time.monotonic() - t0))
+        self._ring()
+
+    def finished(self) -> list[tuple[OnDemand, LoadedModel | Exception, float]]:
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                return out
