@@ -39,6 +39,8 @@ log = logging.getLogger("aotx.gateway")
 # A stream chunk of one choice: its delta, the logprobs of the tokens the delta's text
 # holds (with ``logprobs``) and the finish_reason (the last chunk).
 Event = tuple[dict[str, Any], list[dict[str, Any]] | None, str | None]
+#: The event of a keep-alive tick while the request waits for its model's load.
+WAITING: Event = ({}, None, None)
 
 
 async def completion(g: Gateway, body: ChatRequest, principal: Principal) -> Response:
@@ -142,8 +144,12 @@ class ChoiceText:
 
     async def events(self) -> AsyncIterator[Event]:
         """The choice's deltas to its end (then ``last`` is its final state); a failed
-        request ends them without a finish_reason."""
+        request ends them without a finish_reason.  While the request waits for its model
+        to load (``preparing``), each keep-alive tick is :data:`WAITING`."""
         async for data in self._output():
+            if not data and self.last.phase == wire.Phase.PREPARING:
+                yield WAITING
+                continue
             for delta in await self.add(data):
                 yield delta
         for delta in await self.add(b"", final=True):
@@ -255,7 +261,9 @@ async def _stream(texts: list[ChoiceText], head: dict[str, Any], include_usage: 
             yield chunk(i, {"role": "assistant", "content": ""}, None, None)
         async with aclosing(_merge(texts)) as events:
             async for i, event in events:
-                if event is not None:
+                if event is WAITING:  # an SSE comment: proxies see the stream is alive
+                    yield b": waiting for the model to load\n\n"
+                elif event is not None:
                     yield chunk(i, *event)
                 elif texts[i].last.phase == wire.Phase.FAILED:
                     raise failed(texts[i].last)

@@ -794,3 +794,30 @@ def test_an_upgrade_is_plain_http(served: Served, caplog: pytest.LogCaptureFixtu
                             b"Upgrade, close\r\nUpgrade: %s\r\n\r\n" % upgrade)
         assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"status":"ok"}')
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
+
+
+def test_a_stream_waiting_for_its_model_says_so_in_comments(gw: Any) -> None:
+    """While the request waits for its model's load (preparing), each keep-alive tick of
+    a chat stream is an SSE comment (a proxy sees bytes); then the chunks follow."""
+    async def test(c: httpx.AsyncClient, broker: ScriptedBroker) -> None:
+        waits = []
+
+        def wait(h: wire.Header, p: bytes) -> tuple[wire.Header, bytes]:
+            waits.append(h)
+            if len(waits) < 3:  # two ticks: the load goes on
+                return state(h, phase=wire.Phase.PREPARING), b""
+            return state(h, phase=wire.Phase.COMPLETED, total=3, finish=1), b"abc"
+
+        broker.script[wire.Op.SUBMIT] = lambda h, p: (state(h, 202, wire.Phase.PREPARING), b"")
+        broker.script[wire.Op.READ] = lambda h, p: (state(h, phase=wire.Phase.PREPARING), b"")
+        broker.script[wire.Op.WAIT] = wait
+        text = (await c.post("/v1/chat/completions", json={**BODY, "stream": True})).text
+        events = [e for e in text.split("\n\n") if e]
+        comments = [e for e in events if e.startswith(":")]
+        # the first read and each tick while preparing; none once the model answers
+        assert comments == [": waiting for the model to load"] * 3
+        assert events.index(comments[-1]) < next(i for i, e in enumerate(events)
+                                                 if '"abc"' in e)
+        assert events[-1] == "data: [DONE]"
+
+    gw(test)
