@@ -35,13 +35,22 @@ on_demand = true
 '''
 
 
+def place(src: str, dst: str) -> None:
+    """A file of its own (not a symlink: its real path would be the declared model's),
+    hard-linked where the filesystem allows."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
 @pytest.fixture(scope="module")
 def svc() -> Iterator[Service]:
     s = make_service(models=MODELS)
     models = os.path.join(s.state_dir, "models")
     os.makedirs(os.path.join(models, "gemma3"))
-    os.link(gemma_path(), os.path.join(models, "gemma3", "gemma-3-270m-q4_k_m.gguf"))
-    os.link(default_model_path(), os.path.join(models, "copy.gguf"))  # found: on demand
+    place(gemma_path(), os.path.join(models, "gemma3", "gemma-3-270m-q4_k_m.gguf"))
+    place(default_model_path(), os.path.join(models, "copy.gguf"))  # found: on demand
     with open(os.path.join(models, "broken.gguf"), "wb") as f:
         f.write(b"GGUF" + b"\0" * 64)
     try:
