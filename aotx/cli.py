@@ -73,6 +73,13 @@ def _device_limits(p: argparse.ArgumentParser) -> None:
     p.add_argument("--principal-share", type=_share, default=0.5,
                    help="the part of the active requests and of the media pool one "
                         "principal may hold unless its grant says (default 0.5)")
+    p.add_argument("--memory-budget", type=_int_in(0, (1 << 63) - 1), default=0,
+                   help="bytes the loaded models' estimated memory may take together; "
+                        "models loaded on first use are unloaded to stay within it "
+                        "(default 0: three quarters of the machine's memory)")
+    p.add_argument("--load-wait-seconds", type=_int_in(1, U32), default=120,
+                   help="how long a request waits for memory to load its model before "
+                        "503 (default 120)")
     p.add_argument("--device-id", type=_int_in(0, ids.MAX_DEVICE_ID), default=0,
                    help="this device's number among several behind one router, 0 to "
                         "65535: the first four digits of its request ids (default 0; "
@@ -504,7 +511,9 @@ def _component(args: argparse.Namespace, paths: RuntimePaths, settings: Settings
                        "--window-bytes", str(args.window_bytes),
                        "--media-pool-bytes", str(args.media_pool_bytes),
                        "--principal-share", str(args.principal_share),
-                       "--device-id", str(args.device_id)]
+                       "--device-id", str(args.device_id),
+                       "--memory-budget", str(args.memory_budget),
+                       "--load-wait-seconds", str(args.load_wait_seconds)]
         if args.models_dir:
             device_args += ["--models-dir", args.models_dir]
         return serve(paths, args.host, args.port, args.models, args.mailboxes, device_args,
@@ -521,7 +530,8 @@ def _component(args: argparse.Namespace, paths: RuntimePaths, settings: Settings
                               window_bytes=args.window_bytes,
                               media_total_bytes=args.media_pool_bytes,
                               principal_share=args.principal_share,
-                              device_id=args.device_id)
+                              device_id=args.device_id, memory_budget=args.memory_budget,
+                              load_wait_seconds=args.load_wait_seconds)
         try:
             runtime.run(paths, args.mailboxes, args.models, limits, settings, args.models_dir)
         except ModelConfigError as exc:  # its models file: starting again would not help

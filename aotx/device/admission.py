@@ -356,6 +356,8 @@ class Admission:
             st.leases[identity] = [src.id for src in p.leased]
             req.media = [src.data for src in p.leased]
         model.scheduler.submit(req)
+        if (od := st.on_demand.get(req.role)) is not None:
+            od.used(req.principal, time.monotonic())
         # A request's own events are DEBUG: at INFO every admission wrote a line to a log
         # that nothing rotates (the service's start, stop, errors and grants stay INFO).
         log.debug("event=request.admitted id=%s role=%d prompt_tokens=%d max_tokens=%d",
@@ -409,6 +411,8 @@ class Admission:
         """Retention, media leases and the policy's source for a request that ended;
         True when the control thread should look (the policy has something to do)."""
         st = self.state
+        if (od := st.on_demand.get(req.role)) is not None:
+            od.used(req.principal, time.monotonic())  # its keep-alive runs from here
         if req.background:
             return True  # the control thread collects the policy's result
         st.ended(req)

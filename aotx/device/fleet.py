@@ -1,5 +1,6 @@
 """Which loaded models make room for another under a memory budget, and which have been
-idle past their keep-alive: the residency rule, with no I/O (the device applies it).
+idle past their keep-alive: the residency rule, with no I/O (device/runtime.py applies
+it to the models loaded on first use; those loaded at start count as fixed).
 
 A model's memory is its estimate (engine/llama/describe.py).  To load a model of ``need``
 bytes, :func:`plan_room` gives back the loaded models to unload first, least recently
@@ -85,3 +86,15 @@ def default_budget(total_bytes: int) -> int:
     """Three quarters of the machine's memory: the rest for the system, the service's
     other processes and what the estimate leaves out."""
     return total_bytes * 3 // 4
+
+
+def total_memory() -> int:
+    """The machine's memory (MemTotal), or 8 GiB where /proc/meminfo cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 8 << 30

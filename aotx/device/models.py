@@ -141,7 +141,8 @@ COMMON_KEYS = frozenset({
     "embedding_context", "kv_budget", "kv_spill", "kv_type", "prompts_per_step",
     "flash_attention"})
 DEFAULT_KEYS = COMMON_KEYS | {"enabled"}
-MODEL_KEYS = COMMON_KEYS | {"path", "engine", "vllm", "lora", "sha256", "kind", "on_demand"}
+MODEL_KEYS = COMMON_KEYS | {"path", "engine", "vllm", "lora", "sha256", "kind", "on_demand",
+                            "keep_alive"}
 
 
 def _known(table: dict[str, object], keys: frozenset[str], what: str) -> None:
@@ -388,6 +389,11 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
         on_demand = entry.get("on_demand", False)
         if not isinstance(on_demand, bool) or (on_demand and engine.get("engine") == "vllm"):
             raise ModelConfigError(f"model {n}: on_demand is true or false, for a GGUF model")
+        keep_alive = entry.get("keep_alive", 300)
+        if (isinstance(keep_alive, bool) or not isinstance(keep_alive, int | float)
+                or not (keep_alive >= 0 or keep_alive == -1)):
+            raise ModelConfigError(f"model {n}: keep_alive is seconds, 0 (unload when idle) "
+                                   f"or -1 (never unload), got {keep_alive!r}")
         specs.append(ModelSpec(alias=_check_alias(entry.get("alias")), **engine,
                                role=len(specs) + 1,  # an embedding model decodes no stream
                                slots=_positive(entry, "slots", 8) if kind == "chat" else 1,
@@ -399,7 +405,7 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
                                    state_dir, entry, f"model {n}"),
                                **_kv(entry, f"model {n}"),
                                embedding_context=_positive(entry, "embedding_context", 512),
-                               on_demand=on_demand))
+                               on_demand=on_demand, keep_alive=float(keep_alive)))
         if engine.get("engine") == "vllm":
             base = specs[-1]
             specs += [dataclasses.replace(base, alias=alias, path=path, role=len(specs) + 1 + i,

@@ -9,7 +9,11 @@ its own (:class:`Loader`), one per model however many requests wait.  When the l
 ends, the control thread installs the model and admits the waiting requests as if they
 had just come (``Admission.admit_deferred``): a refusal then fails the request with the
 refusal's status and reason.  A load that fails fails every waiting request (503,
-``MODEL_LOAD``), and the model shows ``failed`` until the device starts again.
+``MODEL_LOAD``), and the model shows ``failed`` until its file changes.
+
+A load must fit the memory budget beside the models loaded (device/fleet.py's rule,
+applied by the runtime): it unloads idle models first (:meth:`Loader.unload`, on a
+thread of its own), or waits; a model idle past its keep-alive is unloaded too.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from .template import ChatTemplate, TemplateError
 
 log = logging.getLogger("aotx.device")
 
-UNLOADED, LOADING, LOADED, FAILED = "unloaded", "loading", "loaded", "failed"
+UNLOADED, LOADING, LOADED, UNLOADING, FAILED = (
+    "unloaded", "loading", "loaded", "unloading", "failed")
 
 
 @dataclass
@@ -44,6 +49,7 @@ class Deferred:
     req: Request
     header: Header
     payload: bytes
+    since: float = field(default_factory=time.monotonic)  # when it came
 
 
 @dataclass
@@ -57,6 +63,14 @@ class OnDemand:
     loads: int = 0
     load_seconds: float = 0.0
     failed_file: tuple[int, int] = (0, 0)  # the file's size and mtime when its load failed
+    evictions: int = 0  # unloads to make room for another model
+    last_used: float = 0.0  # monotonic: its last request's admission or end, or its load
+    users: dict[int, float] = field(default_factory=dict)  # principal -> its last use
+
+    def used(self, principal: int, now: float) -> None:
+        self.last_used = now
+        if principal:  # (the resident policy's own work is nobody's)
+            self.users[principal] = now
 
     def retry(self) -> bool:
         """Whether a failed model's file has changed since (then it may load again)."""
@@ -105,7 +119,8 @@ class Loader:
 
     def __init__(self, load: Callable[[ModelSpec], LoadedModel], ring: Callable[[], None]) -> None:
         self._load, self._ring = load, ring
-        self._done: queue.Queue[tuple[OnDemand, LoadedModel | Exception, float]] = queue.Queue()
+        self._done: queue.Queue[tuple[OnDemand, LoadedModel | Exception | None, float]] = (
+            queue.Queue())
         self.threads: list[threading.Thread] = []
 
     def start(self, entry: OnDemand) -> None:
@@ -128,7 +143,27 @@ class Loader:
         self._done.put((entry, result, time.monotonic() - t0))
         self._ring()
 
-    def finished(self) -> list[tuple[OnDemand, LoadedModel | Exception, float]]:
+    def unload(self, entry: OnDemand, model: LoadedModel) -> None:
+        """Stop ``model``'s engine thread and give back what it holds, on a thread of its
+        own (its ``stop`` takes the lock the control thread holds); :meth:`finished`
+        reports it with None."""
+        entry.state = UNLOADING
+
+        def run() -> None:
+            t0 = time.monotonic()
+            model.scheduler.stop()
+            if model.thread is not None:
+                model.thread.join()
+            model.close()
+            log.info("event=model.unloaded alias=%s", entry.spec.alias)
+            self._done.put((entry, None, time.monotonic() - t0))
+            self._ring()
+
+        t = threading.Thread(target=run, name=f"unload-{entry.spec.alias}", daemon=True)
+        self.threads.append(t)
+        t.start()
+
+    def finished(self) -> list[tuple[OnDemand, LoadedModel | Exception | None, float]]:
         out = []
         while True:
             try:

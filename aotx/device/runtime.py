@@ -46,6 +46,7 @@ from ..engine.spec import ModelSpec
 from ..mailbox import REQUEST, SCAN_ALL, WAKE, Bell, Region
 from ..paths import RuntimePaths
 from ..wire import Header, Op, Reason, WireError
+from . import fleet
 from .admission import Admission, MediaJob
 from .catalog import folder_specs, settle_roles
 from .embeddings import EmbedCall, withdraw_due
@@ -55,7 +56,17 @@ from .handlers import Handlers, Park, Reply, Result
 from .loading import LoadedModel, load_model
 from .memory import EXTRACTION_MAX_TOKENS, EXTRACTION_PROMPT, MAX_SOURCE_CHARS
 from .models import load_specs
-from .ondemand import FAILED, LOADED, UNLOADED, Loader, describe_all
+from .ondemand import (
+    FAILED,
+    LOADED,
+    LOADING,
+    UNLOADED,
+    UNLOADING,
+    Deferred,
+    Loader,
+    OnDemand,
+    describe_all,
+)
 from .policy import Policy
 from .prompt import TextRefused, split, text_tokens
 from .state import DeviceLimits, DeviceState
@@ -131,6 +142,7 @@ class Device:
                                                   list(st.models.values()))
         st.models = dict(sorted(st.models.items()))  # in role order again
         st.on_demand = describe_all([s for s in specs if s.on_demand])
+        self.budget = limits.memory_budget or fleet.default_budget(fleet.total_memory())
         self.loader = Loader(lambda spec: load_model(spec, paths.state_dir, st.lock,
                                                      self._after_step, self.on_terminal),
                              self.bell.ring_self)
@@ -265,13 +277,20 @@ class Device:
 
     # -- models loaded on demand (control thread, lock held) ---------------------------------
     def _on_demand(self) -> None:
-        """Start the loads requests wait for; install the models whose load ended and
-        admit their requests (a failed load fails them)."""
-        st = self.state
+        """Unload the models idle past their keep-alive; start the loads requests wait
+        for, unloading others first when the budget says so; install the models whose
+        load ended and admit their requests (a failed load fails them)."""
+        st, now = self.state, time.monotonic()
+        for od in st.on_demand.values():
+            if od.state == LOADED and fleet.expired([self._resident(od)], now):
+                self.loader.unload(od, st.models.pop(od.spec.role))
         for od in st.on_demand.values():
             if od.state == UNLOADED and od.waiting:
-                self.loader.start(od)
+                self._make_room(od, now)
         for od, result, seconds in self.loader.finished():
+            if result is None:  # an unload ended: its memory is back
+                od.state = UNLOADED
+                continue
             od.loads += 1
             od.load_seconds += seconds
             waiting, od.waiting = od.waiting, []
@@ -280,13 +299,11 @@ class Device:
                 with contextlib.suppress(OSError):
                     stat = os.stat(od.spec.path)
                     od.failed_file = (stat.st_size, stat.st_mtime_ns)
-                for d in waiting:
-                    st.deferred.pop(d.req.identity, None)
-                    self.admission.fail_deferred(d.req, 503, Reason.MODEL_LOAD)
-                    self.waits.force(d.req.identity)
+                self._fail_waiting(waiting, 503, Reason.MODEL_LOAD)
                 continue
             self._install(result)
             od.state = LOADED
+            od.used(0, time.monotonic())
             log.info("event=model.loaded_on_demand alias=%s seconds=%.1f waiting=%d",
                      od.spec.alias, seconds, len(waiting))
             for d in waiting:
@@ -294,6 +311,52 @@ class Device:
                 if job is not None and self._media_jobs is not None:
                     self._media_jobs.put(job)
                 self.waits.force(d.req.identity)
+
+    def _make_room(self, od: OnDemand, now: float) -> None:
+        """Load ``od`` when it fits the budget beside the others (fleet.py), unloading
+        what the rule allows first; else let its requests wait, at most the load wait."""
+        st = self.state
+        others = [self._resident(o) for o in st.on_demand.values()
+                  if o is not od and o.state in (LOADING, LOADED, UNLOADING)]
+        fixed = sum(m.engine.model_bytes + m.engine.kv_bytes() for m in st.engines()
+                    if m.spec.role not in st.on_demand)
+        principal = od.waiting[0].req.principal
+        try:
+            plan = fleet.plan_room(od.memory_bytes, self.budget - fixed, others, principal,
+                                   now)
+        except fleet.NeverFits as exc:
+            log.warning("event=model.never_fits alias=%s %s", od.spec.alias, exc)
+            od.state, od.reason = FAILED, str(exc)
+            waiting, od.waiting = od.waiting, []
+            self._fail_waiting(waiting, 503, Reason.MODEL_LOAD)
+            return
+        if plan == []:
+            self.loader.start(od)
+            return
+        for r in plan or ():
+            victim = next(o for o in st.on_demand.values() if o.spec.role == r.role)
+            victim.evictions += 1
+            log.info("event=model.evict alias=%s for=%s", victim.spec.alias, od.spec.alias)
+            self.loader.unload(victim, st.models.pop(r.role))
+        if plan is None:  # no room now: requests past the load wait get 503
+            late = [d for d in od.waiting if now - d.since > st.limits.load_wait_seconds]
+            od.waiting = [d for d in od.waiting if d not in late]
+            self._fail_waiting(late, 503, Reason.MODEL_ROOM)
+
+    def _resident(self, od: OnDemand) -> fleet.Resident:
+        m = self.state.models.get(od.spec.role)
+        role = od.spec.role
+        busy = od.state != LOADED or m is None or bool(
+            m.scheduler.queue or m.scheduler.active
+            or any(c.header.role == role for c in self.handlers.embeds.values()))
+        return fleet.Resident(od.spec.role, od.memory_bytes, od.spec.keep_alive, busy,
+                              od.last_used, dict(od.users))
+
+    def _fail_waiting(self, waiting: list[Deferred], status: int, reason: Reason) -> None:
+        for d in waiting:
+            self.state.deferred.pop(d.req.identity, None)
+            self.admission.fail_deferred(d.req, status, reason)
+            self.waits.force(d.req.identity)
 
     def _install(self, model: LoadedModel) -> None:
         st = self.state

@@ -50,6 +50,10 @@ class DeviceLimits:
     #: The high 16 bits of every epoch (ids.py): which device of several behind a router
     #: this is (docs/scale-out.md).  Not a limit; it travels with the device's settings.
     device_id: int = 0
+    #: Bytes the models' estimated memory may take together (0: fleet.default_budget), and
+    #: how long a request waits for room before 503 (models loaded on first use).
+    memory_budget: int = 0
+    load_wait_seconds: float = 120.0
 
     def share(self, total: int) -> int:
         return max(1, int(total * self.principal_share))
@@ -227,7 +231,8 @@ class DeviceState:
                 "allocation_bytes": self.telemetry().allocation_bytes,
                 "on_demand": {od.spec.alias: {"state": od.state, "loads": od.loads,
                                               "load_seconds": od.load_seconds,
-                                              "memory_bytes": od.memory_bytes}
+                                              "memory_bytes": od.memory_bytes,
+                                              "evictions": od.evictions}
                               for od in self.on_demand.values()}}
 
     # -- retention -------------------------------------------------------------------------------

@@ -32,3 +32,5 @@ class ModelSpec:
     vllm: tuple[tuple[str, Any], ...] = ()  # vLLM's own engine arguments, by name
     lora_of: str | None = None  # a LoRA adapter: the alias of the vLLM model it adapts
     on_demand: bool = False  # loaded when a request first names it (device/ondemand.py)
+    keep_alive: float = 300.0  # on demand: seconds it stays loaded idle; 0: unloaded when
+    # idle; -1: never unloaded (device/fleet.py)

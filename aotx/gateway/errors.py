@@ -215,6 +215,8 @@ REASONS: dict[Reason, Wording] = {
     Reason.WITHDRAWN: Wording("the device did not finish the embeddings in time; try again"),
     Reason.MODEL_LOAD: Wording("the model could not be loaded (the service's log says why)",
                                "model_load_failed", "model"),
+    Reason.MODEL_ROOM: Wording("the model does not fit in memory beside the models in use "
+                               "now; try again later", "model_memory_busy", "model"),
     Reason.MODEL_UNLOADED: Wording("the model is not loaded; a chat request to it loads it",
                                    "model_not_loaded", "model"),
 }
@@ -294,7 +296,9 @@ def failed(h: wire.Header) -> ApiError:
     """A request that failed on the device after admission, as the standard routes answer
     it: its failure status (500 or 503) and the wording of its reason."""
     message, code, _ = wording(h)
-    return ApiError(h.failure or 500, message, code=code)
+    # waited for memory that others held: worth another try soon
+    headers = {"Retry-After": "5"} if h.reason == wire.Reason.MODEL_ROOM else None
+    return ApiError(h.failure or 500, message, code=code, headers=headers)
 
 
 def refusal(h: wire.Header, call: Call = NO_CALL, body: bytes = b"") -> ApiError:

@@ -255,7 +255,7 @@ def render_metrics(device: dict[str, Any], broker: dict[str, Any], gateway_packe
 
 
 #: The states of a model loaded on first use (device/ondemand.py).
-MODEL_STATES = ("unloaded", "loading", "loaded", "failed")
+MODEL_STATES = ("unloaded", "loading", "loaded", "unloading", "failed")
 
 
 def _on_demand_families(models: dict[str, Any]) -> Any:
@@ -269,13 +269,17 @@ def _on_demand_families(models: dict[str, Any]) -> Any:
                                   labels=["model"])
     memory = GaugeMetricFamily("aotx_model_memory_bytes", "Its memory once loaded, as "
                                "estimated from its GGUF header", labels=["model"])
+    evictions = CounterMetricFamily("aotx_model_evictions", "Unloads of a model to make "
+                                    "room for another under the memory budget",
+                                    labels=["model"])
     for alias, m in sorted(models.items()):
         for name in MODEL_STATES:
             state.add_metric([alias, name], float(m["state"] == name))
         loads.add_metric([alias], m["loads"])
         seconds.add_metric([alias], m["load_seconds"])
         memory.add_metric([alias], m["memory_bytes"])
-    yield from (state, loads, seconds, memory)
+        evictions.add_metric([alias], m.get("evictions", 0))
+    yield from (state, loads, seconds, memory, evictions)
 
 
 def _request_families(device: dict[str, Any]) -> Any:

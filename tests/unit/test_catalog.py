@@ -86,3 +86,32 @@ def test_more_declared_models_than_roles_stop_the_start(tmp_path: Path) -> None:
         {f"old{i}": i for i in range(1, catalog.MAX_ROLE + 1)}))
     with pytest.raises(ModelConfigError, match="no role is left for \\['new'\\]"):
         settle_roles(str(tmp_path), [spec("old1"), spec("new")])
+
+
+def test_on_demand_and_keep_alive_in_the_models_file(tmp_path: Path) -> None:
+    from aotx.device.models import load_specs
+
+    model = touch(tmp_path / "models" / "m.gguf")
+    for keep, want in (("", 300.0), ("keep_alive = 0\n", 0.0), ("keep_alive = -1\n", -1.0),
+                       ("keep_alive = 12.5\n", 12.5)):
+        (tmp_path / "models.toml").write_text(
+            f'[[model]]\nalias = "m"\npath = "{model}"\non_demand = true\n{keep}')
+        spec = load_specs(str(tmp_path))[-1]
+        assert (spec.on_demand, spec.keep_alive) == (True, want)
+    for bad in ("keep_alive = -2", 'keep_alive = "5m"', "keep_alive = true",
+                'on_demand = "yes"'):
+        (tmp_path / "models.toml").write_text(
+            f'[[model]]\nalias = "m"\npath = "{model}"\non_demand = true\n{bad}\n')
+        with pytest.raises(ModelConfigError):
+            load_specs(str(tmp_path))
+
+
+def test_the_folder_adds_what_the_models_file_does_not_declare(tmp_path: Path) -> None:
+    declared = touch(tmp_path / "declared.gguf")
+    touch(tmp_path / "found.gguf")
+    touch(tmp_path / "same-alias.gguf")
+    specs = catalog.folder_specs(str(tmp_path), [
+        ModelSpec(alias="mine", path=declared, role=1),
+        ModelSpec(alias="same-alias", path="/elsewhere.gguf", role=2)])
+    assert [(s.alias, s.on_demand, s.slots, s.context) for s in specs] == [
+        ("found", True, 8, 4096)]
