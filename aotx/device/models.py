@@ -339,6 +339,19 @@ def _kind(entry: dict[str, object], what: str) -> str:
     return str(kind)
 
 
+def _on_demand(entry: dict[str, object], what: str, engine: object) -> dict[str, Any]:
+    """``on_demand`` (a GGUF model loaded on first use) and its ``keep_alive``."""
+    on_demand = entry.get("on_demand", False)
+    if not isinstance(on_demand, bool) or (on_demand and engine == "vllm"):
+        raise ModelConfigError(f"{what}: on_demand is true or false, for a GGUF model")
+    keep_alive = entry.get("keep_alive", 300)
+    if (isinstance(keep_alive, bool) or not isinstance(keep_alive, int | float)
+            or not (keep_alive >= 0 or keep_alive == -1)):
+        raise ModelConfigError(f"{what}: keep_alive is seconds, 0 (unload when idle) "
+                               f"or -1 (never unload), got {keep_alive!r}")
+    return {"on_demand": on_demand, "keep_alive": float(keep_alive)}
+
+
 def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec]:
     path = models_file or os.path.join(state_dir, "models.toml")
     data: dict[str, object] = {}
@@ -386,14 +399,6 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
         if sha is not None and (not isinstance(sha, str) or len(sha) != 64):
             raise ModelConfigError(f"model {n}: sha256 must be 64 hex digits")
         kind = _kind(entry, f"model {n}")
-        on_demand = entry.get("on_demand", False)
-        if not isinstance(on_demand, bool) or (on_demand and engine.get("engine") == "vllm"):
-            raise ModelConfigError(f"model {n}: on_demand is true or false, for a GGUF model")
-        keep_alive = entry.get("keep_alive", 300)
-        if (isinstance(keep_alive, bool) or not isinstance(keep_alive, int | float)
-                or not (keep_alive >= 0 or keep_alive == -1)):
-            raise ModelConfigError(f"model {n}: keep_alive is seconds, 0 (unload when idle) "
-                                   f"or -1 (never unload), got {keep_alive!r}")
         specs.append(ModelSpec(alias=_check_alias(entry.get("alias")), **engine,
                                role=len(specs) + 1,  # an embedding model decodes no stream
                                slots=_positive(entry, "slots", 8) if kind == "chat" else 1,
@@ -405,7 +410,7 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
                                    state_dir, entry, f"model {n}"),
                                **_kv(entry, f"model {n}"),
                                embedding_context=_positive(entry, "embedding_context", 512),
-                               on_demand=on_demand, keep_alive=float(keep_alive)))
+                               **_on_demand(entry, f"model {n}", engine.get("engine"))))
         if engine.get("engine") == "vllm":
             base = specs[-1]
             specs += [dataclasses.replace(base, alias=alias, path=path, role=len(specs) + 1 + i,
