@@ -39,7 +39,7 @@ log = logging.getLogger("aotx.gateway")
 # A stream chunk of one choice: its delta, the logprobs of the tokens the delta's text
 # holds (with ``logprobs``) and the finish_reason (the last chunk).
 Event = tuple[dict[str, Any], list[dict[str, Any]] | None, str | None]
-#: The event of a keep-alive tick while the request waits for its model's load.
+#: The event of a keep-alive tick while the request is preparing (its model loads).
 WAITING: Event = ({}, None, None)
 
 
@@ -114,6 +114,7 @@ class ChoiceText:
                  tool_mode: tools.Mode | None) -> None:
         self.g, self.principal, self.rh, self.notes = g, principal, rh, notes
         self.last = rh  # the request's latest state
+        self._tick = False  # the last answer was a keep-alive tick
         self.mode = tool_mode
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.fmt = wire.submit_tool_format(rh.submit_flags)
@@ -144,10 +145,10 @@ class ChoiceText:
 
     async def events(self) -> AsyncIterator[Event]:
         """The choice's deltas to its end (then ``last`` is its final state); a failed
-        request ends them without a finish_reason.  While the request waits for its model
-        to load (``preparing``), each keep-alive tick is :data:`WAITING`."""
+        request ends them without a finish_reason.  Each keep-alive tick while the request
+        is ``preparing`` (its model loading, or a long prompt) is :data:`WAITING`."""
         async for data in self._output():
-            if not data and self.last.phase == wire.Phase.PREPARING:
+            if self._tick and self.last.phase == wire.Phase.PREPARING:
                 yield WAITING
                 continue
             for delta in await self.add(data):
@@ -160,9 +161,10 @@ class ChoiceText:
 
     async def _output(self) -> AsyncIterator[bytes]:
         """The request's output as it comes; ``last`` follows its state."""
-        async for last, data, _ in calls.follow(self.g, self.principal, self.rh.epoch,
-                                                self.rh.identity, 0):
+        async for last, data, changed in calls.follow(self.g, self.principal, self.rh.epoch,
+                                                      self.rh.identity, 0):
             self.last = last
+            self._tick = not data and not changed  # a keep-alive answer: nothing new
             yield data
 
     async def add(self, data: bytes, final: bool = False) -> list[Event]:
@@ -262,7 +264,7 @@ async def _stream(texts: list[ChoiceText], head: dict[str, Any], include_usage: 
         async with aclosing(_merge(texts)) as events:
             async for i, event in events:
                 if event is WAITING:  # an SSE comment: proxies see the stream is alive
-                    yield b": waiting for the model to load\n\n"
+                    yield b": preparing\n\n"
                 elif event is not None:
                     yield chunk(i, *event)
                 elif texts[i].last.phase == wire.Phase.FAILED:

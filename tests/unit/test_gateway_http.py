@@ -814,8 +814,8 @@ def test_a_stream_waiting_for_its_model_says_so_in_comments(gw: Any) -> None:
         text = (await c.post("/v1/chat/completions", json={**BODY, "stream": True})).text
         events = [e for e in text.split("\n\n") if e]
         comments = [e for e in events if e.startswith(":")]
-        # the first read and each tick while preparing; none once the model answers
-        assert comments == [": waiting for the model to load"] * 3
+        # each tick while preparing (not the first read: a change); none once it answers
+        assert comments == [": preparing"] * 2
         assert events.index(comments[-1]) < next(i for i, e in enumerate(events)
                                                  if '"abc"' in e)
         assert events[-1] == "data: [DONE]"
