@@ -316,8 +316,10 @@ class Device:
         """Load ``od`` when it fits the budget beside the others (fleet.py), unloading
         what the rule allows first; else let its requests wait, at most the load wait."""
         st = self.state
+        if any(o.state == UNLOADING for o in st.on_demand.values()):
+            return  # room being made: plan again once it is (else it would unload more)
         others = [self._resident(o) for o in st.on_demand.values()
-                  if o is not od and o.state in (LOADING, LOADED, UNLOADING)]
+                  if o is not od and o.state in (LOADING, LOADED)]
         fixed = sum(m.engine.model_bytes + m.engine.kv_bytes() for m in st.engines()
                     if m.spec.role not in st.on_demand)
         principal = od.waiting[0].req.principal
@@ -377,7 +379,10 @@ class Device:
         source = st.policy.tick(busy)
         if source is None:
             return
-        model = st.models[source.role]
+        model = st.models.get(source.role)
+        if model is None:  # (a model loaded on first use, unloaded since)
+            st.policy.drop("its model is not loaded")
+            return
         messages = [{"role": "system", "content": EXTRACTION_PROMPT},
                     {"role": "user", "content": source.text[-MAX_SOURCE_CHARS:]}]
         try:
