@@ -347,9 +347,13 @@ class Admission:
             st.requests[identity] = req
             st.active[h.principal] += 1
             st.counters.admitted += 1
-        else:  # the deferred request becomes this one (its creation time kept)
+        else:  # the deferred request becomes this one (its creation time and a cancel
+            # asked meanwhile kept); one ended meanwhile (cancelled) stays ended
+            if stub.phase.terminal:
+                return h.reply(202, epoch=st.epoch, identity=identity,
+                               **st.state_fields(stub)), b""
             for f in dataclasses.fields(Request):
-                if f.name != "created_ns":
+                if f.name not in ("created_ns", "cancel_requested"):
                     setattr(stub, f.name, getattr(req, f.name))
             req = stub
         if p.leased:  # leased when the request came in (Admission.submit)
