@@ -291,10 +291,11 @@ class Gateway:
                                                      timeout=POLL_WAIT)
                     if h.epoch != self.epoch:
                         await self.refresh()
-                    elif h.status == 200:
-                        self._models_changed(wire.decode_info(body))
-                    elif self._load_credentials() or self.grants_dirty:
-                        await self.sync_grants()
+                    else:
+                        if h.status == 200:
+                            self._models_changed(wire.decode_info(body))
+                        if self._load_credentials() or self.grants_dirty:
+                            await self.sync_grants()
             except (BrokerUnavailable, wire.WireError) as exc:
                 log.debug("event=gateway.device_unreachable error=%s", exc)
             await asyncio.sleep(0.5 if self.info is not None else 0.2)
