@@ -111,7 +111,8 @@ def test_a_kv_cache_committed_as_it_is_written_gives_the_same_tokens(
     from aotx.device.models import default_model_path
 
     assert engine.kv_released >= engine.kv_bytes()
-    monkeypatch.setattr("aotx.engine.llama.engine.create_uncommitted", lambda create, least: (create(), 0))
+    monkeypatch.setattr("aotx.engine.llama.engine.create_uncommitted",
+                        lambda create, least, alone=True: (create(), 0))
     kept = LlamaEngine(EngineConfig(path=default_model_path(), slots=4, slot_context=256,
                                     batch=128))
     try:
