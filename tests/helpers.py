@@ -156,10 +156,14 @@ def make_service(models: str = SMALL_MODELS, extra_args: list[str] | None = None
 
 
 @contextlib.contextmanager
-def running_service(**kw: object) -> Iterator[Service]:
-    """A started service (``make_service`` arguments), stopped and removed afterwards."""
+def running_service(prepare: Callable[[str], None] | None = None,
+                    **kw: object) -> Iterator[Service]:
+    """A started service (``make_service`` arguments), stopped and removed afterwards;
+    ``prepare(state folder)`` runs before it starts (to put model files there)."""
     svc = make_service(**kw)  # type: ignore[arg-type]
     try:
+        if prepare is not None:
+            prepare(svc.state_dir)
         svc.start()
         yield svc
     finally:

@@ -3,9 +3,9 @@ embedded model): they load and unload in turn (device/fleet.py's rule)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-import shutil
 import time
 from collections.abc import Iterator
 
@@ -16,7 +16,14 @@ from aotx.device.models import default_model_path
 from aotx.engine.load import describe
 from aotx.engine.spec import ModelSpec
 
-from ..helpers import GEMMA_TEMPLATE, SMALL_MODELS, Service, eventually, gemma_path, make_service
+from ..helpers import (
+    GEMMA_TEMPLATE,
+    SMALL_MODELS,
+    Service,
+    eventually,
+    gemma_path,
+    running_service,
+)
 from .test_e2e_grants import mint
 from .test_e2e_on_demand import place
 
@@ -42,19 +49,21 @@ def budget() -> int:
     return fixed.weights_bytes + fixed.kv_bytes + one + (16 << 20)
 
 
+def folder(state: str) -> None:
+    os.makedirs(os.path.join(state, "models"))
+    place(default_model_path(), os.path.join(state, "models", "copy.gguf"))
+    place(gemma_path(), os.path.join(state, "models", "gemma3.gguf"))
+
+
+def budgeted(models: str) -> contextlib.AbstractContextManager[Service]:
+    return running_service(folder, models=models, extra_args=[
+        "--memory-budget", str(budget()), "--load-wait-seconds", "3"])
+
+
 @pytest.fixture(scope="module")
 def svc() -> Iterator[Service]:
-    s = make_service(models=models(), extra_args=[
-        "--memory-budget", str(budget()), "--load-wait-seconds", "3"])
-    os.makedirs(os.path.join(s.state_dir, "models"))
-    place(default_model_path(), os.path.join(s.state_dir, "models", "copy.gguf"))
-    place(gemma_path(), os.path.join(s.state_dir, "models", "gemma3.gguf"))
-    try:
-        s.start()
+    with budgeted(models()) as s:
         yield s
-    finally:
-        s.stop()
-        shutil.rmtree(s.state_dir, ignore_errors=True)
 
 
 def metrics(svc: Service) -> str:
@@ -106,13 +115,7 @@ def test_another_principals_model_in_use_is_not_evicted(svc: Service) -> None:
 
 
 def test_keep_alive_zero_unloads_when_idle_and_a_pinned_model_stays() -> None:
-    s = make_service(models=models(copy="0", gemma="-1"), extra_args=[
-        "--memory-budget", str(budget()), "--load-wait-seconds", "3"])
-    os.makedirs(os.path.join(s.state_dir, "models"))
-    place(default_model_path(), os.path.join(s.state_dir, "models", "copy.gguf"))
-    place(gemma_path(), os.path.join(s.state_dir, "models", "gemma3.gguf"))
-    try:
-        s.start()
+    with budgeted(models(copy="0", gemma="-1")) as s:
         with s.client() as c:
             assert chat(c, "copy").status_code == 200
         eventually(lambda: value(metrics(s), "aotx_model_state",
@@ -125,6 +128,3 @@ def test_keep_alive_zero_unloads_when_idle_and_a_pinned_model_stays() -> None:
         assert value(text, "aotx_model_state", 'model="gemma3",state="loaded"') == 1
         assert value(text, "aotx_model_evictions_total", 'model="gemma3"') == 0
         assert value(text, "aotx_model_loads_total", 'model="copy"') == 1
-    finally:
-        s.stop()
-        shutil.rmtree(s.state_dir, ignore_errors=True)

@@ -21,7 +21,7 @@ from ..helpers import (
     Service,
     eventually,
     gemma_path,
-    make_service,
+    running_service,
 )
 
 MODELS = SMALL_MODELS + f'''
@@ -44,21 +44,19 @@ def place(src: str, dst: str) -> None:
         shutil.copyfile(src, dst)
 
 
-@pytest.fixture(scope="module")
-def svc() -> Iterator[Service]:
-    s = make_service(models=MODELS)
-    models = os.path.join(s.state_dir, "models")
+def folder(state: str) -> None:
+    models = os.path.join(state, "models")
     os.makedirs(os.path.join(models, "gemma3"))
     place(gemma_path(), os.path.join(models, "gemma3", "gemma-3-270m-q4_k_m.gguf"))
     place(default_model_path(), os.path.join(models, "copy.gguf"))  # found: on demand
     with open(os.path.join(models, "broken.gguf"), "wb") as f:
         f.write(b"GGUF" + b"\0" * 64)
-    try:
-        s.start()
+
+
+@pytest.fixture(scope="module")
+def svc() -> Iterator[Service]:
+    with running_service(folder, models=MODELS) as s:
         yield s
-    finally:
-        s.stop()
-        shutil.rmtree(s.state_dir, ignore_errors=True)
 
 
 def metric(svc: Service, name: str, alias: str, more: str = "") -> float:
