@@ -18,7 +18,6 @@ The estimate is what a memory budget compares (models on demand, issue 41):
 
 from __future__ import annotations
 
-import ctypes
 import os
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ import llama_cpp
 
 from ..interface import EngineError
 from ..spec import ModelSpec
-from .engine import KV_TYPES, MIN_POOL_CELLS, EngineConfig, pool_cells
+from .engine import KV_TYPES, MIN_POOL_CELLS, EngineConfig, model_metadata, pool_cells
 
 #: Bytes allowed for llama.cpp's compute graph buffers beside the logits rows.
 COMPUTE_ALLOWANCE = 64 << 20
@@ -51,21 +50,9 @@ class Description:
         return self.weights_bytes + self.kv_bytes + self.compute_bytes
 
 
-def _meta(model: llama_cpp.llama_model_p, key: str) -> str | None:
-    size = 1 << 16
-    while True:
-        buf = ctypes.create_string_buffer(size)
-        n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, size)
-        if n < 0:
-            return None
-        if n < size:
-            return buf.raw[:n].decode("utf-8", errors="replace")
-        size = n + 1
-
-
 def _int(model: llama_cpp.llama_model_p, key: str, default: int = 0) -> int:
     """An integer key; an array key (per-layer values) by its largest element."""
-    value = _meta(model, key)
+    value = model_metadata(model, key)
     if value is None:
         return default
     numbers = [int(x) for x in value.strip("[]").replace(",", " ").split() if x.isdigit()]
@@ -112,7 +99,7 @@ def describe(spec: ModelSpec) -> Description:
         raise EngineError(f"llama.cpp could not read {spec.path}")
     try:
         vocab = llama_cpp.llama_model_get_vocab(model)
-        arch = _meta(model, "general.architecture") or ""
+        arch = model_metadata(model, "general.architecture") or ""
         n_ctx_train = _int(model, f"{arch}.context_length")
         n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
         per_cell = cell_bytes(model, arch, spec.kv_type)
@@ -126,7 +113,7 @@ def describe(spec: ModelSpec) -> Description:
         embedding_cells = 2 * spec.embedding_context if chat else 0
         f16_cell = cell_bytes(model, arch, "f16")
         return Description(
-            chat_template=_meta(model, "tokenizer.chat_template"),
+            chat_template=model_metadata(model, "tokenizer.chat_template"),
             bos_text=_token_text(vocab, int(llama_cpp.llama_vocab_bos(vocab))),
             eos_text=_token_text(vocab, int(llama_cpp.llama_vocab_eos(vocab))),
             n_ctx_train=n_ctx_train, n_vocab=n_vocab,

@@ -99,6 +99,19 @@ def pool_cells(config: EngineConfig, cell_bytes: float, n_ctx_train: int) -> int
     return max(MIN_POOL_CELLS, default)
 
 
+def model_metadata(model: llama_cpp.llama_model_p, key: str) -> str | None:
+    """A GGUF key's value as text (None when the file has no such key), however long."""
+    size = 1 << 16
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, size)
+        if n < 0:
+            return None
+        if n < size:
+            return buf.raw[:n].decode("utf-8", errors="replace")
+        size = n + 1
+
+
 class LlamaEngine:
     closes_slowly = False  # (interface.Model)
 
@@ -225,15 +238,7 @@ class LlamaEngine:
 
     # -- metadata ------------------------------------------------------------
     def metadata(self, key: str) -> str | None:
-        size = 1 << 16
-        while True:
-            buf = ctypes.create_string_buffer(size)
-            n = llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buf, size)
-            if n < 0:
-                return None
-            if n < size:
-                return buf.raw[:n].decode("utf-8", errors="replace")
-            size = n + 1
+        return model_metadata(self.model, key)
 
     def token_text(self, token: int) -> str:
         return self.piece(token, special=True).decode("utf-8", errors="replace")
