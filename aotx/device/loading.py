@@ -137,7 +137,7 @@ def _template(spec: ModelSpec, got: Loaded) -> ChatTemplate:
     try:
         source = got.engine.metadata("tokenizer.chat_template")
         if spec.chat_template:
-            source = _read_template(spec.chat_template)
+            source = read_template(spec.chat_template)
         return ChatTemplate(source, bos_token=got.engine.token_text(got.bos),
                             eos_token=got.engine.token_text(got.eos))
     except TemplateError as exc:
@@ -145,7 +145,7 @@ def _template(spec: ModelSpec, got: Loaded) -> ChatTemplate:
         raise ModelConfigError(f"model {spec.alias} ({spec.path}) refused: {exc}") from None
 
 
-def _read_template(path: str) -> str:
+def read_template(path: str) -> str:
     """A models file's ``chat_template``: a UTF-8 Jinja file of at most 1 MiB."""
     try:
         with open(path, "rb") as f:

@@ -32,7 +32,7 @@ from ..engine.load import describe
 from ..engine.request import Request
 from ..engine.spec import ModelSpec
 from ..wire import Header
-from .loading import LoadedModel
+from .loading import LoadedModel, read_template
 from .template import ChatTemplate, TemplateError
 
 log = logging.getLogger("aotx.device")
@@ -88,8 +88,8 @@ def listed(spec: ModelSpec) -> OnDemand:
     """``spec`` described, as INFO lists it until it is loaded (EngineError, TemplateError
     when its file or template cannot be read)."""
     d = describe(spec)
-    source = spec.chat_template and open(spec.chat_template, encoding="utf-8").read()
-    template = ChatTemplate(source or d.chat_template, bos_token=d.bos_text,
+    source = read_template(spec.chat_template) if spec.chat_template else d.chat_template
+    template = ChatTemplate(source, bos_token=d.bos_text,
                             eos_token=d.eos_text)
     chat = spec.kind == "chat"
     info = wire.ModelInfo(spec.role, spec.alias, bytes(32), wire.MOD_TEXT, 0,
