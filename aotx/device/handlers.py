@@ -20,6 +20,7 @@ import orjson
 from .. import ids, wire
 from ..engine.request import Request
 from ..wire import Action, Header, MemoryOp, Op, Reason
+from . import residency
 from .admission import Admission, MediaJob
 from .embeddings import EmbedCall, EmbedCalls, embed
 from .errors import DeviceError
@@ -69,6 +70,7 @@ class Handlers:
             Op.TELEMETRY: lambda _m, h, _p: self.telemetry(h),
             Op.METRICS: lambda _m, h, _p: self.metrics(h),
             Op.EMBED: lambda m, h, p: embed(state, admission, self.embeds, mailboxes, m, h, p),
+            Op.MODELS: lambda _m, h, p: self.models(h, p),
         }
 
     def handle(self, mailbox: int, h: Header, payload: bytes) -> Result:
@@ -77,6 +79,13 @@ class Handlers:
             raise DeviceError(501, Reason.NOT_SUPPORTED)
         wire.check_request(h)  # the seed: unused input fields are zero
         return handler(mailbox, h, payload)
+
+    def check_epoch(self, h: Header) -> None:
+        """The seed: a mutation's frame epoch must be the device's."""
+        if h.epoch != self.state.epoch:
+            if ids.ended(h.epoch, self.state.epoch):
+                raise DeviceError(410, Reason.EPOCH_ENDED)
+            raise DeviceError(400, Reason.EPOCH_MISMATCH)
 
     def ok(self, h: Header, payload: bytes = b"", **fields: object) -> Reply:
         return h.reply(200, epoch=self.state.epoch, **fields), payload
@@ -202,10 +211,7 @@ class Handlers:
             raise DeviceError(403, Reason.NO_GRANT)
         control = wire.decode_policy_control(payload)
         st.grant_for(h, Action.POLICY_CONTROL)
-        if h.epoch != st.epoch:  # the seed: the frame epoch must match for mutations
-            if ids.ended(h.epoch, st.epoch):
-                raise DeviceError(410, Reason.EPOCH_ENDED)
-            raise DeviceError(400, Reason.EPOCH_MISMATCH)
+        self.check_epoch(h)
         st.policy.control(control.action, control.expected_revision)
         self.wake()
         return self.ok(h, wire.encode_policy_status(st.policy.status()))
@@ -228,6 +234,25 @@ class Handlers:
             policy.decide_pending(h.principal, h.pending_id, op == MemoryOp.APPROVE)
             return self.ok(h)
         raise DeviceError(400, Reason.MEMORY_OP)
+
+    # -- models loaded on first use (device/residency.py) -----------------------------------
+    def models(self, h: Header, payload: bytes) -> Reply:
+        st = self.state
+        if not payload:  # a read: every model, as INFO lists them
+            return self.ok(h, residency.status(st, st.budget, st.unassigned))
+        st.grant_for(h, Action.ADMIN)
+        alias, action, cancel = residency.parse_control(payload)
+        self.check_epoch(h)
+        od, cancelled = residency.control(st, alias, action, cancel, h.principal,
+                                          time.monotonic())
+        for identity in cancelled:
+            self.cancelled(identity)
+        log.info("event=model.%s_asked alias=%s by=%d cancelled=%d", action, alias,
+                 h.principal, len(cancelled))
+        self.wake()
+        entry = next(e for e in residency.entries(st, time.monotonic())
+                     if e["alias"] == od.spec.alias)
+        return self.ok(h, orjson.dumps(entry))
 
     # -- counters --------------------------------------------------------------------------
     def telemetry(self, h: Header) -> Reply:

@@ -18,6 +18,7 @@ thread of its own), or waits; a model idle past its keep-alive is unloaded too.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -33,6 +34,7 @@ from ..engine.request import Request
 from ..engine.spec import ModelSpec
 from ..wire import Header
 from .loading import LoadedModel, read_template
+from .models import file_sha256
 from .template import ChatTemplate, TemplateError
 
 log = logging.getLogger("aotx.device")
@@ -66,22 +68,37 @@ class OnDemand:
     evictions: int = 0  # unloads to make room for another model
     last_used: float = 0.0  # monotonic: its last request's admission or end, or its load
     users: dict[int, float] = field(default_factory=dict)  # principal -> its last use
+    sha256: bytes | None = None  # its file's, once hashed (:class:`Hasher`) or loaded
+    asked: float = 0.0  # monotonic: when an admin asked for its load (0: not asked)
+    asked_by: int = 0  # that admin's principal
+    unload_asked: bool = False  # an admin asked for its unload: once its requests end
 
     def used(self, principal: int, now: float) -> None:
         self.last_used = now
         if principal:  # (the resident policy's own work is nobody's)
             self.users[principal] = now
 
-    def retry(self) -> bool:
-        """Whether a failed model's file has changed since (then it may load again)."""
+    def retry(self, force: bool = False) -> bool:
+        """Whether a failed model's file has changed since, or an admin asks (``force``):
+        then it may load again."""
         try:
             st = os.stat(self.spec.path)
         except OSError:
             return False
-        if (st.st_size, st.st_mtime_ns) == self.failed_file:
+        if (st.st_size, st.st_mtime_ns) == self.failed_file and not force:
             return False
         self.state, self.reason = UNLOADED, ""
         return True
+
+
+def why(spec: ModelSpec, exc: BaseException) -> str:
+    """A failed load's reason as principals may read it (/v1/models, a failed request's
+    error): the folders of the model's files left out (the device's log has them)."""
+    text = str(exc)
+    for path in (spec.path, spec.mmproj, spec.chat_template):
+        if path:
+            text = text.replace(path, os.path.basename(path))
+    return text
 
 
 def listed(spec: ModelSpec) -> OnDemand:
@@ -109,8 +126,34 @@ def describe_all(specs: list[ModelSpec]) -> dict[int, OnDemand]:
             log.warning("event=model.undescribed alias=%s error=%s", spec.alias, exc)
             info = wire.ModelInfo(spec.role, spec.alias, bytes(32), wire.MOD_TEXT, 0,
                                   spec.context)
-            out[spec.role] = OnDemand(spec, info, 0, FAILED, str(exc))
+            out[spec.role] = OnDemand(spec, info, 0, FAILED, why(spec, exc))
     return out
+
+
+class Hasher:
+    """Hashes the on-demand models' files on a thread of its own, at the lowest CPU
+    priority, so that a start never waits for a folder of multi-GB files: each entry's
+    ``sha256`` is set once known (the cache in the state folder makes it once per file
+    identity; a load hashes the file itself when it comes first, and checks a pinned
+    ``sha256`` then)."""
+
+    def __init__(self, entries: list[OnDemand], cache_path: str) -> None:
+        self.thread = threading.Thread(target=self._run, args=(entries, cache_path),
+                                       name="hash-models", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    @staticmethod
+    def _run(entries: list[OnDemand], cache_path: str) -> None:
+        with contextlib.suppress(OSError):  # (Linux: a thread's own nice value)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        for od in entries:
+            if os.path.isfile(od.spec.path) and od.sha256 is None:
+                try:
+                    od.sha256 = file_sha256(od.spec.path, cache_path)
+                except OSError as exc:
+                    log.warning("event=model.hash_failed alias=%s error=%s", od.spec.alias, exc)
 
 
 class Loader:

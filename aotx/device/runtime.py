@@ -63,9 +63,11 @@ from .ondemand import (
     UNLOADED,
     UNLOADING,
     Deferred,
+    Hasher,
     Loader,
     OnDemand,
     describe_all,
+    why,
 )
 from .policy import Policy
 from .prompt import TextRefused, split, text_tokens
@@ -142,7 +144,10 @@ class Device:
                                                   list(st.models.values()))
         st.models = dict(sorted(st.models.items()))  # in role order again
         st.on_demand = describe_all([s for s in specs if s.on_demand])
-        self.budget = limits.memory_budget or fleet.default_budget(fleet.total_memory())
+        self.budget = st.budget = (limits.memory_budget
+                                   or fleet.default_budget(fleet.total_memory()))
+        self.hasher = Hasher(list(st.on_demand.values()),
+                             os.path.join(paths.state_dir, "model-hashes.json"))
         self.loader = Loader(lambda spec: load_model(spec, paths.state_dir, st.lock,
                                                      self._after_step, self.on_terminal),
                              self.bell.ring_self)
@@ -282,27 +287,33 @@ class Device:
         load ended and admit their requests (a failed load fails them)."""
         st, now = self.state, time.monotonic()
         for od in st.on_demand.values():
-            if od.state == LOADED and fleet.expired([self._resident(od)], now):
+            resident = self._resident(od)
+            if od.unload_asked:  # (an admin's: as soon as its requests have ended)
+                resident.keep_alive = 0
+            if od.state == LOADED and fleet.expired([resident], now):
                 self.loader.unload(od, st.models.pop(od.spec.role))
         for od in st.on_demand.values():
-            if od.state == UNLOADED and od.waiting:
+            if od.asked and now - od.asked > st.limits.load_wait_seconds:
+                od.asked = 0.0  # an admin's load that found no room in time
+            if od.state == UNLOADED and (od.waiting or od.asked):
                 self._make_room(od, now)
         for od, result, seconds in self.loader.finished():
             if result is None:  # an unload ended: its memory is back
-                od.state = UNLOADED
+                od.state, od.unload_asked = UNLOADED, False
                 continue
+            od.asked = 0.0
             od.loads += 1
             od.load_seconds += seconds
             waiting, od.waiting = od.waiting, []
             if isinstance(result, Exception):
-                od.state, od.reason = FAILED, str(result)
+                od.state, od.reason = FAILED, why(od.spec, result)
                 with contextlib.suppress(OSError):
                     stat = os.stat(od.spec.path)
                     od.failed_file = (stat.st_size, stat.st_mtime_ns)
                 self._fail_waiting(waiting, 503, Reason.MODEL_LOAD)
                 continue
             self._install(result)
-            od.state = LOADED
+            od.state, od.sha256 = LOADED, result.sha256
             od.used(0, time.monotonic())
             log.info("event=model.loaded_on_demand alias=%s seconds=%.1f waiting=%d",
                      od.spec.alias, seconds, len(waiting))
@@ -322,13 +333,13 @@ class Device:
                   if o is not od and o.state in (LOADING, LOADED)]
         fixed = sum(m.engine.model_bytes + m.engine.kv_bytes() for m in st.engines()
                     if m.spec.role not in st.on_demand)
-        principal = od.waiting[0].req.principal
+        principal = od.waiting[0].req.principal if od.waiting else od.asked_by
         try:
             plan = fleet.plan_room(od.memory_bytes, self.budget - fixed, others, principal,
                                    now)
         except fleet.NeverFits as exc:
             log.warning("event=model.never_fits alias=%s %s", od.spec.alias, exc)
-            od.state, od.reason = FAILED, str(exc)
+            od.state, od.reason, od.asked = FAILED, why(od.spec, exc), 0.0
             waiting, od.waiting = od.waiting, []
             self._fail_waiting(waiting, 503, Reason.MODEL_LOAD)
             return
@@ -407,6 +418,7 @@ class Device:
                 self._start_engine(m)
         if self.state.models:  # media, and constraints to compile, for every model
             self._start_media_worker()
+        self.hasher.start()
 
     def _start_engine(self, m: LoadedModel) -> None:
         m.scheduler.on_fatal = functools.partial(self.engine_failed, m.spec.alias)
@@ -538,6 +550,8 @@ def run(paths: RuntimePaths, mailboxes: int, models_file: str | None = None,
     found = folder_specs(models_dir or os.path.join(paths.state_dir, "models"), declared)
     specs = settle_roles(paths.state_dir, declared, found)
     device = Device(paths, specs, mailboxes, limits, settings.log_prompts, settings.short_slice)
+    given = {s.alias for s in specs}
+    device.state.unassigned = [(f.alias, f.path) for f in found if f.alias not in given]
     signal.signal(signal.SIGTERM, lambda *_: device.stop())
     signal.signal(signal.SIGINT, lambda *_: device.stop())
     device.serve()

@@ -100,6 +100,8 @@ class DeviceState:
         self.models: dict[int, LoadedModel] = {}
         self.on_demand: dict[int, OnDemand] = {}  # models loaded on first use (ondemand.py)
         self.deferred: dict[bytes, Deferred] = {}  # requests waiting for their model's load
+        self.budget = 0  # bytes: the memory budget of the models (the runtime's)
+        self.unassigned: list[tuple[str, str]] = []  # (alias, path): the folder's, no role
         self.media = MediaTable(limits.media_bytes, limits.media_total_bytes,
                                 limits.share(limits.media_total_bytes))
         self.leases: dict[bytes, list[bytes]] = {}  # request identity -> leased source ids

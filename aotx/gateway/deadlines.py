@@ -63,6 +63,7 @@ DEADLINES: dict[wire.Op, Budget] = {
     wire.Op.MEMORY: Budget.CONTROL,  # a principal's memory file, read or rewritten
     wire.Op.UNPARK: Budget.CONTROL,
     wire.Op.EMBED: Budget.WORK,  # computed by the engine thread, between decode steps
+    wire.Op.MODELS: Budget.CONTROL,  # a read, or a load or unload asked (carried out later)
 }
 
 

@@ -38,6 +38,7 @@ class Op(enum.IntEnum):
     UNPARK = 19  #: Answer the caller's WAITs on a request, or its EMBED (withdrawn), now: the caller left.
     EMBED = 20  #: Embed inputs (payload: encode_embed) with a model (role): unit float32 vectors.
     WAITS = 21  #: Several WAITs in one packet, answered together (encode_waits; protocol.md 10.1).
+    MODELS = 22  #: The models' residency (payload: UTF-8 JSON); with a payload, an admin's load or unload.
 
 
 class MemoryOp(enum.IntEnum):
@@ -200,6 +201,7 @@ class Reason(enum.IntEnum):
     MODEL_LOAD = 65  #: the model, loaded on demand, could not be loaded (503; the device's log says why)
     MODEL_UNLOADED = 66  #: the model is loaded on demand and not loaded now: a chat request loads it (503)
     MODEL_ROOM = 67  #: the model did not fit the memory budget within the load wait: the others are in use (503)
+    MODEL_FIXED = 68  #: the model is loaded at start, not on demand: it is not loaded or unloaded (409)
     TOKEN_ID = 70  #: an EMBED input (its index at offset 64) holds a token id outside the vocabulary; detail: the id
 
 

@@ -181,7 +181,7 @@ REQUEST_FIELDS: dict[Op, tuple[str, ...]] = {
     Op.POLICY: ("principal", "epoch"), Op.TELEMETRY: ("principal",),
     Op.METRICS: ("principal",), Op.MEMORY: ("principal", "role", "cursor"),
     Op.EMBED: ("principal", "role", "cursor", "identity", "limit"),
-    Op.WAITS: ("total",),
+    Op.WAITS: ("total",), Op.MODELS: ("principal", "epoch"),
 }
 #: The flag bits each operation defines; other bits are unused, so zero.
 REQUEST_FLAGS: dict[int, int] = {
