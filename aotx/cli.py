@@ -159,7 +159,9 @@ def build_parser(settings: Settings | None = None) -> argparse.ArgumentParser:
     gsub = gr.add_subparsers(dest="grant_command", required=True)
     gs = gsub.add_parser("show", help="show grant definitions and what the device holds")
     _state_dir(gs, state)
-    _pull_parser(sub, state)
+    from . import models_cli
+
+    models_cli.add_parsers(sub, state, _state_dir)
     return parser
 
 
@@ -182,29 +184,6 @@ def _token_parsers(sub: Any, state: str) -> None:
     tr = tsub.add_parser("revoke", help="revoke a token by id")
     _state_dir(tr, state)
     tr.add_argument("id", type=int)
-
-
-def _pull_parser(sub: Any, state: str) -> None:
-    pl = sub.add_parser("pull", help="fetch a GGUF model into the models folder")
-    _state_dir(pl, state)
-    pl.add_argument("ref", help="owner/repo[:QUANT or :FILE.gguf] (Hugging Face), or an https "
-                                "URL of a .gguf file")
-    pl.add_argument("--mmproj", action="store_true", help="also fetch the model's projector")
-    pl.add_argument("--models-dir", help="default: STATE_DIR/models")
-
-
-def _pull(args: argparse.Namespace, state_dir: str) -> int:
-    from .pull import PullError, pull
-
-    try:
-        placed = pull(args.ref, args.models_dir or os.path.join(state_dir, "models"),
-                      mmproj=args.mmproj)
-    except PullError as exc:
-        print(f"aotx pull: {exc}", file=sys.stderr)
-        return 1
-    for path in placed:
-        print(path)
-    return 0
 
 
 def _token_command(args: argparse.Namespace, state_dir: str) -> int:
@@ -495,8 +474,11 @@ def main(argv: list[str] | None = None) -> int:
         return _status(args, paths.state_dir, paths.run_dir)
     if args.command == "grant":
         return _grant_show(paths.state_dir, paths.socket)
-    if args.command == "pull":
-        return _pull(args, paths.state_dir)
+    if args.command in ("pull", "models"):
+        from . import models_cli
+
+        return (models_cli.pull(args, paths.state_dir) if args.command == "pull"
+                else models_cli.run(args, paths.state_dir, paths.run_dir))
     return _component(args, paths, settings)
 
 

@@ -29,7 +29,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from .. import ids, seeds, wire
 from . import calls, tools
-from .errors import ApiError, failed
+from .errors import ApiError
 from .render import finish_reason, json_response, sse_data, token_logprob
 from .requests import ChatRequest
 from .service import Gateway, Principal
@@ -71,7 +71,7 @@ async def completion(g: Gateway, body: ChatRequest, principal: Principal) -> Res
             await _cancel(texts)
     for t in texts:
         if t.last.phase == wire.Phase.FAILED:
-            raise failed(t.last)
+            raise await t.g.failure(t.last)
     return json_response({**head, "object": "chat.completion",
                           "choices": [{"index": i, **c} for i, c in enumerate(got)],
                           "usage": _usage([t.last for t in texts])}, headers=headers)
@@ -268,7 +268,7 @@ async def _stream(texts: list[ChoiceText], head: dict[str, Any], include_usage: 
                 elif event is not None:
                     yield chunk(i, *event)
                 elif texts[i].last.phase == wire.Phase.FAILED:
-                    raise failed(texts[i].last)
+                    raise await texts[i].g.failure(texts[i].last)
         done = True
         if include_usage:
             yield sse_data({**head, "object": "chat.completion.chunk", "choices": [],

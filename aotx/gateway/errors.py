@@ -217,6 +217,8 @@ REASONS: dict[Reason, Wording] = {
                                "model_load_failed", "model"),
     Reason.MODEL_ROOM: Wording("the model does not fit in memory beside the models in use "
                                "now; try again later", "model_memory_busy", "model"),
+    Reason.MODEL_FIXED: Wording("the model is loaded at start, not on demand: it is not "
+                                "loaded or unloaded", "model_not_on_demand", "model"),
     Reason.MODEL_UNLOADED: Wording("the model is not loaded; a chat request to it loads it",
                                    "model_not_loaded", "model"),
 }
@@ -292,10 +294,13 @@ def wording(h: wire.Header, call: Call = NO_CALL, body: bytes = b""
     return w.message.format_map(fields), w.code, w.param and w.param.format_map(fields)
 
 
-def failed(h: wire.Header) -> ApiError:
+def failed(h: wire.Header, why: str | None = None) -> ApiError:
     """A request that failed on the device after admission, as the standard routes answer
-    it: its failure status (500 or 503) and the wording of its reason."""
+    it: its failure status (500 or 503) and the wording of its reason (``why``: a failed
+    load's reason, as the device's MODELS read says it)."""
     message, code, _ = wording(h)
+    if why:
+        message = f"{message}: {why}"
     # waited for memory that others held: worth another try soon
     headers = {"Retry-After": "5"} if h.reason == wire.Reason.MODEL_ROOM else None
     return ApiError(h.failure or 500, message, code=code, headers=headers)

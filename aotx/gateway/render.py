@@ -166,17 +166,30 @@ def policy_json(h: wire.Header, body: bytes) -> dict[str, Any]:
             "reason": st.reason.name.lower()}
 
 
-def model_entry(m: wire.ModelInfo) -> dict[str, Any]:
+def model_entry(m: wire.ModelInfo, residency: dict[str, Any] | None) -> dict[str, Any]:
     return {"alias": m.alias, "role": m.role, "model_sha256": m.sha256.hex(),
             "input_modalities": wire.modality_names(m.modalities),
             "published_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m.published_at)),
             "context_tokens": str(m.context_tokens), "automatic_memory": m.automatic_memory,
-            **capabilities(m)}
+            **capabilities(m), "status": model_status(residency)}
 
 
-def openai_model(m: wire.ModelInfo) -> dict[str, Any]:
+def openai_model(m: wire.ModelInfo, residency: dict[str, Any] | None) -> dict[str, Any]:
     return {"id": m.alias, "object": "model", "created": m.published_at, "owned_by": "aotx",
-            "automatic_memory": m.automatic_memory, **capabilities(m)}
+            "automatic_memory": m.automatic_memory, **capabilities(m),
+            "status": model_status(residency)}
+
+
+def model_status(e: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A model's residency (the device's MODELS entry) as the routes show it, in
+    llama-server's router shape (``status.value``) with aotx's figures beside it; None
+    before the device has said (an older device)."""
+    if e is None:
+        return None
+    return {"value": e["state"], "reason": e["reason"], "on_demand": e["on_demand"],
+            "file_bytes": e["file_bytes"], "memory_bytes": e["memory_bytes"],
+            "sha256": e["sha256"], "keep_alive": e["keep_alive"],
+            "expires_in": e["expires_in"]}
 
 
 def capabilities(m: wire.ModelInfo) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from .. import ids, wire
 from . import calls
 from . import schemas as S
 from .completions import CompletionRequest, Cutter, Prompt, submission
-from .errors import ApiError, failed
+from .errors import ApiError
 from .render import finish_reason, json_response, sse_data
 from .service import Caller, Gateway, Principal, Service
 
@@ -71,7 +71,7 @@ async def completions(body: CompletionRequest, principal: Principal = Caller,
             await _cancel(g, principal, choices)
     for last, _ in got:
         if last.phase == wire.Phase.FAILED:
-            raise failed(last)
+            raise await g.failure(last)
     return json_response({**head, "choices": [
         {"index": c.index, "text": _echo(body, c) + text, "logprobs": lp,
          "finish_reason": finish_reason(last)} for c, (last, (text, lp)) in zip(choices, got,
@@ -170,7 +170,7 @@ async def _stream(g: Gateway, principal: Principal, body: CompletionRequest,
             open_choices -= 1
             lasts[index] = end
             if end.phase == wire.Phase.FAILED:  # the others are cancelled below
-                yield sse_data(failed(end).body())
+                yield sse_data((await g.failure(end)).body())
                 yield b"data: [DONE]\n\n"
                 return
             yield chunk(index, "", None, finish_reason(end))

@@ -44,7 +44,7 @@ async def capabilities(principal: Principal = Caller, g: Gateway = Service) -> R
             "choices": str(MAX_CHOICES),
             "embedding_inputs": str(wire.MAX_EMBED_INPUTS),
         },
-        "models": [model_entry(m) for m in g.visible_models(principal)],
+        "models": [model_entry(m, g.model_state(m.alias)) for m in g.visible_models(principal)],
         # Every native function; false exactly when no route provides it.
         "features": {"requests": True, "windows": True, "events": True, "cancel": True,
                      "media": True, "telemetry": True, "metrics": True, "policy": True,

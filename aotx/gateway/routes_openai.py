@@ -30,14 +30,16 @@ async def list_models(principal: Principal = Caller) -> Response:
 async def models_body(g: Gateway, principal: Principal) -> bytes:
     """The model list ``principal`` may see (GET /v1/models, answered by the guard)."""
     await g.ensure_ready()
-    return dumps({"object": "list", "data": [openai_model(m) for m in g.visible_models(principal)]})
+    return dumps({"object": "list", "data": [openai_model(m, g.model_state(m.alias))
+                                             for m in g.visible_models(principal)]})
 
 
 @router.get("/v1/models/{model_id:path}", response_model=S.OpenAIModel)
 async def get_model(model_id: str, principal: Principal = Caller,
                     g: Gateway = Service) -> Response:
     await g.ensure_ready()
-    return json_response(openai_model(g.model_for(model_id, principal)))
+    m = g.model_for(model_id, principal)
+    return json_response(openai_model(m, g.model_state(m.alias)))
 
 
 @router.post("/v1/chat/completions", response_model=S.ChatCompletion,

@@ -204,6 +204,20 @@ class EmbeddingsCapability(_Doc):
     max_input_tokens: int
 
 
+class ModelStatus(_Doc):
+    value: Literal["unloaded", "loading", "loaded", "unloading", "failed"] = Field(
+        description="loaded at start, or loaded on first use and unloaded when idle")
+    reason: str | None = Field(description="failed: why its load failed")
+    on_demand: bool = Field(description="loaded on first use (false: loaded at start, pinned)")
+    file_bytes: int
+    memory_bytes: int = Field(description="its memory when loaded, estimated: weights, KV, "
+                                          "compute buffers")
+    sha256: str | None = Field(description="its file's, once hashed (null: not yet)")
+    keep_alive: float = Field(description="seconds it stays loaded idle; -1: pinned")
+    expires_in: float | None = Field(description="seconds until it unloads, idle; null: "
+                                                  "not idle, not loaded or pinned")
+
+
 class ModelEntry(_Doc):
     alias: str
     role: int
@@ -217,6 +231,7 @@ class ModelEntry(_Doc):
         description="how the model's chat template writes tools (fallback: aotx writes "
                     "them as text)")
     embeddings: EmbeddingsCapability | None
+    status: ModelStatus | None
 
 
 class Features(_Doc):
@@ -277,6 +292,33 @@ class OpenAIModel(_Doc):
         description="how the model's chat template writes tools (fallback: aotx writes "
                     "them as text)")
     embeddings: EmbeddingsCapability | None
+    status: ModelStatus | None
+
+
+class ResidencyEntry(_Doc):
+    alias: str
+    role: int
+    status: ModelStatus
+    loads: int
+    evictions: int = Field(description="unloads to make room for another model")
+    unload_asked: bool = Field(description="an admin asked for its unload: once its requests end")
+
+
+class Unassigned(_Doc):
+    alias: str
+    path: str
+    file_bytes: int
+    state: Literal["no_role"]
+    reason: str
+
+
+class Models(_Doc):
+    schema_: Literal["aotx.models.v1"] = Field(alias="schema")
+    budget_bytes: int = Field(description="what the models' estimated memory may take together")
+    used_bytes: int = Field(description="the estimated memory of the models loaded or loading")
+    models: list[ResidencyEntry]
+    unassigned: list[Unassigned] | None = Field(
+        description="the models folder's files beyond the 31 roles (shown to an admin)")
 
 
 class Embedding(_Doc):

@@ -11,11 +11,13 @@ the caller through :func:`authenticated`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import orjson
 from fastapi import Depends
 from starlette.requests import Request
 
@@ -32,7 +34,7 @@ from .credentials import (
     token_hash,
 )
 from .deadlines import Deadlines
-from .errors import NO_CALL, ApiError, Call, refusal
+from .errors import NO_CALL, ApiError, Call, failed, refusal
 
 log = logging.getLogger("aotx.gateway")
 T = TypeVar("T")
@@ -68,6 +70,9 @@ class Gateway:
         self.info: wire.Info | None = None
         self.epoch = 0
         self.models: dict[str, wire.ModelInfo] = {}
+        #: The device's MODELS read (device/residency.py): the budget, and each model's
+        #: residency by alias; read with INFO, and at each poll while a model loads on demand.
+        self.residency: dict[str, Any] = {}
         self.by_role: dict[int, wire.ModelInfo] = {}
         self._refresh_lock = asyncio.Lock()
         self.store = CredentialStore(paths.state_dir)
@@ -198,6 +203,7 @@ class Gateway:
             # above leaves it new, so the next call or poll installs them again.
             self.info = info
             self.epoch = info.epoch
+            await self.read_residency(info_timeout or self.deadlines.of(info_h))
             if new_epoch:
                 log.info("event=gateway.device_epoch epoch=%d models=%s", info.epoch,
                          ",".join(m.alias for m in info.models))
@@ -294,6 +300,8 @@ class Gateway:
                     else:
                         if h.status == 200:
                             self._models_changed(wire.decode_info(body))
+                        if any(e["on_demand"] for e in self.residency.get("models", ())):
+                            await self.read_residency(POLL_WAIT)
                         if self._load_credentials() or self.grants_dirty:
                             await self.sync_grants()
             except (BrokerUnavailable, wire.WireError) as exc:
@@ -309,6 +317,29 @@ class Gateway:
             self.info = info
             log.info("event=gateway.models_changed models=%s",
                      ",".join(m.alias for m in info.models))
+
+    async def read_residency(self, timeout: float) -> dict[str, Any]:
+        """The device's MODELS read, kept in :attr:`residency` (unchanged when refused)."""
+        h, body = await self.broker.call(wire.Header(op=wire.Op.MODELS), timeout=timeout)
+        if h.status == 200:
+            self.residency = orjson.loads(body)
+        return self.residency
+
+    async def failure(self, h: wire.Header) -> ApiError:
+        """The error of a request that failed after admission (``failed``); a failed
+        load's names the model and why it failed."""
+        m = self.by_role.get(h.role)
+        if h.reason != wire.Reason.MODEL_LOAD or m is None:
+            return failed(h)
+        with contextlib.suppress(BrokerUnavailable, wire.WireError, orjson.JSONDecodeError):
+            await self.read_residency(self.deadlines.of(wire.Header(op=wire.Op.MODELS)))
+        entry = self.model_state(m.alias) or {}
+        return failed(h, f"{m.alias}: {entry.get('reason') or 'see the service log'}")
+
+    def model_state(self, alias: str) -> dict[str, Any] | None:
+        """A model's residency entry, as the last MODELS read said."""
+        return next((e for e in self.residency.get("models", ()) if e["alias"] == alias),
+                    None)
 
     # -- models and handles ------------------------------------------------------------------
     def visible_models(self, principal: Principal) -> list[wire.ModelInfo]:

@@ -132,6 +132,11 @@ def test_a_broken_file_fails_its_requests_and_the_others_keep_serving(svc: Servi
         client.chat.completions.create(model="broken", max_tokens=4,
                                        messages=[{"role": "user", "content": "Hi."}])
     assert got.value.status_code == 503 and "could not be loaded" in str(got.value)
+    with svc.client() as c:
+        listed = c.get("/v1/models/broken").json()["status"]
+    assert listed["value"] == "failed" and "broken.gguf" in listed["reason"]
+    assert svc.state_dir not in listed["reason"]  # (the server's folders are its own)
+    assert f"broken: {listed['reason']}" in str(got.value)  # the model and why, named
     assert chat(svc, "smollm2")
     with httpx.Client(base_url=svc.url, headers={"Authorization": f"Bearer {svc.token}"}) as c:
         again = c.post("/v1/chat/completions", json={

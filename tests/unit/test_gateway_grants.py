@@ -51,6 +51,8 @@ class FlakyBroker(AnsweringBroker):
             for g in wire.decode_grants(payload, h.total):
                 self.device[g.principal] = g
             return h.reply(200, epoch=INFO.epoch, total=h.total), b""
+        if h.op is wire.Op.MODELS:  # (as a device without models loaded on first use)
+            return h.reply(501, epoch=INFO.epoch, reason=wire.Reason.NOT_SUPPORTED), b""
         raise AssertionError(h.op)
 
 

@@ -50,6 +50,12 @@ INFO = wire.Info(epoch=EPOCH, models=(wire.ModelInfo(1, "smollm2", bytes(32), wi
                                                      2048),),
                  window_bytes=32768, context_tokens=2048, output_tokens=2048,
                  active_requests=64, slots=4, mailboxes=8)
+#: The device's MODELS read (device/residency.py) for INFO's one model.
+RESIDENCY = {"budget_bytes": 1 << 30, "used_bytes": 200 << 20, "unassigned": [], "models": [
+    {"alias": "smollm2", "role": 1, "state": "loaded", "reason": None, "on_demand": False,
+     "file_bytes": 100 << 20, "memory_bytes": 200 << 20, "sha256": "00" * 32,
+     "keep_alive": -1, "expires_in": None, "unload_asked": False, "loads": 1,
+     "evictions": 0}]}
 IDENT = bytes(range(16))
 RID = ids.format_request_id(EPOCH, IDENT)
 Answer = Callable[[wire.Header, bytes], tuple[wire.Header, bytes]]
@@ -84,6 +90,8 @@ class ScriptedBroker(AnsweringBroker):
             for g in wire.decode_grants(payload, h.row_count):
                 self.grants[g.principal] = g._replace(revision=1)
             return h.reply(200, epoch=EPOCH, total=h.row_count), b""
+        if h.op == wire.Op.MODELS and h.op not in self.script:
+            return h.reply(200, epoch=EPOCH), orjson.dumps(RESIDENCY)
         return self.script[h.op](h, payload)
 
     async def close(self) -> None:

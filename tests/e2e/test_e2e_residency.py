@@ -1,0 +1,124 @@
+"""The models' residency through the routes and the CLI (device/residency.py,
+gateway/routes_models.py, models_cli.py): each model's state, file size, memory estimate
+and SHA-256 in /v1/models; an admin's load and unload, waiting for a running request or
+cancelling it; ``aotx models list`` and ``rm``.  SmolLM2 loaded at start, a copy of it
+and Gemma 3 loaded on first use, under a budget that holds one of the two."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from aotx.engine.load import describe
+
+from ..helpers import Service, eventually, gemma_path
+from .test_e2e_budget import GEMMA, budgeted, models
+from .test_e2e_grants import aotx_cli, client, mint
+
+
+@pytest.fixture(scope="module")
+def svc() -> Iterator[Service]:
+    with budgeted(models()) as s:
+        yield s
+
+
+def status(c: httpx.Client, alias: str) -> dict[str, Any]:
+    r = c.get(f"/v1/models/{alias}")
+    assert r.status_code == 200, r.text
+    return dict(r.json()["status"])
+
+
+def state_is(c: httpx.Client, alias: str, want: str) -> dict[str, Any] | None:
+    rows = {m["alias"]: m for m in c.get("/aotx/v1/models").json()["models"]}
+    return rows[alias] if rows[alias]["status"]["value"] == want else None
+
+
+def submit(c: httpx.Client, model: str, max_tokens: int) -> str:
+    r = c.post("/aotx/v1/requests", json={
+        "model": model, "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": max_tokens, "temperature": 0,
+        "logit_bias": {"1": -100, "106": -100}})  # (Gemma's ends banned: it runs to the end)
+    assert r.status_code == 202, r.text
+    return str(r.json()["id"])
+
+
+def request_state(c: httpx.Client, rid: str) -> dict[str, Any]:
+    return dict(c.get(f"/aotx/v1/requests/{rid}").json())
+
+
+def test_every_model_lists_its_state_size_estimate_and_digest(svc: Service) -> None:
+    with svc.client() as c:
+        listed = {m["id"]: m["status"] for m in c.get("/v1/models").json()["data"]}
+        fixed = status(c, "smollm2")
+        caps = {m["alias"]: m["status"] for m in c.get("/aotx/v1/capabilities").json()["models"]}
+        with open(gemma_path(), "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        # hashed in the background after the start: known a moment later
+        gemma = eventually(lambda: (lambda s: s if s["sha256"] else None)(status(c, "gemma3")),
+                           60)
+    assert listed["gemma3"]["value"] == caps["gemma3"]["value"] == "unloaded"
+    assert gemma["file_bytes"] == os.path.getsize(gemma_path())
+    assert gemma["memory_bytes"] == describe(GEMMA).memory_bytes
+    assert gemma["sha256"] == digest and gemma["on_demand"] and gemma["keep_alive"] == 300
+    assert fixed["value"] == "loaded" and not fixed["on_demand"] and fixed["keep_alive"] == -1
+
+
+def test_an_admin_loads_and_unloads_and_others_may_not(svc: Service) -> None:
+    bob = mint(svc, "bob-residency")
+    with client(svc, bob) as cb:
+        refused = cb.post("/aotx/v1/models/gemma3/load")
+    assert refused.status_code == 403, refused.text
+    with svc.client() as c:
+        fixed = c.post("/aotx/v1/models/smollm2/unload")
+        assert fixed.status_code == 409 and fixed.json()["error"]["code"] == "model_not_on_demand"
+        assert c.post("/aotx/v1/models/nothing/load").status_code == 404
+        started = c.post("/aotx/v1/models/gemma3/load")
+        assert started.status_code in (200, 202), started.text
+        eventually(lambda: state_is(c, "gemma3", "loaded"), 120)
+        listed = aotx_cli(svc, "models", "list")
+        assert listed.returncode == 0, listed.stderr
+        assert any(line.split()[:2] == ["gemma3", "loaded"] for line in listed.stdout.splitlines())
+        # an unload waits for the running request, which ends as it would have
+        rid = submit(c, "gemma3", 48)
+        eventually(lambda: request_state(c, rid)["state"] == "running", 60)
+        asked = c.post("/aotx/v1/models/gemma3/unload")
+        assert asked.status_code == 202 and asked.json()["unload_asked"], asked.text
+        done = eventually(lambda: (lambda b: b if b["state"] == "completed" else None)(
+            request_state(c, rid)), 120)
+        assert done["usage"]["completion_tokens"] == 48
+        eventually(lambda: state_is(c, "gemma3", "unloaded"), 60)
+
+
+def test_an_unload_with_cancel_cancels_the_running_request(svc: Service) -> None:
+    with svc.client() as c:
+        rid = submit(c, "gemma3", 2000)  # loads it on first use
+        eventually(lambda: request_state(c, rid)["state"] == "running", 120)
+        asked = c.post("/aotx/v1/models/gemma3/unload", json={"cancel": True})
+        assert asked.status_code == 202, asked.text
+        ended = eventually(lambda: (lambda b: b if b["state"] == "cancelled" else None)(
+            request_state(c, rid)), 60)
+        assert ended["usage"]["completion_tokens"] < 2000
+        eventually(lambda: state_is(c, "gemma3", "unloaded"), 60)
+        assert c.post("/aotx/v1/models/gemma3/unload", json={"cancel": 1}).status_code == 400
+
+
+def test_rm_removes_an_unloaded_unnamed_model_only(svc: Service) -> None:
+    mint(svc, "carol-residency", "--models", "copy")
+    named = aotx_cli(svc, "models", "rm", "copy")
+    assert named.returncode == 1 and "carol-residency" in named.stderr
+    with svc.client() as c:
+        c.post("/aotx/v1/models/gemma3/load")
+        eventually(lambda: state_is(c, "gemma3", "loaded"), 120)
+        loaded = aotx_cli(svc, "models", "rm", "gemma3")
+        assert loaded.returncode == 1 and "unload it first" in loaded.stderr
+        assert c.post("/aotx/v1/models/gemma3/unload").status_code in (200, 202)
+        eventually(lambda: state_is(c, "gemma3", "unloaded"), 60)
+    path = os.path.join(svc.state_dir, "models", "gemma3.gguf")
+    removed = aotx_cli(svc, "models", "rm", "gemma3")
+    assert removed.returncode == 0, removed.stderr
+    assert not os.path.exists(path) and os.path.exists(gemma_path())  # (a link of its own)
