@@ -16,6 +16,7 @@ installed package, never by a fixed path.
     kv_spill = "auto"        # host memory for conversations whose sequence was reused (0: none)
     prompts_per_step = 1     # requests evaluating their prompts at once (0: all)
     flash_attention = true   # false: none (more memory; exact answers on any build)
+    gpu_layers = 0           # layers offloaded to the GPU (a CUDA build), or "auto"
     embedding_context = 512  # tokens of one /v1/embeddings input (mean pooling)
 
     [[model]]
@@ -139,7 +140,7 @@ def _threads(table: dict[str, object]) -> int:
 COMMON_KEYS = frozenset({
     "alias", "slots", "context", "threads", "poll", "mmproj", "chat_template", "modalities",
     "embedding_context", "kv_budget", "kv_spill", "kv_type", "prompts_per_step",
-    "flash_attention"})
+    "flash_attention", "gpu_layers"})
 DEFAULT_KEYS = COMMON_KEYS | {"enabled"}
 MODEL_KEYS = COMMON_KEYS | {"path", "engine", "vllm", "lora", "sha256", "kind", "on_demand",
                             "keep_alive"}
@@ -151,6 +152,18 @@ def _known(table: dict[str, object], keys: frozenset[str], what: str) -> None:
     unknown = sorted(set(table) - keys)
     if unknown:
         raise ModelConfigError(f"{what}: unknown keys {unknown}; it takes {sorted(keys)}")
+
+
+def _gpu_layers(table: dict[str, object], what: str) -> int:
+    """``gpu_layers``: the layers llama.cpp offloads (0, the default: none), or "auto"
+    (-1, ``offload.AUTO``: as many as fit the free VRAM, decided at load)."""
+    v = table.get("gpu_layers", 0)
+    if v == "auto":
+        return -1
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ModelConfigError(f"{what}: gpu_layers is a count of layers (0: none, the CPU "
+                               f"only) or \"auto\", got {v!r}")
+    return v
 
 
 def _poll(table: dict[str, object]) -> int:
@@ -277,7 +290,8 @@ def _engine(state_dir: str, entry: dict[str, object], what: str) -> dict[str, An
         raise ModelConfigError(f"{what}: unknown vLLM settings {unknown}; a models file may "
                                f"set {sorted(VLLM_SETTINGS)}")
     for key in ("mmproj", "kv_budget", "kv_type", "kv_spill", "prompts_per_step", "poll",
-                "slots", "context", "threads", "embedding_context", "flash_attention"):
+                "slots", "context", "threads", "embedding_context", "flash_attention",
+                "gpu_layers"):
         if key in entry:
             raise ModelConfigError(f"{what}: {key} is a llama.cpp setting; vLLM takes its "
                                    "own in [model.vllm] (max_num_seqs, max_model_len)")
@@ -379,6 +393,7 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
                                slots=_positive(default, "slots", 16),
                                context=_positive(default, "context", 4096),
                                threads=_threads(default), poll=_poll(default),
+                               gpu_layers=_gpu_layers(default, "[default]"),
                                mmproj=mmproj, chat_template=_template_file(
                                    state_dir, default, "[default]"),
                                **_kv(default, "[default]"),
@@ -406,6 +421,7 @@ def load_specs(state_dir: str, models_file: str | None = None) -> list[ModelSpec
                                sha256=sha.lower() if sha else None,
                                modalities=mods, mmproj=mmproj,
                                threads=_threads(entry), poll=_poll(entry),
+                               gpu_layers=_gpu_layers(entry, f"model {n}"),
                                kind=kind, chat_template=_template_file(
                                    state_dir, entry, f"model {n}"),
                                **_kv(entry, f"model {n}"),

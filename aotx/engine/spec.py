@@ -28,6 +28,7 @@ class ModelSpec:
     kv_spill: int = -1  # bytes of host memory for cached prefixes (engine/spill.py); -1: "auto"
     prompts_per_step: int = 1  # Scheduler.prompts_per_step: 0 evaluates all prompts at once
     flash_attention: bool = True  # EngineConfig.flash_attention
+    gpu_layers: int = 0  # layers llama.cpp offloads to the GPU; -1: "auto" (llama/offload.py)
     engine: str = "llama"  # "llama" (llama.cpp, a GGUF file) or "vllm" (a model folder)
     vllm: tuple[tuple[str, Any], ...] = ()  # vLLM's own engine arguments, by name
     lora_of: str | None = None  # a LoRA adapter: the alias of the vLLM model it adapts

@@ -14,6 +14,10 @@ The estimate is what a memory budget compares (models on demand, issue 41):
 * **compute**: an allowance for llama.cpp's output and compute buffers: a row of logits
   per sequence (aotx asks one per sequence a step) plus :data:`COMPUTE_ALLOWANCE`.  llama.cpp sizes them when the context is made
   and has no API that tells; the allowance is meant to be generous, not exact.
+
+``memory_bytes`` is their sum, wherever they live.  With layers offloaded to the GPU
+(``gpu_layers``; ``"auto"`` decided here, offload.py), ``vram_bytes`` is the part of it on
+the GPU: those layers' share of the weights and of the KV.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import llama_cpp
 from ..interface import EngineError
 from ..spec import ModelSpec
 from .engine import KV_TYPES, MIN_POOL_CELLS, EngineConfig, model_metadata, pool_cells
+from .offload import AUTO, auto_layers, vram_free, vram_share
 
 #: Bytes allowed for llama.cpp's compute graph buffers beside the logits rows.
 COMPUTE_ALLOWANCE = 64 << 20
@@ -44,6 +49,9 @@ class Description:
     weights_bytes: int
     kv_bytes: int
     compute_bytes: int
+    n_layer: int = 0  # the model's repeating layers (blocks)
+    gpu_layers: int = 0  # the layers offloaded: the spec's, "auto" decided when described
+    vram_bytes: int = 0  # the part of memory_bytes on the GPU (offload.vram_share)
 
     @property
     def memory_bytes(self) -> int:
@@ -112,14 +120,33 @@ def describe(spec: ModelSpec) -> Description:
         cells = -(-cells // _PAD) * _PAD
         embedding_cells = 2 * spec.embedding_context if chat else 0
         f16_cell = cell_bytes(model, arch, "f16")
+        weights = int(llama_cpp.llama_model_size(model))
+        kv = int(per_cell * cells + f16_cell * embedding_cells)
+        compute = 4 * n_vocab * spec.slots + COMPUTE_ALLOWANCE
+        n_layer = _int(model, f"{arch}.block_count")
+        layers = spec.gpu_layers
+        if layers == AUTO:
+            offload = bool(llama_cpp.llama_supports_gpu_offload())
+            layers = auto_layers(offload, vram_free() if offload else None,
+                                 (weights + kv) / max(1, n_layer), n_layer, reserve=compute)
         return Description(
             chat_template=model_metadata(model, "tokenizer.chat_template"),
             bos_text=_token_text(vocab, int(llama_cpp.llama_vocab_bos(vocab))),
             eos_text=_token_text(vocab, int(llama_cpp.llama_vocab_eos(vocab))),
             n_ctx_train=n_ctx_train, n_vocab=n_vocab,
             n_embd=_int(model, f"{arch}.embedding_length"), file_bytes=file_bytes(spec),
-            weights_bytes=int(llama_cpp.llama_model_size(model)),
-            kv_bytes=int(per_cell * cells + f16_cell * embedding_cells),
-            compute_bytes=4 * n_vocab * spec.slots + COMPUTE_ALLOWANCE)
+            weights_bytes=weights, kv_bytes=kv, compute_bytes=compute, n_layer=n_layer,
+            gpu_layers=layers, vram_bytes=vram_share(weights, kv, n_layer, layers))
     finally:
         llama_cpp.llama_model_free(model)
+
+
+def gpu_layers(spec: ModelSpec) -> int:
+    """The layers ``spec``'s model offloads when it is loaded now: its ``gpu_layers``, or
+    ``"auto"`` decided from its description and the VRAM free now (0 on a build that
+    cannot offload, without reading the file)."""
+    if spec.gpu_layers != AUTO:
+        return spec.gpu_layers
+    if not llama_cpp.llama_supports_gpu_offload():
+        return 0
+    return describe(spec).gpu_layers

@@ -71,7 +71,7 @@ class EngineConfig:
     # micro-batch).  ``poll`` is how long an idle worker spins for the next graph before
     # it sleeps (0-100, llama.cpp's default 50); -1: no pool (per-graph threads).
     poll: int = 50
-    gpu_layers: int = 0
+    gpu_layers: int = 0  # layers offloaded to the GPU (a CUDA build; offload.py decides "auto")
     # Flash attention with a stream per sequence and an f16 cache (a pool or a q8_0 cache
     # always has it): docs/performance.md, "Flash attention, or not".
     flash_attention: bool = True
@@ -146,10 +146,13 @@ class LlamaEngine:
         self.flash_attention = required or config.flash_attention
         cparams.flash_attn_type = 1 if required else -1 if config.flash_attention else 0  # -1: auto
         cparams.no_perf = False
-        # the KV buffer llama.cpp clears is committed as cells are written (residency.py)
-        self.ctx, self.kv_released = create_uncommitted(
-            lambda: llama_cpp.llama_init_from_model(self.model, cparams),
-            int(self.kv_cell_bytes * cells), config.alone)
+        # the KV buffer llama.cpp clears is committed as cells are written (residency.py);
+        # not with layers on the GPU: their KV is there, and the GPU backend's host buffers
+        # (pinned, read by the device) are no pages to hand back
+        def create() -> Any:  # (a llama_context_p, None when it fails)
+            return llama_cpp.llama_init_from_model(self.model, cparams)
+        self.ctx, self.kv_released = ((create(), 0) if config.gpu_layers else create_uncommitted(
+            create, int(self.kv_cell_bytes * cells), config.alone))
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
             raise EngineError(f"llama.cpp could not create a context ({cells} KV cells of "

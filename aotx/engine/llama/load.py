@@ -21,6 +21,7 @@ from ..multimodal import MediaEncoder, MediaInputError
 from ..request import Request
 from ..spec import ModelSpec
 from .chunking import apart_rows, chunk_cost
+from .describe import gpu_layers
 from .embed_pieces import PieceEmbedder
 from .embedder import Embedder
 from .engine import EngineConfig, LlamaEngine
@@ -42,7 +43,7 @@ def load(spec: ModelSpec, lock: threading.Lock, on_step: Callable[[], None],
                                       kv_type=spec.kv_type, flash_attention=spec.flash_attention,
                                       batch=max(spec.batch, spec.slots),  # a step holds all
                                       threads=spec.threads, poll=spec.poll,
-                                      alone=not spec.on_demand))
+                                      gpu_layers=gpu_layers(spec), alone=not spec.on_demand))
     encoder, mods = _projector(spec, engine)
     scheduler = Scheduler(
         engine, spec.slots, engine.n_batch, lock,
@@ -65,7 +66,8 @@ def load(spec: ModelSpec, lock: threading.Lock, on_step: Callable[[], None],
         raise
     loaded.facts = {"params_bytes": engine.model_bytes, "kv_bytes": engine.kv_bytes(),
                     "kv_cells": engine.kv_cells, "kv_type": spec.kv_type,
-                    "flash_attention": engine.flash_attention, "threads": engine.threads}
+                    "flash_attention": engine.flash_attention, "threads": engine.threads,
+                    "gpu_layers": engine.config.gpu_layers}
     return loaded
 
 
@@ -79,7 +81,7 @@ def _projector(spec: ModelSpec, engine: LlamaEngine) -> tuple[MediaEncoder | Non
             raise
     try:
         encoder = MediaEncoder(spec.mmproj, engine.model, engine.n_embd, engine.threads,
-                               engine.n_batch)
+                               engine.n_batch, use_gpu=engine.config.gpu_layers > 0)
     except MediaInputError as exc:
         engine.close()
         raise EngineError(str(exc)) from None
