@@ -59,6 +59,7 @@ class OnDemand:
     spec: ModelSpec
     info: wire.ModelInfo  # what INFO lists while it is not loaded
     memory_bytes: int  # the description's estimate
+    vram_bytes: int = 0  # the part of it on the GPU (gpu_layers; engine/llama/offload.py)
     state: str = UNLOADED
     reason: str = ""  # why it failed (the device's log says it too)
     waiting: list[Deferred] = field(default_factory=list)
@@ -113,7 +114,7 @@ def listed(spec: ModelSpec) -> OnDemand:
                           spec.context if chat else 0, embedding_dims=d.n_embd,
                           embedding_tokens=spec.embedding_context,
                           tool_format=template.tool_format)
-    return OnDemand(spec, info, d.memory_bytes)
+    return OnDemand(spec, info, d.memory_bytes, d.vram_bytes)
 
 
 def describe_all(specs: list[ModelSpec]) -> dict[int, OnDemand]:
@@ -126,7 +127,7 @@ def describe_all(specs: list[ModelSpec]) -> dict[int, OnDemand]:
             log.warning("event=model.undescribed alias=%s error=%s", spec.alias, exc)
             info = wire.ModelInfo(spec.role, spec.alias, bytes(32), wire.MOD_TEXT, 0,
                                   spec.context)
-            out[spec.role] = OnDemand(spec, info, 0, FAILED, why(spec, exc))
+            out[spec.role] = OnDemand(spec, info, 0, 0, FAILED, why(spec, exc))
     return out
 
 

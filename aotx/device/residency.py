@@ -53,6 +53,7 @@ def _on_demand_entry(od: OnDemand, st: DeviceState, now: float) -> dict[str, Any
     return {"alias": od.spec.alias, "role": od.spec.role, "state": od.state,
             "reason": od.reason or None, "on_demand": True,
             "file_bytes": file_bytes(od.spec.path), "memory_bytes": od.memory_bytes,
+            "vram_bytes": od.vram_bytes,
             "sha256": sha.hex() if sha else None, "keep_alive": od.spec.keep_alive,
             "expires_in": expires, "unload_asked": od.unload_asked,
             "loads": od.loads, "evictions": od.evictions}
@@ -67,7 +68,8 @@ def entries(st: DeviceState, now: float) -> list[dict[str, Any]]:
         memory = 0 if m.shares_engine else m.engine.model_bytes + m.engine.kv_bytes()
         out[role] = {"alias": m.spec.alias, "role": role, "state": LOADED, "reason": None,
                      "on_demand": False, "file_bytes": file_bytes(m.spec.path),
-                     "memory_bytes": memory, "sha256": m.sha256.hex(), "keep_alive": -1,
+                     "memory_bytes": memory, "vram_bytes": 0, "sha256": m.sha256.hex(),
+                     "keep_alive": -1,
                      "expires_in": None, "unload_asked": False, "loads": 1, "evictions": 0}
     return [out[r] for r in sorted(out)]
 

@@ -234,6 +234,7 @@ class DeviceState:
                 "on_demand": {od.spec.alias: {"state": od.state, "loads": od.loads,
                                               "load_seconds": od.load_seconds,
                                               "memory_bytes": od.memory_bytes,
+                                              "vram_bytes": od.vram_bytes,
                                               "evictions": od.evictions}
                               for od in self.on_demand.values()}}
 

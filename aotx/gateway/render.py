@@ -188,6 +188,7 @@ def model_status(e: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     return {"value": e["state"], "reason": e["reason"], "on_demand": e["on_demand"],
             "file_bytes": e["file_bytes"], "memory_bytes": e["memory_bytes"],
+            "vram_bytes": e.get("vram_bytes", 0),
             "sha256": e["sha256"], "keep_alive": e["keep_alive"],
             "expires_in": e["expires_in"]}
 
@@ -282,6 +283,8 @@ def _on_demand_families(models: dict[str, Any]) -> Any:
                                   labels=["model"])
     memory = GaugeMetricFamily("aotx_model_memory_bytes", "Its memory once loaded, as "
                                "estimated from its GGUF header", labels=["model"])
+    vram = GaugeMetricFamily("aotx_model_vram_bytes", "The part of that estimate on the "
+                             "GPU (its gpu_layers)", labels=["model"])
     evictions = CounterMetricFamily("aotx_model_evictions", "Unloads of a model to make "
                                     "room for another under the memory budget",
                                     labels=["model"])
@@ -291,8 +294,9 @@ def _on_demand_families(models: dict[str, Any]) -> Any:
         loads.add_metric([alias], m["loads"])
         seconds.add_metric([alias], m["load_seconds"])
         memory.add_metric([alias], m["memory_bytes"])
+        vram.add_metric([alias], m.get("vram_bytes", 0))
         evictions.add_metric([alias], m.get("evictions", 0))
-    yield from (state, loads, seconds, memory, evictions)
+    yield from (state, loads, seconds, memory, vram, evictions)
 
 
 def _request_families(device: dict[str, Any]) -> Any:

@@ -212,6 +212,7 @@ class ModelStatus(_Doc):
     file_bytes: int
     memory_bytes: int = Field(description="its memory when loaded, estimated: weights, KV, "
                                           "compute buffers")
+    vram_bytes: int = Field(description="the part of memory_bytes on the GPU (gpu_layers)")
     sha256: str | None = Field(description="its file's, once hashed (null: not yet)")
     keep_alive: float = Field(description="seconds it stays loaded idle; -1: pinned")
     expires_in: float | None = Field(description="seconds until it unloads, idle; null: "

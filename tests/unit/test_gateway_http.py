@@ -53,7 +53,7 @@ INFO = wire.Info(epoch=EPOCH, models=(wire.ModelInfo(1, "smollm2", bytes(32), wi
 #: The device's MODELS read (device/residency.py) for INFO's one model.
 RESIDENCY = {"budget_bytes": 1 << 30, "used_bytes": 200 << 20, "unassigned": [], "models": [
     {"alias": "smollm2", "role": 1, "state": "loaded", "reason": None, "on_demand": False,
-     "file_bytes": 100 << 20, "memory_bytes": 200 << 20, "sha256": "00" * 32,
+     "file_bytes": 100 << 20, "memory_bytes": 200 << 20, "vram_bytes": 0, "sha256": "00" * 32,
      "keep_alive": -1, "expires_in": None, "unload_asked": False, "loads": 1,
      "evictions": 0}]}
 IDENT = bytes(range(16))
