@@ -282,10 +282,15 @@ class Device:
 
     # -- models loaded on demand (control thread, lock held) ---------------------------------
     def _on_demand(self) -> None:
-        """Unload the models idle past their keep-alive; start the loads requests wait
-        for, unloading others first when the budget says so; install the models whose
-        load ended and admit their requests (a failed load fails them)."""
-        st, now = self.state, time.monotonic()
+        """Install the models whose load ended and admit their requests (a failed load
+        fails them); unload the models idle past their keep-alive; start the loads
+        requests wait for, unloading others first when the budget says so.  An unload
+        that ended is seen first, so that the load it made room for starts in the same
+        pass (not at the next wake-up)."""
+        st = self.state
+        for od, result, seconds in self.loader.finished():
+            self._finished(od, result, seconds)
+        now = time.monotonic()
         for od in st.on_demand.values():
             resident = self._resident(od)
             if od.unload_asked:  # (an admin's: as soon as its requests have ended)
@@ -297,31 +302,35 @@ class Device:
                 od.asked = 0.0  # an admin's load that found no room in time
             if od.state == UNLOADED and (od.waiting or od.asked):
                 self._make_room(od, now)
-        for od, result, seconds in self.loader.finished():
-            if result is None:  # an unload ended: its memory is back
-                od.state, od.unload_asked = UNLOADED, False
-                continue
-            od.asked = 0.0
-            od.loads += 1
-            od.load_seconds += seconds
-            waiting, od.waiting = od.waiting, []
-            if isinstance(result, Exception):
-                od.state, od.reason = FAILED, why(od.spec, result)
-                with contextlib.suppress(OSError):
-                    stat = os.stat(od.spec.path)
-                    od.failed_file = (stat.st_size, stat.st_mtime_ns)
-                self._fail_waiting(waiting, 503, Reason.MODEL_LOAD)
-                continue
-            self._install(result)
-            od.state, od.sha256 = LOADED, result.sha256
-            od.used(0, time.monotonic())
-            log.info("event=model.loaded_on_demand alias=%s seconds=%.1f waiting=%d",
-                     od.spec.alias, seconds, len(waiting))
-            for d in waiting:
-                job = self.admission.admit_deferred(d)
-                if job is not None and self._media_jobs is not None:
-                    self._media_jobs.put(job)
-                self.waits.force(d.req.identity)
+
+    def _finished(self, od: OnDemand, result: LoadedModel | Exception | None,
+                  seconds: float) -> None:
+        """A load or unload of ``od`` ended (the loader's result: the model, the load's
+        failure, or None for an unload)."""
+        if result is None:  # an unload ended: its memory is back
+            od.state, od.unload_asked = UNLOADED, False
+            return
+        od.asked = 0.0
+        od.loads += 1
+        od.load_seconds += seconds
+        waiting, od.waiting = od.waiting, []
+        if isinstance(result, Exception):
+            od.state, od.reason = FAILED, why(od.spec, result)
+            with contextlib.suppress(OSError):
+                stat = os.stat(od.spec.path)
+                od.failed_file = (stat.st_size, stat.st_mtime_ns)
+            self._fail_waiting(waiting, 503, Reason.MODEL_LOAD)
+            return
+        self._install(result)
+        od.state, od.sha256 = LOADED, result.sha256
+        od.used(0, time.monotonic())
+        log.info("event=model.loaded_on_demand alias=%s seconds=%.1f waiting=%d",
+                 od.spec.alias, seconds, len(waiting))
+        for d in waiting:
+            job = self.admission.admit_deferred(d)
+            if job is not None and self._media_jobs is not None:
+                self._media_jobs.put(job)
+            self.waits.force(d.req.identity)
 
     def _make_room(self, od: OnDemand, now: float) -> None:
         """Load ``od`` when it fits the budget beside the others (fleet.py), unloading
