@@ -6,8 +6,9 @@ without ``-m``), A B A B.
 
 The models folder holds two copies of the embedded SmolLM2 (``a.gguf``, ``b.gguf``).  Each
 round starts each server afresh and times, streamed and greedy: the first request for
-``a`` (a load), then the first for ``b`` (a second load; for llama-server, whose
-``--models-max 1`` unloads ``a`` first, a switch).  aotx loads in its running device;
+``a`` (a load), then the first for ``b``: a switch, since neither server holds both
+(llama-server's ``--models-max 1``; aotx's memory budget, room for the embedded model and
+one of the two, so ``b``'s load unloads ``a``).  aotx loads in its running device;
 llama-server's router starts a process per model.  Without ``--peer``, aotx alone.
 """
 
@@ -23,7 +24,9 @@ from collections.abc import Callable
 
 import httpx
 
-from aotx.device.models import default_model_path
+from aotx.device.catalog import folder_specs
+from aotx.device.models import default_model_path, load_specs
+from aotx.engine.load import describe
 from bench import common
 
 
@@ -53,9 +56,23 @@ def folder(state: str) -> str:
     return models
 
 
+def budget() -> int:
+    """Room for the embedded model (loaded at start) and one of ``a`` and ``b``, not both,
+    as llama-server's ``--models-max 1``: the first request for ``b`` unloads ``a``."""
+    with tempfile.TemporaryDirectory() as state:
+        fixed = describe(load_specs(state)[0]).memory_bytes
+    with tempfile.TemporaryDirectory() as state:  # a models-folder model's settings
+        one = describe(folder_specs(folder(state), [])[0]).memory_bytes
+    return fixed + one + one // 2
+
+
 def aotx_round() -> tuple[float, float]:
-    with common.serving(prepare=folder) as srv:
-        return first_token(srv, "a"), first_token(srv, "b")
+    with common.serving(prepare=folder, args=["--memory-budget", str(budget())]) as srv:
+        times = first_token(srv, "a"), first_token(srv, "b")
+        metrics = httpx.get(srv.url + "/metrics", headers=srv.headers).text
+        if 'aotx_model_evictions_total{model="a"} 1.0' not in metrics:
+            raise SystemExit("aotx: b's load did not unload a (no switch was timed)")
+        return times
 
 
 def peer_round(binary: str) -> Callable[[], tuple[float, float]]:
