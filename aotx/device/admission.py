@@ -361,7 +361,8 @@ class Admission:
             req.media = [src.data for src in p.leased]
         model.scheduler.submit(req)
         if (od := st.on_demand.get(req.role)) is not None:
-            od.used(req.principal, time.monotonic())
+            od.used(req.principal, time.monotonic(),
+                    od.asked_keep_alive(h, bool(grant.actions & wire.Action.ADMIN)))
         # A request's own events are DEBUG: at INFO every admission wrote a line to a log
         # that nothing rotates (the service's start, stop, errors and grants stay INFO).
         log.debug("event=request.admitted id=%s role=%d prompt_tokens=%d max_tokens=%d",

@@ -8,16 +8,18 @@ used first, and as few as make it fit.  A model is never chosen when
 
 * it is **pinned** (a keep-alive of -1): it counts against the budget, always;
 * it is **busy**: a request of it is running or queued;
-* **another principal** used it within its keep-alive (:attr:`Resident.users`).  One
-  principal's traffic must not unload the model another is in the middle of using: the
-  other principal's next request would wait for a load it did not cause.  This is the
-  eviction row of the shared-resources table in docs/security.md.  The requester's own
-  use does not protect a model from the requester.
+* **another principal** holds it: it used it within the keep-alive its last request
+  asked (the model's own unless the request gave ``keep_alive``; :attr:`Resident.users`).
+  One principal's traffic must not unload the model another is in the middle of using:
+  the other principal's next request would wait for a load it did not cause.  This is
+  the eviction row of the shared-resources table in docs/security.md.  The requester's
+  own use does not protect a model from the requester; and a request's ``keep_alive: 0``
+  unloads the model once idle only when no other principal holds it.
 
 When no choice fits, the load waits (the device answers 503 with ``Retry-After`` once the
 request's deadline passes); a model larger than the whole budget never fits.
 :func:`expired` lists the models idle past their keep-alive (0: unloaded as soon as
-idle), which the device unloads without being asked.
+idle) and held by no principal, which the device unloads without being asked.
 """
 
 from __future__ import annotations
@@ -34,21 +36,34 @@ class Resident:
 
     role: int
     bytes: int  # its estimated memory
-    keep_alive: float  # seconds it stays loaded once idle; PINNED: for ever
+    keep_alive: float  # the model's own: seconds it stays loaded once idle; PINNED: for ever
     busy: bool = False  # requests running or queued
     last_used: float = 0.0  # when its last request ended (or it was loaded)
-    users: dict[int, float] = field(default_factory=dict)  # principal -> last use
+    #: principal -> (its last use, the keep-alive its last request asked: the model's own
+    #: unless the request gave one, Ollama's ``keep_alive``; PINNED: for ever)
+    users: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def pinned(self) -> bool:
         return self.keep_alive < 0
 
+    def held(self, now: float, but: int = -1) -> bool:
+        """Whether a principal (other than ``but``) still holds it: its last use is
+        within the keep-alive that use asked for."""
+        return any(p != but and (keep < 0 or now - at < keep)
+                   for p, (at, keep) in self.users.items())
+
     def protected_from(self, principal: int, now: float) -> bool:
-        """Whether ``principal``'s load may not unload it: pinned, busy, or used by another
-        principal within its keep-alive."""
-        if self.pinned or self.busy:
-            return True
-        return any(p != principal and now - at < self.keep_alive for p, at in self.users.items())
+        """Whether ``principal``'s load may not unload it: pinned, busy, or held by
+        another principal."""
+        return self.pinned or self.busy or self.held(now, but=principal)
+
+    def idle_past(self, now: float) -> bool:
+        """Its keep-alive has run out: every principal's hold has, or, used by none (an
+        admin's load, the resident policy's work), the model's own since its last use."""
+        if self.users:
+            return not self.held(now)
+        return now - self.last_used >= self.keep_alive
 
 
 class NeverFits(Exception):
@@ -77,9 +92,8 @@ def plan_room(need: int, budget: int, loaded: Sequence[Resident], principal: int
 
 
 def expired(loaded: Sequence[Resident], now: float) -> list[Resident]:
-    """The idle, unpinned models whose keep-alive has run out since their last use."""
-    return [r for r in loaded if not r.pinned and not r.busy
-            and now - r.last_used >= r.keep_alive]
+    """The idle, unpinned models whose keep-alive has run out (:meth:`Resident.idle_past`)."""
+    return [r for r in loaded if not r.pinned and not r.busy and r.idle_past(now)]
 
 
 def default_budget(total_bytes: int) -> int:

@@ -68,16 +68,34 @@ class OnDemand:
     failed_file: tuple[int, int] = (0, 0)  # the file's size and mtime when its load failed
     evictions: int = 0  # unloads to make room for another model
     last_used: float = 0.0  # monotonic: its last request's admission or end, or its load
-    users: dict[int, float] = field(default_factory=dict)  # principal -> its last use
+    #: principal -> (its last use, the keep-alive its last request asked: fleet.Resident)
+    users: dict[int, tuple[float, float]] = field(default_factory=dict)
     sha256: bytes | None = None  # its file's, once hashed (:class:`Hasher`) or loaded
     asked: float = 0.0  # monotonic: when an admin asked for its load (0: not asked)
     asked_by: int = 0  # that admin's principal
     unload_asked: bool = False  # an admin asked for its unload: once its requests end
 
-    def used(self, principal: int, now: float) -> None:
+    def used(self, principal: int, now: float, keep_alive: float | None = None) -> None:
+        """A request of ``principal`` was admitted (``keep_alive``: what it asked, None:
+        the model's) or ended (None: what its principal's last request asked)."""
         self.last_used = now
         if principal:  # (the resident policy's own work is nobody's)
-            self.users[principal] = now
+            if keep_alive is None:
+                keep_alive = self.users.get(principal, (0.0, self.spec.keep_alive))[1]
+            self.users[principal] = (now, keep_alive)
+
+    def asked_keep_alive(self, h: Header, admin: bool) -> float:
+        """The keep-alive a SUBMIT asks (``SUBMIT_FLAG_KEEP_ALIVE``), else the model's.
+        Only an admin's may be longer than the model's own (or pin it): one principal's
+        requests cannot hold the memory the others' models need past what the operator
+        set (docs/security.md)."""
+        own = self.spec.keep_alive
+        if not h.submit_flags & wire.SUBMIT_FLAG_KEEP_ALIVE:
+            return own
+        asked = -1.0 if h.keep_alive_ms == wire.KEEP_ALIVE_FOREVER else h.keep_alive_ms / 1000
+        if admin or own < 0 or 0 <= asked <= own:
+            return asked
+        return own
 
     def retry(self, force: bool = False) -> bool:
         """Whether a failed model's file has changed since, or an admin asks (``force``):

@@ -294,7 +294,7 @@ class Device:
         for od in st.on_demand.values():
             resident = self._resident(od)
             if od.unload_asked:  # (an admin's: as soon as its requests have ended)
-                resident.keep_alive = 0
+                resident.keep_alive, resident.users = 0, {}
             if od.state == LOADED and fleet.expired([resident], now):
                 self.loader.unload(od, st.models.pop(od.spec.role))
         for od in st.on_demand.values():
@@ -307,8 +307,9 @@ class Device:
                   seconds: float) -> None:
         """A load or unload of ``od`` ended (the loader's result: the model, the load's
         failure, or None for an unload)."""
-        if result is None:  # an unload ended: its memory is back
+        if result is None:  # an unload ended: its memory is back, and nobody holds it
             od.state, od.unload_asked = UNLOADED, False
+            od.users.clear()
             return
         od.asked = 0.0
         od.loads += 1

@@ -23,6 +23,7 @@ import orjson
 
 from .. import ids, wire
 from . import tools
+from .body import keep_alive_header
 from .errors import ApiError, Call, refusal
 from .render import dumps, native_token, state_fields
 from .requests import ChatMessage, ChatRequest, ImageUrlPart, InputAudioPart, MediaPart, b64
@@ -103,10 +104,12 @@ def submission(body: ChatRequest, m: wire.ModelInfo, principal: Principal, allow
     if body.tool_mode:
         flags |= wire.SUBMIT_FLAG_TOOLS
     flags |= fmt << wire.SUBMIT_TOOL_FORMAT_SHIFT
+    keep, keep_fields = keep_alive_header(body.keep_alive)
     h = wire.Header.request(
         wire.Op.SUBMIT, principal=principal.id, role=m.role, max_tokens=limit,
         temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p, submit_flags=flags, seed=seed)
+        top_p=1.0 if body.top_p is None else body.top_p, submit_flags=flags | keep, seed=seed,
+        **keep_fields)
     field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     return h, payload, Call(m.alias, limit, len(payload), tuple(digests), tuple(kinds),
                             body.tool_names, field)

@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StrictInt, ValidationInfo, field_validator
 
 from .. import seeds, wire
-from .body import Body
+from .body import Body, KeepAlive, keep_alive_header
 from .errors import PAST_ONE_PACKET, ApiError, Call
 from .requests import MAX_CHOICES, StreamOptions, check_bias, check_stops
 from .service import Principal
@@ -68,6 +68,7 @@ class CompletionRequest(Body):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=wire.MAX_BIAS)
     user: str | None = Field(default=None, max_length=256)
+    keep_alive: KeepAlive = None  # Ollama's: the model's idle time after this request
     # Extensions (llama.cpp's server, vLLM), as on chat completions.
     top_k: int | None = Field(default=None, ge=-1, le=1 << 20)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -187,14 +188,16 @@ def submission(body: CompletionRequest, prompt: Prompt, choice: int, m: wire.Mod
     limit = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     if limit >= 1 << 32:
         raise ApiError(400, "max_tokens is too large", param="max_tokens")
-    flags, seed = wire.SUBMIT_FLAG_RAW, 0
+    keep, keep_fields = keep_alive_header(body.keep_alive)
+    flags, seed = wire.SUBMIT_FLAG_RAW | keep, 0
     if body.seed is not None:
         flags |= wire.SUBMIT_FLAG_SEED
         seed = seeds.of_choice(body.seed, choice)
     h = wire.Header.request(
         wire.Op.SUBMIT, principal=principal.id, role=m.role, max_tokens=limit,
         temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p, submit_flags=flags, seed=seed)
+        top_p=1.0 if body.top_p is None else body.top_p, submit_flags=flags, seed=seed,
+        **keep_fields)
     return h, payload, Call(m.alias, limit, len(payload))
 
 

@@ -35,7 +35,7 @@ from ..wire import (
     ToolFormat,
 )
 from . import tools as T
-from .body import Body
+from .body import Body, KeepAlive
 from .closed_objects import close_objects
 
 MAX_STOP = 16
@@ -167,6 +167,7 @@ class ChatRequest(Body):
     stream_options: StreamOptions | None = None
     n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     memory: Literal["on", "off"] | None = None
+    keep_alive: KeepAlive = None  # Ollama's: the model's idle time after this request
     # The rest of the sampler (wire.Sampling): OpenAI's penalties and logit bias, and the
     # extensions llama.cpp's server and vLLM accept.
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)

@@ -32,7 +32,7 @@ from pydantic import (
 
 from .. import wire
 from . import tools as T
-from .body import Body
+from .body import Body, KeepAlive
 from .errors import ApiError, wording
 from .requests import MAX_INLINE_CHARS, ChatRequest, InputAudio
 from .validation import explain
@@ -182,6 +182,7 @@ class ResponseRequest(Body):
     truncation: Literal["disabled"] | None = None  # "auto" would drop input: not served
     include: list[str] | None = Field(default=None, max_length=0)
     user: str | None = Field(default=None, max_length=256)  # logged, as chat's
+    keep_alive: KeepAlive = None  # Ollama's: the model's idle time after this request
     safety_identifier: str | None = Field(default=None, max_length=256)
 
     @field_validator("input")
@@ -259,7 +260,9 @@ class ResponseRequest(Body):
         elif fmt is not None:
             body["response_format"] = {"type": fmt.type}
         try:
-            return ChatRequest.model_validate(body)
+            chat = ChatRequest.model_validate(body)
+            chat.keep_alive = self.keep_alive  # (milliseconds already)
+            return chat
         except ValidationError as exc:
             message, at = explain(ChatRequest, exc.errors())
             field = at.split(".")[0] if at else None

@@ -130,6 +130,8 @@ SUBMIT_FLAG_RAW = 4  # one message of one part, the prompt itself: no chat templ
 SUBMIT_FLAG_TOOLS = 8  # the output is tool calls' format: kept, and in every state reply
 SUBMIT_TOOL_FORMAT_SHIFT = 4  # bits 4-5: the ToolFormat of the calls (kept with the flag above)
 SUBMIT_TOOL_FORMAT = 3 << SUBMIT_TOOL_FORMAT_SHIFT
+SUBMIT_FLAG_KEEP_ALIVE = 64  # keep_alive_ms at 64 is meaningful (a model loaded on first use)
+KEEP_ALIVE_FOREVER = (1 << 64) - 1  # keep_alive_ms: the model stays loaded for ever
 CANCEL_FLAG_ADMIN = 1  # cancel any principal's request (needs Action.ADMIN)
 READ_FLAG_ANNOTATIONS = 1  # READ/WAIT: the request's annotation stream, not its output
 

@@ -17,6 +17,7 @@ from .enums import (
     MEDIA_FLAG_EPHEMERAL,
     MEDIA_FLAG_FINAL,
     READ_FLAG_ANNOTATIONS,
+    SUBMIT_FLAG_KEEP_ALIVE,
     SUBMIT_FLAG_MEMORY_OFF,
     SUBMIT_FLAG_RAW,
     SUBMIT_FLAG_SEED,
@@ -88,6 +89,8 @@ class Header(_Fields):
     cancel_flags = _View[int]("flags", "CANCEL: CANCEL_FLAG_*")
     media_flags = _View[int]("flags", "MEDIA_PUT: MEDIA_FLAG_*")
     seed = _View[int]("value", "SUBMIT, with SUBMIT_FLAG_SEED")
+    keep_alive_ms = _View[int]("cursor", "SUBMIT, with SUBMIT_FLAG_KEEP_ALIVE: how long its "
+                                         "model stays loaded idle after it; KEEP_ALIVE_FOREVER")
     detail = _View[int]("value", "refusal: the number its reason names")
 
     # -- requests and replies ------------------------------------------------------------
@@ -168,7 +171,8 @@ def decode_packet(data: bytes | memoryview) -> tuple[Header, bytes]:
 
 REQUEST_FIELDS: dict[Op, tuple[str, ...]] = {
     Op.INFO: (), Op.BROKER_STATS: (), Op.SHARED_SAVE: (), Op.SHARED_LOAD: (),
-    Op.SUBMIT: ("principal", "role", "limit", "temperature", "top_p", "flags", "value"),
+    Op.SUBMIT: ("principal", "role", "limit", "temperature", "top_p", "flags", "value",
+                "cursor"),
     Op.READ: ("principal", "epoch", "identity", "cursor", "flags"),
     Op.WAIT: ("principal", "epoch", "identity", "cursor", "phase", "cancel_requested", "limit",
               "flags"),
@@ -186,7 +190,7 @@ REQUEST_FIELDS: dict[Op, tuple[str, ...]] = {
 #: The flag bits each operation defines; other bits are unused, so zero.
 REQUEST_FLAGS: dict[int, int] = {
     Op.SUBMIT: (SUBMIT_FLAG_SEED | SUBMIT_FLAG_MEMORY_OFF | SUBMIT_FLAG_RAW | SUBMIT_FLAG_TOOLS
-                | SUBMIT_TOOL_FORMAT),
+                | SUBMIT_TOOL_FORMAT | SUBMIT_FLAG_KEEP_ALIVE),
     Op.CANCEL: CANCEL_FLAG_ADMIN, Op.READ: READ_FLAG_ANNOTATIONS, Op.WAIT: READ_FLAG_ANNOTATIONS,
     Op.MEDIA_PUT: MEDIA_FLAG_FINAL | MEDIA_FLAG_ABORT | MEDIA_FLAG_EPHEMERAL}
 _ZERO = Header(magic=0, version=0)
@@ -198,7 +202,8 @@ _UNUSED_GET: dict[int, tuple[Any, tuple[Any, ...]]] = {
 
 def check_request(h: Header) -> None:
     """Refuse (WireError 400, NONZERO_FIELD) a request that sets a field its operation
-    does not use, a flag bit it does not define, or a SUBMIT seed without its flag."""
+    does not use, a flag bit it does not define, or a SUBMIT seed or keep-alive without
+    its flag."""
     get, zeros = _UNUSED_GET[h.op]  # (an int key finds the Op's entry: no enum built)
     if get(h) != zeros:
         i = next(i for i in _UNUSED[h.op] if h[i] != _ZERO[i])
@@ -210,3 +215,6 @@ def check_request(h: Header) -> None:
                         Reason.NONZERO_FIELD, 116)
     if h.op == Op.SUBMIT and h.value and not h.flags & SUBMIT_FLAG_SEED:
         raise WireError("a seed without SUBMIT_FLAG_SEED", 400, Reason.NONZERO_FIELD, 120)
+    if h.op == Op.SUBMIT and h.cursor and not h.flags & SUBMIT_FLAG_KEEP_ALIVE:
+        raise WireError("a keep-alive without SUBMIT_FLAG_KEEP_ALIVE", 400,
+                        Reason.NONZERO_FIELD, 64)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -105,6 +106,38 @@ def test_an_unload_with_cancel_cancels_the_running_request(svc: Service) -> None
         assert ended["usage"]["completion_tokens"] < 2000
         eventually(lambda: state_is(c, "gemma3", "unloaded"), 60)
         assert c.post("/aotx/v1/models/gemma3/unload", json={"cancel": 1}).status_code == 400
+
+
+def chat(c: httpx.Client, model: str, **more: object) -> httpx.Response:
+    return c.post("/v1/chat/completions", timeout=300, json={
+        "model": model, "messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 4, "temperature": 0, **more})
+
+
+def test_a_requests_keep_alive_holds_the_model_for_its_principal(svc: Service) -> None:
+    """Ollama's keep_alive per request: Bob's 0 does not unload the model Alice used a
+    moment ago (her request held it for the model's 300 s); once her own request asks
+    0 too, it unloads when idle. A principal's -1 is held to the model's keep-alive
+    (only an admin may pin), and a keep_alive that is no duration is a 400."""
+    alice, bob = mint(svc, "alice-keep"), mint(svc, "bob-keep")
+    with client(svc, alice) as ca, client(svc, bob) as cb, svc.client() as admin:
+        assert chat(ca, "gemma3").status_code == 200
+        assert chat(cb, "gemma3", keep_alive=0).status_code == 200
+        time.sleep(2)
+        assert state_is(admin, "gemma3", "loaded"), "Bob's keep_alive: 0 unloaded Alice's"
+        assert chat(ca, "gemma3", keep_alive="0s").status_code == 200
+        eventually(lambda: state_is(admin, "gemma3", "unloaded"), 30)
+        assert chat(cb, "gemma3", keep_alive=-1).status_code == 200
+        held = eventually(lambda: state_is(admin, "gemma3", "loaded"), 30)
+        assert held["status"]["expires_in"] is not None  # not pinned: 300 s at most
+        assert held["status"]["expires_in"] <= 300
+        bad = chat(cb, "gemma3", keep_alive="soon")
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "keep_alive"
+        assert chat(admin, "gemma3", keep_alive="-1").status_code == 200  # an admin's pins
+        pinned = eventually(lambda: state_is(admin, "gemma3", "loaded"), 30)
+        assert pinned["status"]["expires_in"] is None
+        assert admin.post("/aotx/v1/models/gemma3/unload").status_code in (200, 202)
+        eventually(lambda: state_is(admin, "gemma3", "unloaded"), 30)
 
 
 def test_rm_removes_an_unloaded_unnamed_model_only(svc: Service) -> None:

@@ -87,7 +87,8 @@ def test_unused_input_fields_must_be_zero(device: Pair, op: wire.Op) -> None:
 def test_undefined_flag_bits_and_a_seed_without_its_flag_are_refused(device: Pair) -> None:
     dev, _ = device
     submit = wire.Header.request(wire.Op.SUBMIT, principal=7, role=1)
-    for bad, offset in ((submit._replace(flags=64), 116), (submit._replace(value=42), 120),
+    for bad, offset in ((submit._replace(flags=128), 116), (submit._replace(value=42), 120),
+                        (submit._replace(cursor=5000), 64),
                         (wire.Header.request(wire.Op.MEDIA_PUT, principal=7, media_flags=16),
                          116)):
         with dev.state.lock:
@@ -95,6 +96,8 @@ def test_undefined_flag_bits_and_a_seed_without_its_flag_are_refused(device: Pai
         assert (h.status, h.reason, h.detail) == (400, wire.Reason.NONZERO_FIELD, offset)
     seeded = submit._replace(flags=wire.SUBMIT_FLAG_SEED, value=42)
     assert call(dev, seeded, text_submission())[0].status == 202
+    kept = submit._replace(flags=wire.SUBMIT_FLAG_KEEP_ALIVE, cursor=5000)
+    assert call(dev, kept, text_submission())[0].status == 202
 
 
 def test_the_tools_flag_is_kept_and_in_every_state_reply(device: Pair) -> None:

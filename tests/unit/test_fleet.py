@@ -45,12 +45,12 @@ def test_a_busy_model_is_never_unloaded() -> None:
 def test_another_principals_model_is_safe_within_its_keep_alive() -> None:
     """B's load cannot unload the model A used a minute ago (its keep-alive is five);
     A's own load can, and B's can once A's keep-alive has run out."""
-    a_model = model(1, 8, last_used=940, users={A: 940})
-    b_model = model(2, 8, last_used=990, users={B: 990})
+    a_model = model(1, 8, last_used=940, users={A: (940, 300)})
+    b_model = model(2, 8, last_used=990, users={B: (990, 300)})
     loaded = [a_model, b_model]
     assert roles(plan_room(8 * GB, 16 * GB, loaded, B, now=1000)) == [2]  # B's own, not A's
     assert roles(plan_room(8 * GB, 16 * GB, loaded, A, now=1000)) == [1]  # A's own
-    b_model.users[A] = 995  # A used B's model too
+    b_model.users[A] = (995, 300)  # A used B's model too
     assert plan_room(8 * GB, 16 * GB, loaded, B, now=1000) is None
     assert roles(plan_room(8 * GB, 16 * GB, loaded, B, now=940 + 300)) == [1]
 
@@ -63,3 +63,21 @@ def test_keep_alive_zero_unloads_when_idle_and_a_model_larger_than_the_budget_ne
     with pytest.raises(NeverFits):
         plan_room(17 * GB, 16 * GB, [], A, now)
     assert default_budget(32 * GB) == 24 * GB
+
+
+def test_a_requests_keep_alive_holds_for_its_principal_only() -> None:
+    """Ollama's per-request keep_alive: B's request asked 0 (unload once idle) and A's
+    the model's 300 a minute ago: the model stays for A; once A's hold runs out it
+    expires. A request's -1 holds it for ever against the others, not against its own
+    principal's load."""
+    now = 1000.0
+    m = model(1, 4, last_used=now, users={A: (now - 60, 300), B: (now, 0)})
+    assert expired([m], now) == [] and m.protected_from(B, now)
+    assert expired([m], now - 60 + 300) == [m]
+    m.users = {B: (now, 0)}
+    assert expired([m], now) == [m] and not m.protected_from(A, now)
+    m.users = {A: (0, PINNED)}
+    assert expired([m], 1e9) == [] and m.protected_from(B, 1e9)
+    assert not m.protected_from(A, 1e9)
+    unused = model(2, 4, last_used=now - 301)  # loaded by an admin: the model's own
+    assert expired([unused], now) == [unused]
