@@ -60,14 +60,19 @@
     token = $("token").value.trim();
     try {
       const caps = await call("/aotx/v1/capabilities");
-      if (caps.models.length) model = caps.models[0].alias;
-      $("model").textContent = `(${model}, epoch ${caps.runtime_epoch})`;
+      const chats = caps.models.filter((m) => m.chat);
+      if (chats.length) model = chats[0].alias;
+      epoch = caps.runtime_epoch;
+      fillPicker(chats);
+      showModel();
       $("signin").hidden = true;
       $("app").hidden = false;
       $("token").value = "";
       show("");
       refreshPolicy();
       refreshMemory();
+      refreshModels();
+      setInterval(refreshModels, 2000);
       setInterval(sampleLive, 500);
       setInterval(refreshPolicy, 2000);
     } catch (err) {
@@ -75,6 +80,93 @@
       show(explain(err));
     }
   });
+
+  // -- the model picker and the models' residency ---------------------------------------
+  let epoch = "";
+  let states = {}; // alias -> status.value, from the last GET /aotx/v1/models
+
+  function fillPicker(chats) {
+    const pick = $("model-pick");
+    pick.replaceChildren();
+    for (const m of chats) {
+      const o = document.createElement("option");
+      o.value = m.alias;
+      o.textContent = m.alias;
+      pick.append(o);
+    }
+    pick.value = model;
+  }
+
+  function showModel() {
+    const state = states[model];
+    $("model").textContent =
+      `(${model}${state && state !== "loaded" ? ", " + state : ""}, epoch ${epoch})`;
+  }
+
+  $("model-pick").addEventListener("change", () => {
+    model = $("model-pick").value;
+    showModel();
+  });
+
+  function cell(text) {
+    const td = document.createElement("td");
+    td.textContent = text;
+    return td;
+  }
+
+  // One row a model: its state (and why it failed), its memory once loaded, when an idle
+  // one unloads; an admin (whose list has "unassigned") gets Load and Unload.
+  async function refreshModels() {
+    let doc;
+    try { doc = await call("/aotx/v1/models"); } catch (err) {
+      $("models-budget").textContent = explain(err);
+      return;
+    }
+    const admin = doc.unassigned !== null;
+    const mib = (n) => `${(n / 1048576).toFixed(0)} MiB`;
+    $("models-budget").textContent =
+      `memory budget ${mib(doc.budget_bytes)}, ${mib(doc.used_bytes)} estimated in use`;
+    const body = $("models-table").querySelector("tbody");
+    body.replaceChildren();
+    states = {};
+    for (const m of doc.models) {
+      const s = m.status;
+      states[m.alias] = s.value;
+      const tr = document.createElement("tr");
+      tr.dataset.alias = m.alias;
+      tr.dataset.state = s.value;
+      const until = s.keep_alive < 0 ? "pinned" :
+        s.expires_in === null ? "" : `${s.expires_in.toFixed(0)} s`;
+      tr.append(cell(m.alias), cell(s.value + (s.reason ? `: ${s.reason}` : "")),
+                cell(mib(s.memory_bytes)), cell(until));
+      const actions = document.createElement("td");
+      if (admin && s.on_demand) {
+        for (const action of ["load", "unload"]) {
+          const btn = document.createElement("button");
+          btn.textContent = action === "load" ? "Load" : "Unload";
+          btn.dataset.action = action;
+          btn.disabled = action === "load" ? s.value === "loaded" || s.value === "loading"
+                                           : s.value === "unloaded" || s.value === "failed";
+          btn.addEventListener("click", async () => {
+            try {
+              await call(`/aotx/v1/models/${encodeURIComponent(m.alias)}/${action}`,
+                         { method: "POST" });
+              show("");
+            } catch (err) { show(explain(err)); }
+            refreshModels();
+          });
+          actions.append(btn);
+        }
+      }
+      tr.append(actions);
+      body.append(tr);
+    }
+    for (const o of $("model-pick").options) {
+      const state = states[o.value];
+      o.textContent = state && state !== "loaded" ? `${o.value} (${state})` : o.value;
+    }
+    showModel();
+  }
 
   // -- chat over the native SSE route, with exact resume ------------------------------
   function addTurn(who, text) {
@@ -115,7 +207,8 @@
           throw err;
         }
         giveUp = Date.now() + 60000;
-        $("stream-status").textContent = cursor ? `resumed at byte ${cursor}` : "streaming…";
+        $("stream-status").textContent = cursor ? `resumed at byte ${cursor}` :
+          states[model] && states[model] !== "loaded" ? `loading ${model}…` : "streaming…";
         const reader = r.body.getReader();
         const bytes = new TextDecoder("utf-8");
         let buf = "";
@@ -138,6 +231,7 @@
             const data = event.data ? JSON.parse(event.data) : {};
             event = {};
             if (kind === "emission") {
+              if (!cursor) $("stream-status").textContent = "streaming…";
               target.textContent += decoder.decode(b64bytes(data.bytes), { stream: true });
               cursor = Number(data.next_cursor);
               $("log").scrollTop = $("log").scrollHeight;
