@@ -74,6 +74,7 @@ from .prompt import TextRefused, split, text_tokens
 from .state import DeviceLimits, DeviceState
 from .template import TemplateError
 from .waits import Waits
+from .watch import Watch
 
 log = logging.getLogger("aotx.device")
 
@@ -146,6 +147,7 @@ class Device:
         st.on_demand = describe_all([s for s in specs if s.on_demand])
         self.budget = st.budget = (limits.memory_budget
                                    or fleet.default_budget(fleet.total_memory()))
+        self.watch: Watch | None = None  # the models folder, looked at again (run)
         self.hasher = Hasher(list(st.on_demand.values()),
                              os.path.join(paths.state_dir, "model-hashes.json"))
         self.loader = Loader(lambda spec: load_model(spec, paths.state_dir, st.lock,
@@ -457,6 +459,8 @@ class Device:
                     self._take(i)
             self._on_demand()
             now = time.monotonic()
+            if self.watch is not None:
+                self.watch.step(st, now)
             self.waits.settle(now)
             embeds_due = withdraw_due(self.handlers.embeds, now)  # (callers given up)
         finally:
@@ -562,6 +566,8 @@ def run(paths: RuntimePaths, mailboxes: int, models_file: str | None = None,
     device = Device(paths, specs, mailboxes, limits, settings.log_prompts, settings.short_slice)
     given = {s.alias for s in specs}
     device.state.unassigned = [(f.alias, f.path) for f in found if f.alias not in given]
+    device.watch = Watch(models_dir or os.path.join(paths.state_dir, "models"),
+                         paths.state_dir, declared, device.bell.ring_self)
     signal.signal(signal.SIGTERM, lambda *_: device.stop())
     signal.signal(signal.SIGINT, lambda *_: device.stop())
     device.serve()

@@ -298,9 +298,10 @@ class Gateway:
                     if h.epoch != self.epoch:
                         await self.refresh()
                     else:
-                        if h.status == 200:
-                            self._models_changed(wire.decode_info(body))
-                        if any(e["on_demand"] for e in self.residency.get("models", ())):
+                        changed = h.status == 200 and self._models_changed(
+                            wire.decode_info(body))
+                        if changed or any(e["on_demand"]
+                                          for e in self.residency.get("models", ())):
                             await self.read_residency(POLL_WAIT)
                         if self._load_credentials() or self.grants_dirty:
                             await self.sync_grants()
@@ -308,15 +309,21 @@ class Gateway:
                 log.debug("event=gateway.device_unreachable error=%s", exc)
             await asyncio.sleep(0.5 if self.info is not None else 0.2)
 
-    def _models_changed(self, info: wire.Info) -> None:
+    def _models_changed(self, info: wire.Info) -> bool:
         """Take the rows of the same epoch's INFO when they changed: a model loaded on
-        first use is listed from its description until it is loaded (device/ondemand.py)."""
+        first use is listed from its description until it is loaded (device/ondemand.py),
+        and one put in the models folder is listed once described (device/watch.py)."""
         if self.info is not None and info.models != self.info.models:
             self.models = {m.alias: m for m in info.models}
             self.by_role = {m.role: m for m in info.models}
             self.info = info
+            # a model found in the folder since has a role now: a grant that names it
+            # gets its bit (grants' rows are built from the roles: credentials.py)
+            self.grants_dirty = True
             log.info("event=gateway.models_changed models=%s",
                      ",".join(m.alias for m in info.models))
+            return True
+        return False
 
     async def read_residency(self, timeout: float) -> dict[str, Any]:
         """The device's MODELS read, kept in :attr:`residency` (unchanged when refused)."""
