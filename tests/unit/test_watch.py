@@ -5,7 +5,6 @@ its unloaded model failed."""
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import pytest
