@@ -116,6 +116,15 @@ class Policy:
         self.discard_active = False
         self._memory: dict[int, tuple[int, list[str]]] = {}  # principal -> latest generation
 
+    def enable(self) -> None:
+        """A model qualified for automatic memory was loaded on first use: the policy,
+        off while no loaded model qualified, starts (and stays on for the epoch; the
+        sources of a model unloaded since are dropped when their turn comes)."""
+        if not self.enabled:
+            self.enabled = True
+            self.state, self.reason = S.QUIET, R.QUIET
+            log.info("event=policy.enabled")
+
     # -- the machine -------------------------------------------------------------------
     def _on(self, event: Event) -> None:
         row = TRANSITIONS.get((self.state, event))

@@ -390,6 +390,8 @@ class Device:
         self._start_engine(model)
         if self._media_jobs is None:
             self._start_media_worker()
+        if model.automatic_memory:  # (decided when a model is loaded, as at start)
+            st.policy.enable()
 
     # -- the resident policy (control thread, lock held) ------------------------------------
     def policy_tick(self) -> None:
