@@ -455,9 +455,10 @@ def folder_sha256(path: str, cache_path: str | None = None) -> bytes:
 
 
 def file_sha256(path: str, cache_path: str | None = None) -> bytes:
-    """SHA-256 of a model file, cached by file identity (device, inode, size, mtime)."""
+    """SHA-256 of a model file, cached by file identity (device, inode, size, mtime): the
+    links of one file (a models folder's hard links, a symlink) are hashed once."""
     st = os.stat(path)
-    key = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{os.path.realpath(path)}"
+    key = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
     cache: dict[str, str] = {}
     if cache_path and os.path.exists(cache_path):
         try:

@@ -5,6 +5,7 @@ its unloaded model failed."""
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import pytest
@@ -56,3 +57,15 @@ def test_a_model_whose_file_went_away_fails_unless_loaded(tmp_path: Any, watch: 
     assert entries[2].state == LOADED  # (its mapping stays)
     (tmp_path / "m1.gguf").write_bytes(b"back")
     assert entries[1].retry() and entries[1].state == UNLOADED
+
+
+def test_the_links_of_one_file_are_hashed_once(tmp_path: Any) -> None:
+    from aotx.device.models import file_sha256
+
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(b"GGUF" + bytes(100))
+    os.link(a, b)
+    cache = str(tmp_path / "hashes.json")
+    assert file_sha256(str(a), cache) == file_sha256(str(b), cache)
+    with open(cache) as f:
+        assert len(json.load(f)) == 1  # one file identity, one entry
