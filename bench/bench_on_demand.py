@@ -88,6 +88,19 @@ def peer_round(binary: str) -> Callable[[], tuple[float, float]]:
     return run
 
 
+def peer_alone(binary: str) -> tuple[float, float]:
+    """llama-server with the model named (``-m``), for what its router's child costs:
+    seconds from its start to ``/health`` answering 200, then to a first token."""
+    t0 = time.perf_counter()
+    srv = common.launch([binary, "-m", default_model_path(), "-t", "2", "--host",
+                         "127.0.0.1"], "llama-server -m", interval=0.005)
+    try:
+        ready = time.perf_counter() - t0
+        return ready, first_token(srv, "smollm2")
+    finally:
+        srv.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peer", help="llama-server binary (router mode)")
@@ -106,6 +119,9 @@ def main() -> None:
         print(f"{name}: first token of an unloaded model {first:.2f} s; of a second "
               f"model {second:.2f} s (medians of {len(pairs)})", flush=True)
     if args.peer:
+        alone = [peer_alone(args.peer) for _ in range(args.rounds)]
+        print(f"llama-server -m: start to ready {statistics.median(a for a, _ in alone):.2f} s,"
+              f" then first token {statistics.median(b for _, b in alone):.2f} s", flush=True)
         for i, what in enumerate(("unloaded model", "second model")):
             ratio = (statistics.median(p[i] for p in got["aotx"])
                      / statistics.median(p[i] for p in got["llama-server"]))

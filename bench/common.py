@@ -78,8 +78,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout: float = 300) -> None:
-    """Until ``url`` answers 200; SystemExit when ``proc`` exits first or time runs out."""
+def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout: float = 300,
+               interval: float = 0.2) -> None:
+    """Until ``url`` answers 200 (asked every ``interval`` seconds); SystemExit when
+    ``proc`` exits first or time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -89,7 +91,7 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout: float = 
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
+        time.sleep(interval)
     raise SystemExit(f"{url} not ready")
 
 
@@ -154,16 +156,16 @@ def serving(models: str | None = None, **kw: Any) -> Iterator[Server]:
 
 
 def launch(cmd: list[str], name: str, env: dict[str, str] | None = None,
-           timeout: float = 300) -> Server:
+           timeout: float = 300, interval: float = 0.2) -> Server:
     """``cmd`` with ``--port`` and a free port added (``env`` added to the environment),
-    once its ``/health`` answers."""
+    once its ``/health`` answers (asked every ``interval`` seconds)."""
     port = free_port()
     proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True, cwd=REPO,
                             env={**os.environ, **(env or {})})
     server = Server(proc, f"http://127.0.0.1:{port}", name)
     try:
-        wait_ready(server.url + "/health", proc, timeout)
+        wait_ready(server.url + "/health", proc, timeout, interval)
     except BaseException:
         server.stop()
         raise
