@@ -128,3 +128,25 @@ def test_keep_alive_zero_unloads_when_idle_and_a_pinned_model_stays() -> None:
         assert value(text, "aotx_model_state", 'model="gemma3",state="loaded"') == 1
         assert value(text, "aotx_model_evictions_total", 'model="gemma3"') == 0
         assert value(text, "aotx_model_loads_total", 'model="copy"') == 1
+
+
+def test_a_model_with_a_running_stream_is_not_evicted() -> None:
+    """The copy streams a long answer; the same principal's request for Gemma 3, which
+    fits only without the copy, waits the load wait (3 s) and gets 503 with Retry-After
+    (the copy is busy, whoever asks), and the stream ends whole."""
+    with budgeted(models()) as s, s.client() as c:
+        with c.stream("POST", "/v1/chat/completions", timeout=300, json={
+                "model": "copy", "stream": True, "max_tokens": 1200, "temperature": 0,
+                "logit_bias": {"2": -100},  # (SmolLM2's <|im_end|>: it runs to the end)
+                "messages": [{"role": "user", "content": "Tell me a long story."}]}) as r:
+            lines = r.iter_lines()
+            assert any('"content"' in line for line in lines)  # it is running
+            refused = chat(c, "gemma3")
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "model_memory_busy"
+            assert refused.headers["retry-after"] == "5"
+            rest = list(lines)
+        assert any('"finish_reason":"length"' in line.replace(" ", "") for line in rest)
+        text = metrics(s)
+        assert value(text, "aotx_model_evictions_total", 'model="copy"') == 0
+        assert value(text, "aotx_model_state", 'model="copy",state="loaded"') == 1
