@@ -117,15 +117,19 @@ def test_the_description_s_vram_part(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (cpu.gpu_layers, cpu.vram_bytes) == (0, 0)
     assert cpu.n_layer == 30  # SmolLM2-135M's blocks
     n = cpu.n_layer
+    # this CPU build of llama.cpp offloads nothing, whatever the count
+    assert not llama_cpp.llama_supports_gpu_offload()
+    on_cpu = describe(dataclasses.replace(base, gpu_layers=n // 2))
+    assert (on_cpu.gpu_layers, on_cpu.vram_bytes) == (0, 0)
+    monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: True)  # (a CUDA one)
     half = describe(dataclasses.replace(base, gpu_layers=n // 2))
     whole = describe(dataclasses.replace(base, gpu_layers=ALL_LAYERS))
     assert half.memory_bytes == whole.memory_bytes == cpu.memory_bytes
     assert half.vram_bytes == (cpu.weights_bytes + cpu.kv_bytes) // 2
     assert whole.vram_bytes == cpu.weights_bytes + cpu.kv_bytes
     assert 0 < half.vram_bytes < whole.vram_bytes < whole.memory_bytes
-    # "auto" on this CPU build of llama.cpp: none
-    assert not llama_cpp.llama_supports_gpu_offload()
     auto = dataclasses.replace(base, gpu_layers=AUTO)
+    monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: False)
     assert (describe(auto).gpu_layers, describe(auto).vram_bytes) == (0, 0)
     # on a build that offloads, with 8 layers' worth free beyond the compute buffers
     monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: True)
@@ -149,8 +153,9 @@ def test_a_load_decides_auto_without_reading_the_file_on_a_cpu_build(
     monkeypatch.setattr(describe_module, "describe", unread)
     monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: False)
     assert gpu_layers(spec) == 0
-    assert gpu_layers(ModelSpec(alias="s", path="/x.gguf", role=1, gpu_layers=7)) == 7
+    assert gpu_layers(ModelSpec(alias="s", path="/x.gguf", role=1, gpu_layers=7)) == 0
     monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: True)
+    assert gpu_layers(ModelSpec(alias="s", path="/x.gguf", role=1, gpu_layers=7)) == 7
     monkeypatch.setattr(describe_module, "describe",
                         lambda spec: SimpleNamespace(gpu_layers=11))
     assert gpu_layers(spec) == 11
@@ -180,6 +185,7 @@ def test_gpu_layers_reach_llama_cpp(monkeypatch: pytest.MonkeyPatch) -> None:
         raise EngineError("stop here")
 
     monkeypatch.setattr(load_module, "LlamaEngine", engine)
+    monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: True)  # (CUDA's)
     for layers in (0, 5, ALL_LAYERS):
         spec = ModelSpec(alias="s", path="/x.gguf", role=1, gpu_layers=layers)
         with pytest.raises(EngineError, match="stop here"):

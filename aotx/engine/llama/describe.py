@@ -124,11 +124,11 @@ def describe(spec: ModelSpec) -> Description:
         kv = int(per_cell * cells + f16_cell * embedding_cells)
         compute = 4 * n_vocab * spec.slots + COMPUTE_ALLOWANCE
         n_layer = _int(model, f"{arch}.block_count")
-        layers = spec.gpu_layers
+        offload = bool(llama_cpp.llama_supports_gpu_offload())
+        layers = spec.gpu_layers if offload else 0  # (a CPU build: none on a GPU)
         if layers == AUTO:
-            offload = bool(llama_cpp.llama_supports_gpu_offload())
-            layers = auto_layers(offload, vram_free() if offload else None,
-                                 (weights + kv) / max(1, n_layer), n_layer, reserve=compute)
+            layers = auto_layers(offload, vram_free(), (weights + kv) / max(1, n_layer),
+                                 n_layer, reserve=compute)
         return Description(
             chat_template=model_metadata(model, "tokenizer.chat_template"),
             bos_text=_token_text(vocab, int(llama_cpp.llama_vocab_bos(vocab))),
@@ -145,8 +145,8 @@ def gpu_layers(spec: ModelSpec) -> int:
     """The layers ``spec``'s model offloads when it is loaded now: its ``gpu_layers``, or
     ``"auto"`` decided from its description and the VRAM free now (0 on a build that
     cannot offload, without reading the file)."""
+    if not spec.gpu_layers or not llama_cpp.llama_supports_gpu_offload():
+        return 0  # (a CPU build runs every layer on the CPU, as with 0)
     if spec.gpu_layers != AUTO:
         return spec.gpu_layers
-    if not llama_cpp.llama_supports_gpu_offload():
-        return 0
     return describe(spec).gpu_layers
