@@ -78,6 +78,7 @@ for a model (at most 31 models).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -85,6 +86,8 @@ import json
 import logging
 import os
 import re
+import tempfile
+import threading
 import tomllib
 from typing import Any
 
@@ -454,20 +457,19 @@ def folder_sha256(path: str, cache_path: str | None = None) -> bytes:
     return h.digest()
 
 
+#: One writer of a hash cache at a time: the start's loads, the background hashers and
+#: the loader threads of models loaded on first use share ``model-hashes.json``.
+_CACHE_LOCK = threading.Lock()
+
+
 def file_sha256(path: str, cache_path: str | None = None) -> bytes:
     """SHA-256 of a model file, cached by file identity (device, inode, size, mtime): the
-    links of one file (a models folder's hard links, a symlink) are hashed once."""
+    links of one file (a models folder's hard links, a symlink) are hashed once.  A cache
+    that cannot be written costs a later hash, never this one's result."""
     st = os.stat(path)
     key = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
-    cache: dict[str, str] = {}
-    if cache_path and os.path.exists(cache_path):
-        try:
-            with open(cache_path) as f:
-                cache = json.load(f)
-        except (OSError, ValueError):
-            cache = {}
-    if key in cache:
-        return bytes.fromhex(cache[key])
+    if cache_path and (known := _read_cache(cache_path).get(key)):
+        return bytes.fromhex(known)
     h = hashlib.sha256()
     done = 0
     step = max(st.st_size // 10, 1)
@@ -481,9 +483,36 @@ def file_sha256(path: str, cache_path: str | None = None) -> bytes:
                 mark += step
     digest = h.digest()
     if cache_path:
-        cache[key] = digest.hex()
-        tmp = cache_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(cache, f)
-        os.replace(tmp, cache_path)
+        _write_cache(cache_path, key, digest)
     return digest
+
+
+def _read_cache(cache_path: str) -> dict[str, str]:
+    try:
+        with open(cache_path) as f:
+            cache = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def _write_cache(cache_path: str, key: str, digest: bytes) -> None:
+    """Add ``key`` to the cache (read again under the lock: another writer's entries
+    stay), through a temporary file of its own."""
+    with _CACHE_LOCK:
+        cache = _read_cache(cache_path)
+        cache[key] = digest.hex()
+        try:
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(cache_path) or ".",
+                                       prefix=".model-hashes-")
+        except OSError as exc:
+            log.warning("event=model.hash_cache_failed error=%s", exc)
+            return
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(cache, f)
+            os.replace(tmp, cache_path)
+        except OSError as exc:
+            log.warning("event=model.hash_cache_failed error=%s", exc)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
