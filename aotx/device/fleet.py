@@ -45,7 +45,9 @@ class Resident:
 
     @property
     def pinned(self) -> bool:
-        return self.keep_alive < 0
+        """Its own keep-alive, or a request's (an admin's: ondemand.asked_keep_alive), is
+        for ever: no load unloads it, its pinner's own neither."""
+        return self.keep_alive < 0 or any(keep < 0 for _, keep in self.users.values())
 
     def held(self, now: float, but: int = -1) -> bool:
         """Whether a principal (other than ``but``) still holds it: its last use is

@@ -68,16 +68,15 @@ def test_keep_alive_zero_unloads_when_idle_and_a_model_larger_than_the_budget_ne
 def test_a_requests_keep_alive_holds_for_its_principal_only() -> None:
     """Ollama's per-request keep_alive: B's request asked 0 (unload once idle) and A's
     the model's 300 a minute ago: the model stays for A; once A's hold runs out it
-    expires. A request's -1 holds it for ever against the others, not against its own
-    principal's load."""
+    expires. A request's -1 pins it, against every load."""
     now = 1000.0
     m = model(1, 4, last_used=now, users={A: (now - 60, 300), B: (now, 0)})
     assert expired([m], now) == [] and m.protected_from(B, now)
     assert expired([m], now - 60 + 300) == [m]
     m.users = {B: (now, 0)}
     assert expired([m], now) == [m] and not m.protected_from(A, now)
-    m.users = {A: (0, PINNED)}
+    m.users = {A: (0, PINNED)}  # (an admin's request: ondemand.asked_keep_alive)
     assert expired([m], 1e9) == [] and m.protected_from(B, 1e9)
-    assert not m.protected_from(A, 1e9)
+    assert m.protected_from(A, 1e9)  # pinned, for its pinner's own loads too
     unused = model(2, 4, last_used=now - 301)  # loaded by an admin: the model's own
     assert expired([unused], now) == [unused]
