@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -110,14 +111,19 @@ class OnDemand:
         return True
 
 
+#: An absolute path in a message: the folders before its last part.
+_FOLDERS = re.compile(r"/(?:[^/\s'\"]+/)+(?=[^/\s'\"])")
+
+
 def why(spec: ModelSpec, exc: BaseException) -> str:
     """A failed load's reason as principals may read it (/v1/models, a failed request's
-    error): the folders of the model's files left out (the device's log has them)."""
+    error): every path's folders left out, the model's own files' and any other (the
+    device's log has them whole)."""
     text = str(exc)
     for path in (spec.path, spec.mmproj, spec.chat_template):
         if path:
             text = text.replace(path, os.path.basename(path))
-    return text
+    return _FOLDERS.sub("", text)
 
 
 def listed(spec: ModelSpec) -> OnDemand:
