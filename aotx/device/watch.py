@@ -43,6 +43,7 @@ class Watch:
         self._settling: dict[str, tuple[int, int]] = {}  # new files: their size and time
         self._done: queue.Queue[dict[int, OnDemand]] = queue.Queue()
         self.unassigned: list[tuple[str, str]] = []
+        self.unassigned_known = False  # set once a look has computed the roles
         self.last = 0.0
 
     def listing(self) -> frozenset[str]:
@@ -73,7 +74,7 @@ class Watch:
                      | {od.spec.alias for od in st.on_demand.values()}
                      | {alias for alias, _ in st.unassigned})
             self.tick(now, st.on_demand, known)
-            if self.unassigned:
+            if self.unassigned_known:
                 st.unassigned = self.unassigned
 
     def tick(self, now: float, on_demand: dict[int, OnDemand], known: set[str]) -> None:
@@ -81,13 +82,17 @@ class Watch:
         gone, and describe the new ones on a thread (``known``: every alias served)."""
         self.last = now
         for od in on_demand.values():
-            if od.state in (UNLOADED, FAILED) and not os.path.exists(od.spec.path):
+            # (one a request or an admin waits for is left to its load, which fails)
+            if (od.state in (UNLOADED, FAILED) and not od.waiting and not od.asked
+                    and not os.path.exists(od.spec.path)):
                 od.state, od.reason, od.failed_file = FAILED, GONE, (0, 0)
         names = self.listing()
         if names == self._names and not self._settling:
             return
         self._names = names
         found = folder_specs(self.folder, self.declared)
+        present = {s.alias for s in found}
+        self._settling = {a: v for a, v in self._settling.items() if a in present}
         self._seen |= known
         new = [s for s in found if s.alias not in self._seen and self._settled(s)]
         if not new:
@@ -99,6 +104,7 @@ class Watch:
             return
         roles = {s.alias: s for s in specs}
         self.unassigned = [(s.alias, s.path) for s in found if s.alias not in roles]
+        self.unassigned_known = True
         fresh = [roles[s.alias] for s in new if s.alias in roles]
         self._seen |= {s.alias for s in fresh}
         if fresh:

@@ -69,3 +69,12 @@ def test_the_links_of_one_file_are_hashed_once(tmp_path: Any) -> None:
     assert file_sha256(str(a), cache) == file_sha256(str(b), cache)
     with open(cache) as f:
         assert len(json.load(f)) == 1  # one file identity, one entry
+
+
+def test_a_model_a_request_waits_for_is_left_to_its_load(tmp_path: Any, watch: Any) -> None:
+    w, _ = watch
+    spec = ModelSpec(alias="m", path=str(tmp_path / "m.gguf"), role=1, on_demand=True)
+    od = OnDemand(spec, wire.ModelInfo(1, "m", bytes(32), wire.MOD_TEXT, 0, 4096), 0)
+    od.waiting.append(object())  # type: ignore[arg-type]
+    w.tick(0.0, {1: od}, {"m"})
+    assert od.state == UNLOADED  # its load fails, and fails the waiting request
