@@ -25,8 +25,9 @@ from typing import Any
 import orjson
 
 from ..wire import Reason
+from .catalog import MAX_ROLE
 from .errors import DeviceError
-from .ondemand import FAILED, LOADED, LOADING, UNLOADED, OnDemand
+from .ondemand import FAILED, LOADED, LOADING, UNLOADED, UNLOADING, OnDemand
 from .state import DeviceState
 
 ACTIONS = ("load", "unload")
@@ -46,7 +47,8 @@ def file_bytes(path: str) -> int:
 def _on_demand_entry(od: OnDemand, st: DeviceState, now: float) -> dict[str, Any]:
     m = st.models.get(od.spec.role)
     sha = m.sha256 if m is not None and od.state == LOADED else od.sha256
-    idle = m is not None and not (m.scheduler.queue or m.scheduler.active)
+    idle = m is not None and not (m.scheduler.queue or m.scheduler.active
+                                  or st.preparing[od.spec.role])
     expires = None
     if od.state == LOADED and idle:
         expires = _expires_in(od, now)
@@ -92,7 +94,8 @@ def status(st: DeviceState, budget: int, unassigned: list[tuple[str, str]]) -> b
     return orjson.dumps({
         "budget_bytes": budget, "used_bytes": used, "models": listed,
         "unassigned": [{"alias": a, "path": p, "file_bytes": file_bytes(p),
-                        "state": "no_role", "reason": "all 31 model roles are given"}
+                        "state": "no_role",
+                        "reason": f"all {MAX_ROLE} model roles are given"}
                        for a, p in unassigned]})
 
 
@@ -122,10 +125,10 @@ def control(st: DeviceState, alias: str, action: str, cancel: bool, principal: i
     cancelled: list[bytes] = []
     if action == "load":
         od.unload_asked = False
-        if od.state == FAILED:
-            od.retry(force=True)
-        if od.state == UNLOADED and not od.asked:
-            od.asked, od.asked_by = now, principal
+        if od.state == FAILED and not od.retry(force=True):
+            raise DeviceError(503, Reason.MODEL_LOAD, retry_after=60)  # (its file is gone)
+        if od.state in (UNLOADED, UNLOADING) and not od.asked:
+            od.asked, od.asked_by = now, principal  # (once unloaded, it loads again)
         return od, cancelled
     od.asked, od.asked_by = 0.0, 0
     if od.state in (LOADING, LOADED):

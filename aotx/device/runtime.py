@@ -245,7 +245,7 @@ class Device:
                 assert isinstance(done, tuple)
                 return done
             self.busy_mailboxes.add(mailbox)
-            self._media_jobs.put(result)
+            self._queue_media(result)
             return None
         if isinstance(result, EmbedCall):
             self.busy_mailboxes.add(mailbox)
@@ -266,6 +266,13 @@ class Device:
         self._publish(call.mailbox, *result)
 
     # -- media submissions (the media worker) -------------------------------------------------
+    def _queue_media(self, job: MediaJob) -> None:
+        """Hand ``job`` to the media worker (lock held); until it is admitted or refused
+        its model counts as busy: the worker uses the model without the lock."""
+        assert self._media_jobs is not None
+        self.state.preparing[job.prepared.header.role] += 1
+        self._media_jobs.put(job)
+
     def _media_worker(self) -> None:
         assert self._media_jobs is not None
         while (job := self._media_jobs.get()) is not None:
@@ -273,6 +280,7 @@ class Device:
                                    functools.partial(self.admission.run_media_job, job))
             assert isinstance(result, tuple)
             with self.state.lock:
+                self.state.preparing[job.prepared.header.role] -= 1
                 if job.stub is not None:  # a deferred request's: its reply is its state
                     if result[0].status >= 400:
                         self.admission.fail_deferred(job.stub, result[0].status,
@@ -318,7 +326,7 @@ class Device:
         od.load_seconds += seconds
         waiting, od.waiting = od.waiting, []
         if isinstance(result, Exception):
-            od.state, od.reason = FAILED, why(od.spec, result)
+            od.state, od.reason, od.unload_asked = FAILED, why(od.spec, result), False
             with contextlib.suppress(OSError):
                 stat = os.stat(od.spec.path)
                 od.failed_file = (stat.st_size, stat.st_mtime_ns)
@@ -332,7 +340,7 @@ class Device:
         for d in waiting:
             job = self.admission.admit_deferred(d)
             if job is not None and self._media_jobs is not None:
-                self._media_jobs.put(job)
+                self._queue_media(job)
             self.waits.force(d.req.identity)
 
     def _make_room(self, od: OnDemand, now: float) -> None:
@@ -352,6 +360,7 @@ class Device:
         except fleet.NeverFits as exc:
             log.warning("event=model.never_fits alias=%s %s", od.spec.alias, exc)
             od.state, od.reason, od.asked = FAILED, why(od.spec, exc), 0.0
+            od.unload_asked = False
             waiting, od.waiting = od.waiting, []
             self._fail_waiting(waiting, 503, Reason.MODEL_LOAD)
             return
@@ -372,7 +381,7 @@ class Device:
         m = self.state.models.get(od.spec.role)
         role = od.spec.role
         busy = od.state != LOADED or m is None or bool(
-            m.scheduler.queue or m.scheduler.active
+            m.scheduler.queue or m.scheduler.active or self.state.preparing[role] > 0
             or any(c.header.role == role for c in self.handlers.embeds.values()))
         return fleet.Resident(od.spec.role, od.memory_bytes, od.spec.keep_alive, busy,
                               od.last_used, dict(od.users))

@@ -101,6 +101,9 @@ class DeviceState:
         self.on_demand: dict[int, OnDemand] = {}  # models loaded on first use (ondemand.py)
         self.deferred: dict[bytes, Deferred] = {}  # requests waiting for their model's load
         self.budget = 0  # bytes: the memory budget of the models (the runtime's)
+        #: role -> its submissions the media worker holds (tokenizing media or compiling a
+        #: constraint without the lock): their model counts as busy (never unloaded)
+        self.preparing: collections.Counter[int] = collections.Counter()
         self.unassigned: list[tuple[str, str]] = []  # (alias, path): the folder's, no role
         self.media = MediaTable(limits.media_bytes, limits.media_total_bytes,
                                 limits.share(limits.media_total_bytes))
@@ -286,8 +289,10 @@ class DeviceState:
         self.ended(req)
 
     def loaded(self, role: int) -> bool:
+        """Whether a SUBMIT for ``role`` is admitted now: its model is loaded and no
+        admin asked for its unload (then it waits for the unload, and loads it again)."""
         od = self.on_demand.get(role)
-        return od is None or od.state == LOADED
+        return od is None or (od.state == LOADED and not od.unload_asked)
 
 
 def _embedding_limits(m: LoadedModel) -> tuple[int, int]:

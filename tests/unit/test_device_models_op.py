@@ -3,6 +3,7 @@ model with its residency, and a control is an admin's, checked before it is carr
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ import orjson
 import pytest
 
 from aotx import wire
-from aotx.device.ondemand import FAILED, UNLOADED, OnDemand
+from aotx.device.ondemand import FAILED, LOADED, UNLOADED, OnDemand
 from aotx.device.runtime import Device
 from aotx.engine.spec import ModelSpec
 
@@ -114,3 +115,39 @@ def test_the_hasher_fills_in_each_files_digest(dev: Device) -> None:
     lazy = next(m for m in orjson.loads(body)["models"] if m["alias"] == "lazy")
     with open(dev.state.on_demand[2].spec.path, "rb") as f:
         assert lazy["sha256"] == hashlib.sha256(f.read()).hexdigest()
+
+
+def test_a_model_the_media_worker_uses_is_busy(dev: Device) -> None:
+    """A submission with media or a constraint is tokenized by the media worker without
+    the lock: until it is admitted its model must not be unloaded, even idle past a
+    keep-alive of 0."""
+    od = dev.state.on_demand.pop(2)
+    spec = dataclasses.replace(od.spec, role=1, alias="vision", keep_alive=0)
+    loaded = OnDemand(spec, od.info._replace(role=1), 5 << 20, state=LOADED)
+    dev.state.on_demand[1] = loaded
+    dev.state.preparing[1] = 1
+    assert dev._resident(loaded).busy
+    with dev.state.lock:
+        dev._on_demand()
+    assert loaded.state == LOADED and 1 in dev.state.models
+    dev.state.preparing[1] = 0
+    assert not dev._resident(loaded).busy
+
+
+def test_an_unload_asked_defers_new_requests_and_a_load_while_unloading_is_kept(
+        dev: Device) -> None:
+    od = dev.state.on_demand[2]
+    od.state, od.unload_asked = LOADED, True
+    assert not dev.state.loaded(2)  # a SUBMIT now waits for the unload, then reloads it
+    od.state = "unloading"
+    h, body = models(dev, control("lazy", "load"))
+    assert h.status == 200 and od.asked and not od.unload_asked
+
+
+def test_a_load_of_a_failed_model_whose_file_is_gone_is_refused(dev: Device) -> None:
+    od = dev.state.on_demand[2]
+    od.state, od.reason = FAILED, "gone"
+    os.remove(od.spec.path)
+    h, _ = models(dev, control("lazy", "load"))
+    assert (h.status, h.reason) == (503, wire.Reason.MODEL_LOAD)
+    assert not od.asked
