@@ -81,7 +81,11 @@ def run(args: argparse.Namespace, state_dir: str, run_dir: str) -> int:
         print(f"aotx models: no running service answers in {state_dir}: {exc}", file=sys.stderr)
         return 1
     if r.status_code >= 400:
-        print(f"aotx models: {r.status_code} {r.json()['error']['message']}", file=sys.stderr)
+        try:
+            why = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            why = r.text[:200]
+        print(f"aotx models: {r.status_code} {why}", file=sys.stderr)
         return 1
     if args.models_command == "list":
         print(table(r.json()))
@@ -148,6 +152,10 @@ def remove(args: argparse.Namespace, state_dir: str, run_dir: str) -> int:
               "their tokens or change their models first", file=sys.stderr)
         return 1
     state = _served_state(args, state_dir, run_dir)
+    if state == "unknown":
+        print("aotx models rm: the running service did not say whether the model is "
+              "loaded; refusing to remove its file", file=sys.stderr)
+        return 1
     if state not in (None, "unloaded", "failed"):
         print(f"aotx models rm: {args.alias} is {state}; unload it first "
               f"(aotx models unload {args.alias})", file=sys.stderr)
@@ -166,15 +174,20 @@ def remove(args: argparse.Namespace, state_dir: str, run_dir: str) -> int:
 
 def _served_state(args: argparse.Namespace, state_dir: str, run_dir: str) -> str | None:
     """The model's state in the running service; None when no service runs (or it does
-    not list the model)."""
+    not list the model); "unknown" when one answers but does not say."""
     import httpx
 
     try:
         with _client(args, state_dir, run_dir) as c:
             r = c.get("/aotx/v1/models")
-    except (OSError, httpx.HTTPError):
+    except (OSError, httpx.ConnectError):  # no gateway.url, or nothing listens there
         return None
-    if r.status_code != 200:
-        return None
-    return next((m["status"]["value"] for m in r.json()["models"]
-                 if m["alias"] == args.alias), None)
+    except httpx.HTTPError:
+        return "unknown"
+    try:
+        listed = r.json()["models"] if r.status_code == 200 else None
+    except (ValueError, KeyError):
+        listed = None
+    if listed is None:
+        return "unknown"
+    return next((m["status"]["value"] for m in listed if m["alias"] == args.alias), None)

@@ -41,11 +41,13 @@ async def list_models(principal: Principal = Caller, g: Gateway = Service) -> Re
     await g.ensure_ready()
     doc = await g.read_residency(g.deadlines.of(wire.Header(op=wire.Op.MODELS)))
     admin = bool(principal.grant.actions & wire.Action.ADMIN)
+    mine = [e for e in doc.get("models", ()) if principal.grant.allows_model(e["alias"])]
+    # (another caller's figure is its own models': the others' use is theirs)
+    used = doc.get("used_bytes", 0) if admin else sum(
+        e["memory_bytes"] for e in mine if e["state"] not in ("unloaded", "failed"))
     return json_response({
         "schema": "aotx.models.v1", "budget_bytes": doc.get("budget_bytes", 0),
-        "used_bytes": doc.get("used_bytes", 0),
-        "models": [residency_entry(e) for e in doc.get("models", ())
-                   if principal.grant.allows_model(e["alias"])],
+        "used_bytes": used, "models": [residency_entry(e) for e in mine],
         "unassigned": doc.get("unassigned", []) if admin else None})
 
 

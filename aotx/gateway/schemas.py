@@ -316,7 +316,8 @@ class Unassigned(_Doc):
 class Models(_Doc):
     schema_: Literal["aotx.models.v1"] = Field(alias="schema")
     budget_bytes: int = Field(description="what the models' estimated memory may take together")
-    used_bytes: int = Field(description="the estimated memory of the models loaded or loading")
+    used_bytes: int = Field(description="the estimated memory of the models loaded or "
+                                        "loading (another caller's: of its models only)")
     models: list[ResidencyEntry]
     unassigned: list[Unassigned] | None = Field(
         description="the models folder's files beyond the 31 roles (shown to an admin)")

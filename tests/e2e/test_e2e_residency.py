@@ -95,6 +95,18 @@ def test_an_admin_loads_and_unloads_and_others_may_not(svc: Service) -> None:
         eventually(lambda: state_is(c, "gemma3", "unloaded"), 60)
 
 
+def test_another_caller_sees_its_own_models_and_no_paths(svc: Service) -> None:
+    dave = mint(svc, "dave-residency", "--models", "copy")
+    with client(svc, dave) as c:
+        doc = c.get("/aotx/v1/models").json()
+    assert [m["alias"] for m in doc["models"]] == ["copy"]
+    assert doc["unassigned"] is None  # (an admin's list holds the folder's paths)
+    copy = doc["models"][0]["status"]
+    assert doc["used_bytes"] == (copy["memory_bytes"] if copy["value"] == "loaded" else 0)
+    with svc.client() as admin:
+        assert admin.get("/aotx/v1/models").json()["unassigned"] == []
+
+
 def test_an_unload_with_cancel_cancels_the_running_request(svc: Service) -> None:
     with svc.client() as c:
         rid = submit(c, "gemma3", 2000)  # loads it on first use

@@ -149,7 +149,9 @@
                                            : s.value === "unloaded" || s.value === "failed";
           btn.addEventListener("click", async () => {
             try {
-              await call(`/aotx/v1/models/${encodeURIComponent(m.alias)}/${action}`,
+              // an alias's "/" stays a "/": the gateway refuses "%2F" in a path
+              const path = m.alias.split("/").map(encodeURIComponent).join("/");
+              await call(`/aotx/v1/models/${path}/${action}`,
                          { method: "POST" });
               show("");
             } catch (err) { show(explain(err)); }
