@@ -106,7 +106,14 @@ def scan(folder: str) -> tuple[list[Found], list[Skipped]]:
             skipped.append(Skipped(os.path.join(folder, name), "a projector without its model "
                                    "(name it mmproj-MODEL.gguf, or put both in a folder)"))
     found.sort(key=lambda f: f.alias)
-    return found, skipped
+    unique: dict[str, Found] = {}
+    for f in found:  # (stable: a file before a folder of the same alias)
+        if f.alias in unique:
+            skipped.append(Skipped(f.path, f"{unique[f.alias].path} has the alias "
+                                           f"{f.alias} already"))
+        else:
+            unique[f.alias] = f
+    return list(unique.values()), skipped
 
 
 def _subfolder(path: str) -> Found | Skipped:

@@ -115,3 +115,18 @@ def test_the_folder_adds_what_the_models_file_does_not_declare(tmp_path: Path) -
         ModelSpec(alias="same-alias", path="/elsewhere.gguf", role=2)])
     assert [(s.alias, s.on_demand, s.slots, s.context) for s in specs] == [
         ("found", True, 8, 4096)]
+
+
+def test_two_models_of_one_alias_keep_the_first(tmp_path: Path) -> None:
+    """``foo.gguf`` and a folder ``foo/`` (or two names that read as one alias) would
+    share a role: the file is served, the folder is left out and the log says why."""
+    foo = touch(tmp_path / "foo.gguf")
+    touch(tmp_path / "foo" / "model.gguf")
+    touch(tmp_path / "my model.gguf")
+    touch(tmp_path / "my(model.gguf")
+    found, skipped = scan(str(tmp_path))
+    assert [f.alias for f in found] == ["foo", "my-model"]
+    assert found[0].path == foo
+    assert sorted(str(Path(s.path).relative_to(tmp_path)) for s in skipped) == [
+        "foo/model.gguf", "my(model.gguf"]
+    assert all("has the alias" in s.reason for s in skipped)
