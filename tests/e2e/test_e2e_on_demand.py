@@ -97,7 +97,8 @@ def test_concurrent_first_requests_load_once_and_answer_as_the_loaded_model(
     def caps() -> dict[str, dict[str, object]] | None:
         with svc.client() as c:
             rows = {m["alias"]: m for m in c.get("/aotx/v1/capabilities").json()["models"]}
-        return rows if rows["copy"]["embeddings"] else None
+        # (the description's row says embeddings too: wait for the loaded model's digest)
+        return rows if rows["copy"]["model_sha256"] != "00" * 32 else None
 
     # once loaded, the gateway lists the loaded model's own row (the same file's digest)
     # and its embeddings answer
