@@ -67,6 +67,7 @@ class OnDemand:
     loads: int = 0
     load_seconds: float = 0.0
     failed_file: tuple[int, int] = (0, 0)  # the file's size and mtime when its load failed
+    described: tuple[int, int] = (0, 0)  # the file's size and mtime when it was described
     evictions: int = 0  # unloads to make room for another model
     last_used: float = 0.0  # monotonic: its last request's admission or end, or its load
     #: principal -> (its last use, the keep-alive its last request asked: fleet.Resident)
@@ -129,6 +130,7 @@ def why(spec: ModelSpec, exc: BaseException) -> str:
 def listed(spec: ModelSpec) -> OnDemand:
     """``spec`` described, as INFO lists it until it is loaded (EngineError, TemplateError
     when its file or template cannot be read)."""
+    file = file_identity(spec.path)  # (before the read: a change meanwhile shows later)
     d = describe(spec)
     source = read_template(spec.chat_template) if spec.chat_template else d.chat_template
     template = ChatTemplate(source, bos_token=d.bos_text,
@@ -138,7 +140,16 @@ def listed(spec: ModelSpec) -> OnDemand:
                           spec.context if chat else 0, embedding_dims=d.n_embd,
                           embedding_tokens=spec.embedding_context,
                           tool_format=template.tool_format)
-    return OnDemand(spec, info, d.memory_bytes, d.vram_bytes)
+    return OnDemand(spec, info, d.memory_bytes, d.vram_bytes, described=file)
+
+
+def file_identity(path: str) -> tuple[int, int]:
+    """A file's size and modification time; (0, 0) when it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (0, 0)
+    return (st.st_size, st.st_mtime_ns)
 
 
 def describe_all(specs: list[ModelSpec]) -> dict[int, OnDemand]:

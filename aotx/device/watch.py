@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from ..engine.spec import ModelSpec
 from .catalog import folder_specs, settle_roles
 from .models import ModelConfigError
-from .ondemand import FAILED, UNLOADED, Hasher, OnDemand, describe_all
+from .ondemand import FAILED, UNLOADED, Hasher, OnDemand, describe_all, file_identity
 from .state import DeviceState
 
 log = logging.getLogger("aotx.device")
@@ -61,7 +61,7 @@ class Watch:
     def step(self, st: DeviceState, now: float) -> None:
         """List the models described since the last step, and look at the folder again
         when it is time (control thread, lock held)."""
-        added = self.take()
+        added = [od for od in self.take() if _installs(st.on_demand.get(od.spec.role), od)]
         for od in added:
             st.on_demand[od.spec.role] = od
             log.info("event=model.listed alias=%s role=%d state=%s", od.spec.alias,
@@ -86,12 +86,13 @@ class Watch:
             if (od.state in (UNLOADED, FAILED) and not od.waiting and not od.asked
                     and not os.path.exists(od.spec.path)):
                 od.state, od.reason, od.failed_file = FAILED, GONE, (0, 0)
+        self._redescribe(on_demand)
         names = self.listing()
         if names == self._names and not self._settling:
             return
         self._names = names
         found = folder_specs(self.folder, self.declared)
-        present = {s.alias for s in found}
+        present = {s.alias for s in found} | {od.spec.alias for od in on_demand.values()}
         self._settling = {a: v for a, v in self._settling.items() if a in present}
         self._seen |= known
         new = [s for s in found if s.alias not in self._seen and self._settled(s)]
@@ -110,6 +111,20 @@ class Watch:
         if fresh:
             log.info("event=models_dir.found models=%s", ",".join(s.alias for s in fresh))
             threading.Thread(target=self._describe, args=(fresh,), name="describe-models",
+                             daemon=True).start()
+
+    def _redescribe(self, on_demand: dict[int, OnDemand]) -> None:
+        """Describe again the unloaded models whose file was replaced (another pull of
+        the same name), once it has settled: their estimate, row and digest were the
+        old file's."""
+        changed = [od.spec for od in on_demand.values()
+                   if od.state in (UNLOADED, FAILED) and not od.waiting and not od.asked
+                   and od.described != (0, 0)
+                   and file_identity(od.spec.path) not in ((0, 0), od.described)
+                   and self._settled(od.spec)]
+        if changed:
+            log.info("event=models_dir.changed models=%s", ",".join(s.alias for s in changed))
+            threading.Thread(target=self._describe, args=(changed,), name="describe-models",
                              daemon=True).start()
 
     def _settled(self, spec: ModelSpec) -> bool:
@@ -138,3 +153,17 @@ class Watch:
                 out.extend(self._done.get_nowait().values())
             except queue.Empty:
                 return out
+
+
+def _installs(current: OnDemand | None, described: OnDemand) -> bool:
+    """Whether a description is listed (lock held): a new model's, or a replaced file's
+    while its model is still unloaded and nobody waits for it (else the next look
+    describes it again); a replaced model keeps its counters."""
+    if current is None:
+        return True
+    if (current.spec.alias != described.spec.alias or current.waiting or current.asked
+            or current.state not in (UNLOADED, FAILED)):
+        return False
+    described.loads, described.load_seconds = current.loads, current.load_seconds
+    described.evictions = current.evictions
+    return True

@@ -78,3 +78,33 @@ def test_a_model_a_request_waits_for_is_left_to_its_load(tmp_path: Any, watch: A
     od.waiting.append(object())  # type: ignore[arg-type]
     w.tick(0.0, {1: od}, {"m"})
     assert od.state == UNLOADED  # its load fails, and fails the waiting request
+
+
+def test_a_replaced_file_is_described_again_while_unloaded(tmp_path: Any, watch: Any) -> None:
+    """Another pull under the same name: the unloaded model's estimate, row and digest
+    were the old file's; once the new file has settled it is described again, and the
+    new description keeps the model's counters."""
+    from aotx.device.watch import _installs
+
+    w, described = watch
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" + bytes(60))
+    spec = ModelSpec(alias="m", path=str(path), role=1, on_demand=True)
+    info = wire.ModelInfo(1, "m", bytes(32), wire.MOD_TEXT, 0, 4096)
+    st = os.stat(path)
+    od = OnDemand(spec, info, 10, state=UNLOADED, loads=3, described=(st.st_size, st.st_mtime_ns))
+    w.tick(0.0, {1: od}, {"m"})
+    assert described == []  # unchanged
+    path.write_bytes(b"GGUF" + bytes(600))  # replaced
+    w.tick(5.0, {1: od}, {"m"})
+    assert described == []  # not settled yet
+    od.state = LOADED
+    w.tick(10.0, {1: od}, {"m"})
+    assert described == []  # loaded: left until it is unloaded
+    od.state = UNLOADED
+    w.tick(15.0, {1: od}, {"m"})
+    assert described == [["m"]]
+    fresh = OnDemand(spec, info, 20)
+    assert _installs(od, fresh) and fresh.loads == 3
+    od.waiting.append(object())  # type: ignore[arg-type]
+    assert not _installs(od, OnDemand(spec, info, 20))  # a load waits: the next look
