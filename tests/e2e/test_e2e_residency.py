@@ -152,6 +152,18 @@ def test_a_requests_keep_alive_holds_the_model_for_its_principal(svc: Service) -
         eventually(lambda: state_is(admin, "gemma3", "unloaded"), 30)
 
 
+def test_the_cli_loads_and_unloads(svc: Service) -> None:
+    loaded = aotx_cli(svc, "models", "load", "copy")
+    assert loaded.returncode == 0 and loaded.stdout.startswith("copy: "), loaded.stderr
+    with svc.client() as c:
+        eventually(lambda: state_is(c, "copy", "loaded"), 120)
+        unloaded = aotx_cli(svc, "models", "unload", "copy", "--cancel")
+        assert unloaded.returncode == 0, unloaded.stderr
+        eventually(lambda: state_is(c, "copy", "unloaded"), 60)
+    fixed = aotx_cli(svc, "models", "unload", "smollm2")
+    assert fixed.returncode == 1 and "409" in fixed.stderr
+
+
 def test_rm_removes_an_unloaded_unnamed_model_only(svc: Service) -> None:
     mint(svc, "carol-residency", "--models", "copy")
     named = aotx_cli(svc, "models", "rm", "copy")
