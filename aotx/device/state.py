@@ -74,7 +74,6 @@ FAILURES: dict[Failure, tuple[int, Reason]] = {
     # A grammar's matcher ran past llguidance's per-step limits mid-generation (the
     # request's compile checks passed).
     Failure.GRAMMAR: (500, Reason.GRAMMAR_FAILED),
-    Failure.MODEL_LOAD: (503, Reason.MODEL_LOAD),
 }
 
 

@@ -22,7 +22,6 @@ class Failure(enum.Enum):
     DECODE = enum.auto()  # llama_decode failed otherwise
     MEDIA = enum.auto()  # the projector could not encode a media segment
     GRAMMAR = enum.auto()  # the request's grammar matcher failed (a step limit of llguidance)
-    MODEL_LOAD = enum.auto()  # its model, loaded on demand, could not be loaded (the device's)
     REFUSED = enum.auto()  # its admission, deferred while its model loaded, refused it
 
 
