@@ -145,8 +145,7 @@ class Device:
                                                   list(st.models.values()))
         st.models = dict(sorted(st.models.items()))  # in role order again
         st.on_demand = describe_all([s for s in specs if s.on_demand])
-        self.budget = st.budget = (limits.memory_budget
-                                   or fleet.default_budget(fleet.total_memory()))
+        st.budget = limits.memory_budget or fleet.default_budget(fleet.total_memory())
         self.watch: Watch | None = None  # the models folder, looked at again (run)
         self.hasher = Hasher(list(st.on_demand.values()),
                              os.path.join(paths.state_dir, "model-hashes.json"))
@@ -355,8 +354,7 @@ class Device:
                     if m.spec.role not in st.on_demand)
         principal = od.waiting[0].req.principal if od.waiting else od.asked_by
         try:
-            plan = fleet.plan_room(od.memory_bytes, self.budget - fixed, others, principal,
-                                   now)
+            plan = fleet.plan_room(od.memory_bytes, st.budget - fixed, others, principal, now)
         except fleet.NeverFits as exc:
             log.warning("event=model.never_fits alias=%s %s", od.spec.alias, exc)
             od.state, od.reason, od.asked = FAILED, why(od.spec, exc), 0.0
@@ -572,13 +570,13 @@ def run(paths: RuntimePaths, mailboxes: int, models_file: str | None = None,
     settings = settings or Settings()
     paths.ensure()
     declared = load_specs(paths.state_dir, models_file)
-    found = folder_specs(models_dir or os.path.join(paths.state_dir, "models"), declared)
+    models_dir = models_dir or os.path.join(paths.state_dir, "models")
+    found = folder_specs(models_dir, declared)
     specs = settle_roles(paths.state_dir, declared, found)
     device = Device(paths, specs, mailboxes, limits, settings.log_prompts, settings.short_slice)
     given = {s.alias for s in specs}
     device.state.unassigned = [(f.alias, f.path) for f in found if f.alias not in given]
-    device.watch = Watch(models_dir or os.path.join(paths.state_dir, "models"),
-                         paths.state_dir, declared, device.bell.ring_self)
+    device.watch = Watch(models_dir, paths.state_dir, declared, device.bell.ring_self)
     signal.signal(signal.SIGTERM, lambda *_: device.stop())
     signal.signal(signal.SIGINT, lambda *_: device.stop())
     device.serve()
