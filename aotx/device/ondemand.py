@@ -102,11 +102,8 @@ class OnDemand:
     def retry(self, force: bool = False) -> bool:
         """Whether a failed model's file has changed since, or an admin asks (``force``):
         then it may load again."""
-        try:
-            st = os.stat(self.spec.path)
-        except OSError:
-            return False
-        if (st.st_size, st.st_mtime_ns) == self.failed_file and not force:
+        file = file_identity(self.spec.path)
+        if file == (0, 0) or (file == self.failed_file and not force):
             return False
         self.state, self.reason = UNLOADED, ""
         return True

@@ -24,7 +24,6 @@ becomes a reply in one place: :meth:`Device.reply_to`.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import functools
 import logging
@@ -67,6 +66,7 @@ from .ondemand import (
     Loader,
     OnDemand,
     describe_all,
+    file_identity,
     why,
 )
 from .policy import Policy
@@ -326,9 +326,8 @@ class Device:
         waiting, od.waiting = od.waiting, []
         if isinstance(result, Exception):
             od.state, od.reason, od.unload_asked = FAILED, why(od.spec, result), False
-            with contextlib.suppress(OSError):
-                stat = os.stat(od.spec.path)
-                od.failed_file = (stat.st_size, stat.st_mtime_ns)
+            if (file := file_identity(od.spec.path)) != (0, 0):
+                od.failed_file = file
             self._fail_waiting(waiting, 503, Reason.MODEL_LOAD)
             return
         self._install(result)

@@ -130,11 +130,9 @@ class Watch:
     def _settled(self, spec: ModelSpec) -> bool:
         """Whether a new model's file kept its size and time since the last look (a copy
         in progress is described once it has ended)."""
-        try:
-            st = os.stat(spec.path)
-        except OSError:
+        now = file_identity(spec.path)
+        if now == (0, 0):
             return False
-        now = (st.st_size, st.st_mtime_ns)
         if self._settling.get(spec.alias) == now:
             del self._settling[spec.alias]
             return True
