@@ -60,12 +60,15 @@ class Resident:
         another principal."""
         return self.pinned or self.busy or self.held(now, but=principal)
 
-    def idle_past(self, now: float) -> bool:
-        """Its keep-alive has run out: every principal's hold has, or, used by none (an
-        admin's load, the resident policy's work), the model's own since its last use."""
+    def expires_in(self, now: float) -> float | None:
+        """Seconds until its keep-alive runs out (0: it has): the last of its principals'
+        holds, or, used by none (an admin's load, the resident policy's work), the
+        model's own since its last use; None: pinned."""
+        if self.pinned:
+            return None
         if self.users:
-            return not self.held(now)
-        return now - self.last_used >= self.keep_alive
+            return max(0.0, max(at + keep for at, keep in self.users.values()) - now)
+        return max(0.0, self.keep_alive - (now - self.last_used))
 
 
 class NeverFits(Exception):
@@ -94,8 +97,8 @@ def plan_room(need: int, budget: int, loaded: Sequence[Resident], principal: int
 
 
 def expired(loaded: Sequence[Resident], now: float) -> list[Resident]:
-    """The idle, unpinned models whose keep-alive has run out (:meth:`Resident.idle_past`)."""
-    return [r for r in loaded if not r.pinned and not r.busy and r.idle_past(now)]
+    """The idle, unpinned models whose keep-alive has run out (:meth:`Resident.expires_in`)."""
+    return [r for r in loaded if not r.busy and r.expires_in(now) == 0.0]
 
 
 def default_budget(total_bytes: int) -> int:

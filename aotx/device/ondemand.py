@@ -34,6 +34,7 @@ from ..engine.load import describe
 from ..engine.request import Request
 from ..engine.spec import ModelSpec
 from ..wire import Header
+from .fleet import Resident
 from .loading import LoadedModel, read_template
 from .models import file_sha256
 from .template import ChatTemplate, TemplateError
@@ -85,6 +86,11 @@ class OnDemand:
             if keep_alive is None:
                 keep_alive = self.users.get(principal, (0.0, self.spec.keep_alive))[1]
             self.users[principal] = (now, keep_alive)
+
+    def resident(self, busy: bool = False) -> Resident:
+        """The model as the residency rule sees it (device/fleet.py)."""
+        return Resident(self.spec.role, self.memory_bytes, self.spec.keep_alive, busy,
+                        self.last_used, dict(self.users))
 
     def asked_keep_alive(self, h: Header, admin: bool) -> float:
         """The keep-alive a SUBMIT asks (``SUBMIT_FLAG_KEEP_ALIVE``), else the model's.

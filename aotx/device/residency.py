@@ -51,7 +51,7 @@ def _on_demand_entry(od: OnDemand, st: DeviceState, now: float) -> dict[str, Any
                                   or st.preparing[od.spec.role])
     expires = None
     if od.state == LOADED and idle:
-        expires = _expires_in(od, now)
+        expires = od.resident().expires_in(now)
     return {"alias": od.spec.alias, "role": od.spec.role, "state": od.state,
             "reason": od.reason or None, "on_demand": True,
             "file_bytes": file_bytes(od.spec.path), "memory_bytes": od.memory_bytes,
@@ -59,16 +59,6 @@ def _on_demand_entry(od: OnDemand, st: DeviceState, now: float) -> dict[str, Any
             "sha256": sha.hex() if sha else None, "keep_alive": od.spec.keep_alive,
             "expires_in": expires, "unload_asked": od.unload_asked,
             "loads": od.loads, "evictions": od.evictions}
-
-
-def _expires_in(od: OnDemand, now: float) -> float | None:
-    """Seconds until an idle model's keep-alive runs out (fleet.Resident.idle_past): the
-    last of its principals' holds, or its own since its last use; None: pinned."""
-    if od.spec.keep_alive < 0 or any(keep < 0 for _, keep in od.users.values()):
-        return None
-    if od.users:
-        return max(0.0, max(at + keep for at, keep in od.users.values()) - now)
-    return max(0.0, od.spec.keep_alive - (now - od.last_used))
 
 
 def entries(st: DeviceState, now: float) -> list[dict[str, Any]]:

@@ -380,8 +380,7 @@ class Device:
         busy = od.state != LOADED or m is None or bool(
             m.scheduler.queue or m.scheduler.active or self.state.preparing[role] > 0
             or any(c.header.role == role for c in self.handlers.embeds.values()))
-        return fleet.Resident(od.spec.role, od.memory_bytes, od.spec.keep_alive, busy,
-                              od.last_used, dict(od.users))
+        return od.resident(busy)
 
     def _fail_waiting(self, waiting: list[Deferred], status: int, reason: Reason) -> None:
         for d in waiting:
