@@ -174,13 +174,14 @@ def launch(cmd: list[str], name: str, env: dict[str, str] | None = None,
 
 def peer(spec: str, slots: int | None = None) -> Server:
     """llama-server (``spec``: its binary, or the URL of one running) on the embedded
-    model, with ``slots`` of 2048 tokens, or at its defaults (``-t 2`` only) for None."""
+    model on 2 threads (``-t 2``, as aotx's engine), with ``slots`` of 2048 tokens, or at
+    its defaults for None."""
     if spec.startswith("http"):
         return Server(None, spec.rstrip("/"), "llama-server")
     from aotx.device.models import default_model_path
 
-    shape = (["--parallel", str(slots), "-c", str(2048 * slots)] if slots is not None
-             else ["-t", "2"])
+    shape = ["-t", "2"] + (["--parallel", str(slots), "-c", str(2048 * slots)]
+                           if slots is not None else [])
     return launch([spec, "-m", default_model_path(), *shape, "--host", "127.0.0.1"],
                   "llama-server")
 
