@@ -3,6 +3,7 @@ device, per streamed token, while N streaming chat completions decode (aotx at i
 defaults, no models file).
 
     .venv/bin/python -m bench.bench_path [--clients 1,4,8] [--requests 2] [--max-tokens 128]
+        [--py-spy /path/to/py-spy]
 
 For each N, N clients each stream ``--requests`` chat completions one after another
 (temperature 0, distinct prompts, a fresh connection per request); the CPU time
@@ -14,13 +15,23 @@ The client (this process: httpx and the SSE parsing, as in ``bench_serve``) and 
 machine's interrupt time (loopback TCP's softirq) are what any server's clients on the
 same machine would cost.  A row ``machine idle`` is the CPU time nobody used: on 2
 cores, wall time × 2 minus aotx's processes and the client.
+
+With ``--py-spy`` (a py-spy binary: ``pip download py-spy``, not a dependency) the
+gateway, the broker and the device are sampled during each load (``py-spy record
+--nonblocking``, on-CPU samples of their Python threads) and the functions that took
+their CPU are printed per process, as ms per streamed token of the Python function that
+was running (its own time; a call into a C library counts as the function that made
+it, so ``engine.py:decode_batch`` is the engine thread's share of ``llama_decode``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import os
+import subprocess
+import tempfile
 import time
 
 from bench import common
@@ -91,21 +102,63 @@ def snapshot(root: int) -> tuple[dict[str, float], dict[str, tuple[int, int]]]:
     return out, ctx
 
 
+RATE = 200  # py-spy samples a second
+
+
+def spy(binary: str, root: int, folder: str) -> list[tuple[str, subprocess.Popen[bytes]]]:
+    """py-spy recording the gateway, the broker and the device into ``folder``."""
+    out = []
+    for pid in tree(root):
+        role = name(pid)
+        if role in ("gateway", "broker", "device"):
+            cmd = [binary, "record", "--pid", str(pid), "--rate", str(RATE), "--format",
+                   "raw", "--nonblocking", "-o", os.path.join(folder, role)]
+            out.append((role, subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.DEVNULL)))
+    return out
+
+
+def frame_name(frame: str) -> str:
+    """``func (file.py:line)`` as ``file.py:func``."""
+    func, _, where = frame.partition(" (")
+    return f"{os.path.basename(where.rstrip(')').split(':')[0])}:{func}" if where else func
+
+
+def spied(folder: str, role: str, tokens: int, top: int = 8) -> list[str]:
+    """The lines to print for one process's samples: its CPU by leaf Python function,
+    ms per streamed token."""
+    own: collections.Counter[str] = collections.Counter()
+    try:
+        with open(os.path.join(folder, role)) as f:
+            for line in f:
+                stack, _, count = line.rstrip().rpartition(" ")
+                own[frame_name(stack.split(";")[-1])] += int(count)
+    except (OSError, ValueError):
+        return [f"    ({role}: no samples)"]
+    return [f"    {1e3 * n / RATE / tokens:7.3f}  {leaf}" for leaf, n in own.most_common(top)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--clients", default="1,4,8")
     ap.add_argument("--requests", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--py-spy", help="a py-spy binary: profile the processes by function")
     args = ap.parse_args()
     with common.serving("") as svc:
         assert svc.proc is not None
         asyncio.run(run_load(svc.url, svc.headers, "smollm2", 1, 1, 16, 900))  # warm
         for n in (int(x) for x in args.clients.split(",")):
+            folder = tempfile.mkdtemp(prefix="aotx-spy-")
+            spies = spy(args.py_spy, svc.proc.pid, folder) if args.py_spy else []
             (before, ctx0), t0 = snapshot(svc.proc.pid), time.perf_counter()
             me0, irq0 = os.times(), softirq()
             load = asyncio.run(run_load(svc.url, svc.headers, "smollm2", n, args.requests,
                                         args.max_tokens, 100 * n))
             wall, (after, ctx1) = time.perf_counter() - t0, snapshot(svc.proc.pid)
+            for _, proc in spies:  # py-spy writes its file when interrupted
+                proc.send_signal(2)
+                proc.wait(60)
             me1, irq1 = os.times(), softirq()
             client = (me1.user - me0.user) + (me1.system - me0.system)
             tokens = load["tokens"]
@@ -136,6 +189,9 @@ def main() -> None:
                 print(f"      {label:34s} {woke[k][0] / tokens:6.2f} / {woke[k][1] / tokens:5.2f}")
             idle = 2 * wall - sum(v for k, v in used.items() if "/" not in k) - client
             print(f"  {'machine idle':10s} {1e3 * idle / tokens:7.3f}", flush=True)
+            for role, _ in spies:
+                print(f"  py-spy, {role}: CPU ms per streamed token by function")
+                print("\n".join(spied(folder, role, tokens)), flush=True)
 
 
 if __name__ == "__main__":
