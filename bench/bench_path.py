@@ -18,10 +18,11 @@ cores, wall time × 2 minus aotx's processes and the client.
 
 With ``--py-spy`` (a py-spy binary: ``pip download py-spy``, not a dependency) the
 gateway, the broker and the device are sampled during each load (``py-spy record
---nonblocking``, on-CPU samples of their Python threads) and the functions that took
-their CPU are printed per process, as ms per streamed token of the Python function that
-was running (its own time; a call into a C library counts as the function that made
-it, so ``engine.py:decode_batch`` is the engine thread's share of ``llama_decode``).
+--nonblocking``: their Python threads' stacks, where py-spy counts the thread active,
+which includes a thread inside a system call) and the time is printed per process as
+ms per streamed token by the Python function that was running (its own time; a call
+into a C library counts as the function that made it, so ``engine.py:decode_batch`` is
+the engine thread's share of ``llama_decode``).  Where the time is, not its exact CPU.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import argparse
 import asyncio
 import collections
 import os
+import shutil
 import subprocess
 import tempfile
 import time
@@ -125,8 +127,8 @@ def frame_name(frame: str) -> str:
 
 
 def spied(folder: str, role: str, tokens: int, top: int = 8) -> list[str]:
-    """The lines to print for one process's samples: its CPU by leaf Python function,
-    ms per streamed token."""
+    """The lines to print for one process's samples: its active time by leaf Python
+    function, ms per streamed token."""
     own: collections.Counter[str] = collections.Counter()
     try:
         with open(os.path.join(folder, role)) as f:
@@ -149,7 +151,7 @@ def main() -> None:
         assert svc.proc is not None
         asyncio.run(run_load(svc.url, svc.headers, "smollm2", 1, 1, 16, 900))  # warm
         for n in (int(x) for x in args.clients.split(",")):
-            folder = tempfile.mkdtemp(prefix="aotx-spy-")
+            folder = tempfile.mkdtemp(prefix="aotx-spy-") if args.py_spy else ""
             spies = spy(args.py_spy, svc.proc.pid, folder) if args.py_spy else []
             (before, ctx0), t0 = snapshot(svc.proc.pid), time.perf_counter()
             me0, irq0 = os.times(), softirq()
@@ -190,8 +192,10 @@ def main() -> None:
             idle = 2 * wall - sum(v for k, v in used.items() if "/" not in k) - client
             print(f"  {'machine idle':10s} {1e3 * idle / tokens:7.3f}", flush=True)
             for role, _ in spies:
-                print(f"  py-spy, {role}: CPU ms per streamed token by function")
+                print(f"  py-spy, {role}: active ms per streamed token by function")
                 print("\n".join(spied(folder, role, tokens)), flush=True)
+            if folder:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
