@@ -47,8 +47,7 @@ def file_bytes(path: str) -> int:
 def _on_demand_entry(od: OnDemand, st: DeviceState, now: float) -> dict[str, Any]:
     m = st.models.get(od.spec.role)
     sha = m.sha256 if m is not None and od.state == LOADED else od.sha256
-    idle = m is not None and not (m.scheduler.queue or m.scheduler.active
-                                  or st.preparing[od.spec.role])
+    idle = m is not None and not st.working(od.spec.role)
     expires = None
     if od.state == LOADED and idle:
         expires = od.resident().expires_in(now)

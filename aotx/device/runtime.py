@@ -375,11 +375,9 @@ class Device:
             self._fail_waiting(late, 503, Reason.MODEL_ROOM)
 
     def _resident(self, od: OnDemand) -> fleet.Resident:
-        m = self.state.models.get(od.spec.role)
         role = od.spec.role
-        busy = od.state != LOADED or m is None or bool(
-            m.scheduler.queue or m.scheduler.active or self.state.preparing[role] > 0
-            or any(c.header.role == role for c in self.handlers.embeds.values()))
+        busy = (od.state != LOADED or role not in self.state.models or self.state.working(role)
+                or any(c.header.role == role for c in self.handlers.embeds.values()))
         return od.resident(busy)
 
     def _fail_waiting(self, waiting: list[Deferred], status: int, reason: Reason) -> None:

@@ -287,6 +287,13 @@ class DeviceState:
         settle(req, wire.Phase.CANCELLED, wire.Finish.NONE, Failure.NONE)
         self.ended(req)
 
+    def working(self, role: int) -> bool:
+        """Whether ``role``'s model has requests queued or running, or submissions the
+        media worker holds for it (lock held): a model that works is not idle."""
+        m = self.models.get(role)
+        return m is not None and bool(m.scheduler.queue or m.scheduler.active
+                                      or self.preparing[role])
+
     def loaded(self, role: int) -> bool:
         """Whether a SUBMIT for ``role`` is admitted now: its model is loaded and no
         admin asked for its unload (then it waits for the unload, and loads it again)."""
