@@ -87,6 +87,11 @@ class OnDemand:
                 keep_alive = self.users.get(principal, (0.0, self.spec.keep_alive))[1]
             self.users[principal] = (now, keep_alive)
 
+    def unclaimed(self) -> bool:
+        """Unloaded (or failed), and no request or admin waits for its load: the models
+        folder's watch may change its entry (its file gone, or replaced)."""
+        return self.state in (UNLOADED, FAILED) and not self.waiting and not self.asked
+
     def resident(self, busy: bool = False) -> Resident:
         """The model as the residency rule sees it (device/fleet.py)."""
         return Resident(self.spec.role, self.memory_bytes, self.spec.keep_alive, busy,

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from ..engine.spec import ModelSpec
 from .catalog import folder_specs, settle_roles
 from .models import ModelConfigError
-from .ondemand import FAILED, UNLOADED, Hasher, OnDemand, describe_all, file_identity
+from .ondemand import FAILED, Hasher, OnDemand, describe_all, file_identity
 from .state import DeviceState
 
 log = logging.getLogger("aotx.device")
@@ -83,8 +83,7 @@ class Watch:
         self.last = now
         for od in on_demand.values():
             # (one a request or an admin waits for is left to its load, which fails)
-            if (od.state in (UNLOADED, FAILED) and not od.waiting and not od.asked
-                    and not os.path.exists(od.spec.path)):
+            if od.unclaimed() and not os.path.exists(od.spec.path):
                 od.state, od.reason, od.failed_file = FAILED, GONE, (0, 0)
         self._redescribe(on_demand)
         names = self.listing()
@@ -118,8 +117,7 @@ class Watch:
         the same name), once it has settled: their estimate, row and digest were the
         old file's."""
         changed = [od.spec for od in on_demand.values()
-                   if od.state in (UNLOADED, FAILED) and not od.waiting and not od.asked
-                   and od.described != (0, 0)
+                   if od.unclaimed() and od.described != (0, 0)
                    and file_identity(od.spec.path) not in ((0, 0), od.described)
                    and self._settled(od.spec)]
         if changed:
@@ -159,8 +157,7 @@ def _installs(current: OnDemand | None, described: OnDemand) -> bool:
     describes it again); a replaced model keeps its counters."""
     if current is None:
         return True
-    if (current.spec.alias != described.spec.alias or current.waiting or current.asked
-            or current.state not in (UNLOADED, FAILED)):
+    if current.spec.alias != described.spec.alias or not current.unclaimed():
         return False
     described.loads, described.load_seconds = current.loads, current.load_seconds
     described.evictions = current.evictions
