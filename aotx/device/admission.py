@@ -35,7 +35,7 @@ from ..engine.grammar import Matcher
 from ..engine.multimodal import MediaInputError, MediaProblem, MediaSegment, release_all
 from ..engine.request import Failure, Request, settle
 from ..wire import Header, PartKind, Reason, Role
-from . import tool_fields
+from . import dry, tool_fields
 from .constraints import constraint_matcher
 from .errors import DeviceError
 from .loading import LoadedModel
@@ -43,7 +43,16 @@ from .media import Source
 from .memory import Source as MemorySource
 from .memory import inject
 from .ondemand import FAILED, Deferred
-from .prompt import Prompt, TextRefused, has_fields, media_tokens, raw, split, text_tokens
+from .prompt import (
+    Prompt,
+    TextRefused,
+    has_fields,
+    markup,
+    media_tokens,
+    raw,
+    split,
+    text_tokens,
+)
 from .state import DeviceState
 from .template import TemplateError
 
@@ -99,12 +108,16 @@ class Admission:
             return self._defer(h, payload)
         p = self._prepare(h, payload)
         job = self._text_or_job(p, mailbox)
-        return job if isinstance(job, MediaJob) else self._admit(p, job, [])
+        if isinstance(job, MediaJob):
+            return job
+        if h.submit_flags & wire.SUBMIT_FLAG_DRY:
+            return dry.reply(h, p.model.engine, p.prompt.text, job, self.state.epoch)
+        return self._admit(p, job, [])
 
     def _text_or_job(self, p: Prepared, mailbox: int, stub: Request | None = None
                      ) -> list[int] | MediaJob:
         """A text request's tokens, or the media worker's job (its media leased now)."""
-        if not p.leased and p.submission.constraint is None:
+        if not p.leased and (p.submission.constraint is None or _dry(p)):
             return self._tokens(p)
         if p.leased and p.model.encoder is None:
             raise DeviceError(400, Reason.NO_PROJECTOR)
@@ -142,6 +155,11 @@ class Admission:
         """Admit a request whose model has loaded, as if it had just come (lock held); a
         refusal fails it with the refusal's status and reason."""
         self.state.deferred.pop(d.req.identity, None)
+        if d.header.submit_flags & wire.SUBMIT_FLAG_DRY:
+            # A dry run waited for the load only: it ends, and its caller asks again.
+            settle(d.req, wire.Phase.COMPLETED, wire.Finish.STOP, Failure.NONE)
+            self.state.ended(d.req)
+            return None
         try:
             p = self._prepare(d.header, d.payload)
             job = self._text_or_job(p, -1, d.req)
@@ -211,7 +229,9 @@ class Admission:
             raise DeviceError(400, Reason.MALFORMED)
         part = msg.parts[0]
         if part.kind is PartKind.TEXT:
-            return Prepared(h, grant, model, sub, raw(part.text), [], [], False)
+            special = h.submit_flags & wire.SUBMIT_DRY_SPECIAL  # (a dry run's: /tokenize)
+            return Prepared(h, grant, model, sub,
+                            markup(part.text) if special else raw(part.text), [], [], False)
         tokens = list(struct.unpack(f"<{len(part.data) // 4}I", part.data))
         if max(tokens) >= model.engine.n_vocab:  # (the codec refuses an empty token part)
             raise DeviceError(400, Reason.PROMPT_TOKEN,
@@ -221,9 +241,11 @@ class Admission:
     @staticmethod
     def _tokens(p: Prepared) -> list[int]:
         """The prompt tokens of a submission without media."""
+        bare = p.header.submit_flags & wire.SUBMIT_DRY_BARE  # (/tokenize's add_special false)
         tokens = (p.tokens if p.tokens is not None
-                  else text_tokens(p.model.engine, p.prompt, add_special=p.model.engine.add_bos))
-        if not tokens:  # an empty raw text of a model without BOS: nothing to evaluate
+                  else text_tokens(p.model.engine, p.prompt,
+                                   add_special=p.model.engine.add_bos and not bare))
+        if not tokens and not _dry(p):  # an empty raw text without BOS: nothing to evaluate
             raise DeviceError(400, Reason.MALFORMED)
         return tokens
 
@@ -278,7 +300,7 @@ class Admission:
         segments: list[MediaSegment] = []
         admitted = False
         try:
-            matcher = constraint_matcher(p.model, p.submission.constraint)
+            matcher = None if _dry(p) else constraint_matcher(p.model, p.submission.constraint)
             try:
                 if p.model.encoder is None or not p.leased:
                     prompt = self._tokens(p)
@@ -301,6 +323,9 @@ class Admission:
                 raise DeviceError(400, Reason.MEDIA_PREPARE) from None
             if not prompt or prompt[-1] < 0:
                 raise DeviceError(400, Reason.MEDIA_LAST)
+            if _dry(p):  # (its segments and leases are given back below)
+                return dry.reply(p.header, p.model.engine, p.prompt.text, prompt,
+                                 self.state.epoch)
             with lock:
                 # The grant may have been replaced or revoked meanwhile: admit under the
                 # one installed now.
@@ -431,3 +456,6 @@ class Admission:
             st.media.unlease(sid)
         return wake
 
+
+def _dry(p: Prepared) -> bool:
+    return bool(p.header.submit_flags & wire.SUBMIT_FLAG_DRY)

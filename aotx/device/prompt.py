@@ -126,6 +126,12 @@ def raw(text: str) -> Prompt:
     return Prompt(text, (Piece(Kind.TEXT, text),) if text else (), Method.RAW)
 
 
+def markup(text: str) -> Prompt:
+    """A raw text tokenized as markup: its special-token texts become those tokens
+    (/tokenize's ``parse_special``)."""
+    return Prompt(text, (Piece(Kind.MARKUP, text),) if text else (), Method.RAW)
+
+
 def has_fields(messages: Sequence[dict[str, Any]]) -> bool:
     """Whether a message holds tool fields beside its role and content."""
     return any(len(m) > 2 for m in messages)

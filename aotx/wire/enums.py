@@ -132,6 +132,15 @@ SUBMIT_TOOL_FORMAT_SHIFT = 4  # bits 4-5: the ToolFormat of the calls (kept with
 SUBMIT_TOOL_FORMAT = 3 << SUBMIT_TOOL_FORMAT_SHIFT
 SUBMIT_FLAG_KEEP_ALIVE = 64  # keep_alive_ms at 64 is meaningful (a model loaded on first use)
 KEEP_ALIVE_FOREVER = (1 << 64) - 1  # keep_alive_ms: the model stays loaded for ever
+SUBMIT_FLAG_DRY = 128  # a dry run: checked, rendered and tokenized, answered 200, not admitted
+SUBMIT_DRY_TOKENS = 256  # a dry run's reply lists the prompt's token ids (i32 each)
+SUBMIT_DRY_PIECES = 512  # ... the token ids with their bytes (encode_pieces)
+SUBMIT_DRY_TEXT = 1024  # ... the chat template's rendering, UTF-8
+SUBMIT_DRY_BARE = 2048  # a dry raw text: no BOS/EOS added (llama-server's add_special false)
+SUBMIT_DRY_SPECIAL = 4096  # a dry raw text: its special-token texts are those tokens
+#: The bits that only a dry run (SUBMIT_FLAG_DRY) may set.
+SUBMIT_DRY_ONLY = (SUBMIT_DRY_TOKENS | SUBMIT_DRY_PIECES | SUBMIT_DRY_TEXT | SUBMIT_DRY_BARE
+                   | SUBMIT_DRY_SPECIAL)
 CANCEL_FLAG_ADMIN = 1  # cancel any principal's request (needs Action.ADMIN)
 READ_FLAG_ANNOTATIONS = 1  # READ/WAIT: the request's annotation stream, not its output
 

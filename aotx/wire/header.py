@@ -17,6 +17,8 @@ from .enums import (
     MEDIA_FLAG_EPHEMERAL,
     MEDIA_FLAG_FINAL,
     READ_FLAG_ANNOTATIONS,
+    SUBMIT_DRY_ONLY,
+    SUBMIT_FLAG_DRY,
     SUBMIT_FLAG_KEEP_ALIVE,
     SUBMIT_FLAG_MEMORY_OFF,
     SUBMIT_FLAG_RAW,
@@ -82,6 +84,8 @@ class Header(_Fields):
     row_count = _View[int]("total", "GRANT_INSTALL, GRANT_READ; MEDIA_LIST reply")
     member_count = _View[int]("total", "WAITS and its reply: the WAITs it carries")
     max_tokens = _View[int]("limit", "SUBMIT: output tokens, 0 = as many as fit")
+    first_item = _View[int]("limit", "SUBMIT with SUBMIT_FLAG_DRY: the first token (byte of "
+                                     "the rendering) its reply lists")
     wait_ms = _View[int]("limit", "WAIT: timeout; EMBED: how long its caller waits")
     max_rows = _View[int]("limit", "MEDIA_LIST")
     retry_after = _View[int]("limit", "429 reply: seconds")
@@ -190,7 +194,8 @@ REQUEST_FIELDS: dict[Op, tuple[str, ...]] = {
 #: The flag bits each operation defines; other bits are unused, so zero.
 REQUEST_FLAGS: dict[int, int] = {
     Op.SUBMIT: (SUBMIT_FLAG_SEED | SUBMIT_FLAG_MEMORY_OFF | SUBMIT_FLAG_RAW | SUBMIT_FLAG_TOOLS
-                | SUBMIT_TOOL_FORMAT | SUBMIT_FLAG_KEEP_ALIVE),
+                | SUBMIT_TOOL_FORMAT | SUBMIT_FLAG_KEEP_ALIVE | SUBMIT_FLAG_DRY
+                | SUBMIT_DRY_ONLY),
     Op.CANCEL: CANCEL_FLAG_ADMIN, Op.READ: READ_FLAG_ANNOTATIONS, Op.WAIT: READ_FLAG_ANNOTATIONS,
     Op.MEDIA_PUT: MEDIA_FLAG_FINAL | MEDIA_FLAG_ABORT | MEDIA_FLAG_EPHEMERAL}
 _ZERO = Header(magic=0, version=0)
@@ -215,6 +220,9 @@ def check_request(h: Header) -> None:
                         Reason.NONZERO_FIELD, 116)
     if h.op == Op.SUBMIT and h.value and not h.flags & SUBMIT_FLAG_SEED:
         raise WireError("a seed without SUBMIT_FLAG_SEED", 400, Reason.NONZERO_FIELD, 120)
+    if h.op == Op.SUBMIT and h.flags & SUBMIT_DRY_ONLY and not h.flags & SUBMIT_FLAG_DRY:
+        raise WireError("a dry run's flag without SUBMIT_FLAG_DRY", 400, Reason.NONZERO_FIELD,
+                        116)
     if h.op == Op.SUBMIT and h.cursor and not h.flags & SUBMIT_FLAG_KEEP_ALIVE:
         raise WireError("a keep-alive without SUBMIT_FLAG_KEEP_ALIVE", 400,
                         Reason.NONZERO_FIELD, 64)

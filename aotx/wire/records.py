@@ -247,3 +247,34 @@ def decode_telemetry(data: bytes | memoryview) -> Telemetry:
     if t.reserved:
         raise WireError("reserved telemetry bytes are not zero")
     return t
+
+
+# -- A dry run's pieces (SUBMIT_DRY_PIECES): each token as its id (i32), the length of
+# its bytes (u16) and those bytes, as many whole records as one reply holds.
+
+_PIECE = struct.Struct("<iH")
+
+
+def encode_pieces(pieces: list[tuple[int, bytes]], room: int = MAX_PAYLOAD) -> tuple[bytes, int]:
+    """The records of the first pieces that fit ``room`` bytes, and how many those are."""
+    out = bytearray()
+    for n, (token, data) in enumerate(pieces):
+        if len(out) + _PIECE.size + len(data) > room:
+            return bytes(out), n
+        out += _PIECE.pack(token, len(data)) + data
+    return bytes(out), len(pieces)
+
+
+def decode_pieces(data: bytes | memoryview) -> list[tuple[int, bytes]]:
+    out: list[tuple[int, bytes]] = []
+    pos = 0
+    while pos < len(data):
+        if pos + _PIECE.size > len(data):
+            raise WireError("a piece record is cut short")
+        token, size = _PIECE.unpack_from(data, pos)
+        pos += _PIECE.size
+        if pos + size > len(data):
+            raise WireError("a piece's bytes are cut short")
+        out.append((token, bytes(data[pos:pos + size])))
+        pos += size
+    return out

@@ -58,6 +58,9 @@ class TokenizingEngine(ScriptedEngine):
     def specials(self, text: str) -> list[int]:
         return []
 
+    def token_bytes(self, token: int) -> bytes:
+        return f"<{token}>".encode()
+
     def close(self) -> None:
         pass
 

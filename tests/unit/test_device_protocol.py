@@ -87,7 +87,7 @@ def test_unused_input_fields_must_be_zero(device: Pair, op: wire.Op) -> None:
 def test_undefined_flag_bits_and_a_seed_without_its_flag_are_refused(device: Pair) -> None:
     dev, _ = device
     submit = wire.Header.request(wire.Op.SUBMIT, principal=7, role=1)
-    for bad, offset in ((submit._replace(flags=128), 116), (submit._replace(value=42), 120),
+    for bad, offset in ((submit._replace(flags=1 << 13), 116), (submit._replace(value=42), 120),
                         (submit._replace(cursor=5000), 64),
                         (wire.Header.request(wire.Op.MEDIA_PUT, principal=7, media_flags=16),
                          116)):

@@ -244,7 +244,11 @@ class LlamaEngine:
         return model_metadata(self.model, key)
 
     def token_text(self, token: int) -> str:
-        return self.piece(token, special=True).decode("utf-8", errors="replace")
+        return self.token_bytes(token).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        """A token's bytes, a special token's text included (llama-server's pieces)."""
+        return self.piece(token, special=True)
 
     # -- tokens --------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:

@@ -62,10 +62,14 @@ class HfVocab:
         return self.vocab.chat_template if key == "tokenizer.chat_template" else None
 
     def token_text(self, token: int) -> str:
+        return self.token_bytes(token).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        """A token's bytes, a special token's text included."""
         for text, t in self.vocab.specials:
             if t == token:
-                return text
-        return self.piece(token).decode("utf-8", errors="replace")
+                return text.encode("utf-8")
+        return self.piece(token)
 
     def piece(self, token: int) -> bytes:
         """The exact bytes of one token; a special token is no text."""
