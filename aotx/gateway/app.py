@@ -4,7 +4,7 @@ handlers, the console and the connection guard together, and the process's ``run
 Routers by surface: ``routes_openai`` (standard ``/v1``), ``routes_completions`` (the
 legacy ``/v1/completions``), ``routes_responses`` (``/v1/responses``), ``routes_native`` (requests, capabilities, telemetry),
 ``routes_media``, ``routes_policy`` (policy and memory), ``routes_models`` (models'
-residency, load and unload), ``routes_ops`` (health, readiness, metrics).  The :class:`~aotx.gateway.service.Gateway`
+residency, load and unload), ``routes_tokens`` (token counts and the tokenizer), ``routes_ops`` (health, readiness, metrics).  The :class:`~aotx.gateway.service.Gateway`
 lives on ``app.state.gateway``; routes reach it and the caller through dependencies.
 Every error becomes the standard error object here, in the handlers, or in-band once a
 stream has started.
@@ -41,6 +41,7 @@ from . import (
     routes_ops,
     routes_policy,
     routes_responses,
+    routes_tokens,
 )
 from . import schemas as S
 from .broker_client import BrokerClient
@@ -86,7 +87,8 @@ def create_app(paths: RuntimePaths, settings: Settings | None = None, loopback_o
     _handle_errors(app)
     routes: list[BaseRoute] = []
     for module in (routes_ops, routes_native, routes_media, routes_policy, routes_models,
-                   routes_openai, routes_completions, routes_embeddings, routes_responses):
+                   routes_openai, routes_completions, routes_embeddings, routes_responses,
+                   routes_tokens):
         _document_errors(module.router.routes)
         app.include_router(module.router)
         routes += module.router.routes

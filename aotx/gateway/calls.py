@@ -144,12 +144,18 @@ def chat_model(g: Gateway, alias: str, principal: Principal) -> wire.ModelInfo:
     return m
 
 
-async def submit(g: Gateway, body: ChatRequest, principal: Principal,
-                 allow_media: bool = False) -> Admitted:
+async def prepare(g: Gateway, body: ChatRequest, principal: Principal, allow_media: bool
+                  ) -> tuple[wire.ModelInfo, wire.Header, bytes, Call]:
+    """``body``'s model, and its SUBMIT (its inline media uploaded first)."""
     await g.ensure_ready()  # the models are the device's: 503 if it was never reached
     m = chat_model(g, body.model, principal)
     inline = await upload_inline(g, body, m, principal)
-    h, payload, call = submission(body, m, principal, allow_media, inline)
+    return m, *submission(body, m, principal, allow_media, inline)
+
+
+async def submit(g: Gateway, body: ChatRequest, principal: Principal,
+                 allow_media: bool = False) -> Admitted:
+    m, h, payload, call = await prepare(g, body, principal, allow_media)
     # Media parts are prepared by the device's media worker: a longer deadline than text.
     rh, ids = await g.ask(h, payload, ok=(202,), context=call,
                           timeout=g.deadlines.of(h, media=bool(call.media)))

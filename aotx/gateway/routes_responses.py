@@ -25,7 +25,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 from .. import ids, wire
-from . import calls
+from . import calls, routes_tokens
 from . import schemas as S
 from .errors import ApiError
 from .render import dumps, json_response, sse, sse_data
@@ -161,6 +161,20 @@ async def create_response(body: ResponseRequest, request: Request,
     if ended is None:
         return Response(status_code=499)  # nobody reads it: the client left
     return json_response(_object(g, *ended, stored), headers=headers)
+
+
+@router.post("/v1/responses/input_tokens")
+async def response_input_tokens(body: ResponseRequest, principal: Principal = Caller,
+                                g: Gateway = Service, st: ResponseStore = Store) -> Response:
+    """The prompt tokens of the response ``body`` would create: its instructions, the
+    previous response's conversation and its input (a dry run, gateway/dry.py)."""
+    context = (await _context(g, st, principal, body.previous_response_id)
+               if body.previous_response_id else [])
+    try:
+        n = await routes_tokens.input_tokens(g, body.chat(context), principal)
+    except ApiError as exc:
+        raise reworded(exc) from None
+    return json_response({"object": "response.input_tokens", "input_tokens": n})
 
 
 async def _to_end_unless_gone(g: Gateway, principal: Principal, rh: wire.Header,

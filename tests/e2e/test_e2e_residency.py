@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import llama_cpp
 import pytest
 
 from aotx.engine.load import describe
@@ -92,6 +93,24 @@ def test_an_admin_loads_and_unloads_and_others_may_not(svc: Service) -> None:
         done = eventually(lambda: (lambda b: b if b["state"] == "completed" else None)(
             request_state(c, rid)), 120)
         assert done["usage"]["completion_tokens"] == 48
+        eventually(lambda: state_is(c, "gemma3", "unloaded"), 60)
+
+
+def test_a_token_route_loads_its_model_and_answers(svc: Service) -> None:
+    """A dry run (/tokenize) for a model not loaded waits for its load, as a request
+    would, and answers with the loaded model's tokenizer."""
+    vocab = llama_cpp.Llama(gemma_path(), vocab_only=True, verbose=False)
+    try:
+        want = list(vocab.tokenize(b"Hello <start_of_turn>", add_bos=False, special=True))
+    finally:
+        vocab.close()
+    with svc.client() as c:
+        assert state_is(c, "gemma3", "unloaded") is not None
+        r = c.post("/tokenize", json={"model": "gemma3", "content": "Hello <start_of_turn>"})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == want
+        assert state_is(c, "gemma3", "loaded") is not None
+        assert c.post("/aotx/v1/models/gemma3/unload").status_code in (200, 202)
         eventually(lambda: state_is(c, "gemma3", "unloaded"), 60)
 
 
