@@ -58,6 +58,8 @@ def accept(req: Request, token: int, piece: bytes, now: int, stats: EngineStats,
     req.out += published
     if req.notes is not None:
         req.notes.push(len(piece), len(req.out))
+    if stopped:
+        req.stop_hit = req.buffer.matched + 1
     if stopped or (req.matcher is not None and req.matcher.finished):
         return STOPPED
     if req.sampled >= req.max_tokens or held >= context:

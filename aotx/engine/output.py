@@ -29,16 +29,17 @@ class OutputBuffer:
     def __init__(self, stops: tuple[bytes, ...] = ()) -> None:
         self.stops = stops
         self.held = bytearray()
+        self.matched = -1  # the index of the stop string seen (the earliest in the output)
 
     def push(self, piece: bytes) -> tuple[bytes, bool]:
         """Add a piece; return (bytes to publish now, stop string seen)."""
         self.held += piece
         if self.stops:
             first = -1
-            for s in self.stops:
+            for n, s in enumerate(self.stops):
                 k = self.held.find(s)
                 if k >= 0 and (first < 0 or k < first):
-                    first = k
+                    first, self.matched = k, n
             if first >= 0:
                 out = bytes(self.held[:first])
                 self.held.clear()

@@ -42,6 +42,7 @@ class Request:
     phase: Phase = Phase.QUEUED
     cancel_requested: bool = False
     finish: Finish = Finish.NONE
+    stop_hit: int = 0  # the stop string it ended on: its index + 1 (0: none)
     failure: Failure = Failure.NONE
     out: bytearray = field(default_factory=bytearray)
     sampled: int = 0

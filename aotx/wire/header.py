@@ -96,6 +96,8 @@ class Header(_Fields):
     keep_alive_ms = _View[int]("cursor", "SUBMIT, with SUBMIT_FLAG_KEEP_ALIVE: how long its "
                                          "model stays loaded idle after it; KEEP_ALIVE_FOREVER")
     detail = _View[int]("value", "refusal: the number its reason names")
+    stop_hit = _View[int]("value", "a request's state: the stop string it ended on, its "
+                                   "index + 1 (0: none)")
 
     # -- requests and replies ------------------------------------------------------------
     @classmethod

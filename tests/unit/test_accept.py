@@ -50,10 +50,15 @@ def test_each_rule_in_order() -> None:
     assert accept(s, 7, b"a", 1, stats, eog=False, held=6, context=64) is None
     assert accept(s, 8, b"b", 2, stats, eog=False, held=7, context=64) == STOPPED
     assert bytes(s.out) == b"" and s.generated == [7, 8]
-    # end of generation: counted, not output
+    assert s.stop_hit == 1  # (its index + 1: the Messages API names the stop sequence)
+    # of two stop strings, the one that comes first in the output
+    two = request(stops=(b"yz", b"x"))
+    assert accept(two, 7, b"axyz", 1, stats, eog=False, held=6, context=64) == STOPPED
+    assert bytes(two.out) == b"a" and two.stop_hit == 2
+    # end of generation: counted, not output, no stop string
     e = request()
     assert accept(e, 0, b"", 1, stats, eog=True, held=6, context=64) == STOPPED
-    assert e.sampled == 1 and e.generated == [] and bytes(e.out) == b""
+    assert e.sampled == 1 and e.generated == [] and bytes(e.out) == b"" and e.stop_hit == 0
     # a failed matcher gives no token: nothing counted
     f = request()
     assert accept(f, -1, b"", 1, stats, eog=False, held=6, context=64) == FAILED_GRAMMAR
