@@ -4,7 +4,8 @@ handlers, the console and the connection guard together, and the process's ``run
 Routers by surface: ``routes_openai`` (standard ``/v1``), ``routes_completions`` (the
 legacy ``/v1/completions``), ``routes_responses`` (``/v1/responses``), ``routes_native`` (requests, capabilities, telemetry),
 ``routes_media``, ``routes_policy`` (policy and memory), ``routes_models`` (models'
-residency, load and unload), ``routes_tokens`` (token counts and the tokenizer), ``routes_ops`` (health, readiness, metrics).  The :class:`~aotx.gateway.service.Gateway`
+residency, load and unload), ``routes_tokens`` (token counts and the tokenizer), ``routes_messages``
+(Anthropic's Messages API), ``routes_ops`` (health, readiness, metrics).  The :class:`~aotx.gateway.service.Gateway`
 lives on ``app.state.gateway``; routes reach it and the caller through dependencies.
 Every error becomes the standard error object here, in the handlers, or in-band once a
 stream has started.
@@ -35,6 +36,7 @@ from . import (
     routes_completions,
     routes_embeddings,
     routes_media,
+    routes_messages,
     routes_models,
     routes_native,
     routes_openai,
@@ -88,7 +90,7 @@ def create_app(paths: RuntimePaths, settings: Settings | None = None, loopback_o
     routes: list[BaseRoute] = []
     for module in (routes_ops, routes_native, routes_media, routes_policy, routes_models,
                    routes_openai, routes_completions, routes_embeddings, routes_responses,
-                   routes_tokens):
+                   routes_tokens, routes_messages):
         _document_errors(module.router.routes)
         app.include_router(module.router)
         routes += module.router.routes
@@ -99,8 +101,9 @@ def create_app(paths: RuntimePaths, settings: Settings | None = None, loopback_o
               name="console")
     json_paths = frozenset(r.path for r in routes if isinstance(r, APIRoute)
                            and r.body_field is not None and "POST" in (r.methods or ()))
-    return Guard(app, loopback_only, lambda: app.state.gateway, settings.max_body,
-                 settings.body_timeout, json_paths)
+    return routes_messages.AnthropicErrors(Guard(
+        app, loopback_only, lambda: app.state.gateway, settings.max_body,
+        settings.body_timeout, json_paths))
 
 
 def _handle_errors(app: FastAPI) -> None:

@@ -105,14 +105,18 @@ class Gateway:
         return True
 
     async def authenticate(self, request: Request) -> Principal:
-        """Map the bearer token to a principal, with the credential store's latest state.
+        """Map the bearer token (or, without an Authorization header, the ``x-api-key``
+        that Anthropic's clients send) to a principal, with the credential store's latest
+        state.
 
         The store's generation is checked on every call (one indexed SQLite read), so a
         revoked token is refused at once and a changed grant is installed on the device
         before this request goes on.
         """
-        auth = request.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
+        auth = request.headers.get("authorization")
+        if auth is None and "x-api-key" in request.headers:
+            auth = "Bearer " + request.headers["x-api-key"]  # Anthropic's clients' header
+        scheme, _, token = (auth or "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise ApiError(401, "missing bearer token", headers={"WWW-Authenticate": "Bearer"})
         self._load_credentials()

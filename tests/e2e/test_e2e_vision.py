@@ -291,3 +291,33 @@ def test_openai_inline_image_and_audio(vsvc: Service) -> None:
     with pytest.raises(BadRequestError, match="model plain does not accept image input"):
         client_.chat.completions.create(model="plain", max_tokens=4, messages=[
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}]}])
+
+
+def test_an_anthropic_image_block_and_its_count(vsvc: Service) -> None:
+    """Anthropic's base64 image block on /v1/messages, through the official SDK: its
+    positions are in the usage and in count_tokens alike."""
+    import base64
+
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=vsvc.url, api_key=vsvc.token, max_retries=0)
+    question = {"type": "text", "text": "What is in this picture?"}
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(png(34, 20)).decode()}}
+    with_image = [{"role": "user", "content": [image, question]}]
+    plain = claude.messages.create(model="smollm2", max_tokens=8, extra_body={"temperature": 0},
+                                   messages=[{"role": "user", "content": [question]}])
+    seen = claude.messages.create(model="smollm2", max_tokens=8, extra_body={"temperature": 0},
+                                  messages=with_image)
+    assert seen.usage.input_tokens == plain.usage.input_tokens + IMAGE_POSITIONS
+    assert seen.content and seen.content[0].type == "text"
+    counted = claude.messages.count_tokens(model="smollm2", messages=with_image)
+    assert counted.input_tokens == seen.usage.input_tokens
+    with pytest.raises(anthropic.BadRequestError) as err:
+        claude.messages.create(model="plain", max_tokens=4, messages=with_image)
+    assert err.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.BadRequestError) as err:  # aotx fetches nothing
+        claude.messages.create(model="smollm2", max_tokens=4, messages=[{
+            "role": "user", "content": [{"type": "image", "source": {
+                "type": "url", "url": "https://example.com/a.png"}}]}])
+    assert "base64" in err.value.body["error"]["message"]
