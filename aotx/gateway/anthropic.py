@@ -29,10 +29,13 @@ import json
 from http import HTTPStatus
 from typing import Annotated, Any, Literal
 
+import orjson
 from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
+from starlette import types
 
 from .body import Body
 from .errors import ApiError
+from .render import dumps
 from .requests import MAX_INLINE_CHARS, MAX_STOP, ChatRequest, check_stops
 from .validation import explain
 
@@ -321,3 +324,40 @@ def error_envelope(status: int, body: dict[str, Any]) -> dict[str, Any]:
     kind = ERROR_TYPES.get(status) or ("api_error" if status >= 500
                                        else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def enveloped(send: types.Send) -> types.Send:
+    """``send`` for a Messages path: an error answer (status >= 400, the standard error
+    object), whoever gives it (the guard, authentication, validation, the route), goes
+    out in Anthropic's envelope."""
+    start: types.Message | None = None
+    body = b""
+
+    async def sending(message: types.Message) -> None:
+        nonlocal start, body
+        if message["type"] == "http.response.start" and message["status"] >= 400:
+            start = message
+            return
+        if start is None or message["type"] != "http.response.body":
+            await send(message)
+            return
+        body += message.get("body", b"")
+        if message.get("more_body"):
+            return
+        out = _converted(start["status"], body)
+        size = str(len(out)).encode()
+        await send({**start, "headers": [(k, size if k == b"content-length" else v)
+                                         for k, v in start["headers"]]})
+        await send({"type": "http.response.body", "body": out})
+
+    return sending
+
+
+def _converted(status: int, body: bytes) -> bytes:
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body
+    if not isinstance(obj, dict) or "error" not in obj:
+        return body
+    return dumps(error_envelope(status, obj))

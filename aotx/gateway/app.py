@@ -101,9 +101,8 @@ def create_app(paths: RuntimePaths, settings: Settings | None = None, loopback_o
               name="console")
     json_paths = frozenset(r.path for r in routes if isinstance(r, APIRoute)
                            and r.body_field is not None and "POST" in (r.methods or ()))
-    return routes_messages.AnthropicErrors(Guard(
-        app, loopback_only, lambda: app.state.gateway, settings.max_body,
-        settings.body_timeout, json_paths))
+    return Guard(app, loopback_only, lambda: app.state.gateway, settings.max_body,
+                 settings.body_timeout, json_paths)
 
 
 def _handle_errors(app: FastAPI) -> None:

@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..config import MAX_BODY
-from . import calls, choices, routes_openai
+from . import anthropic, calls, choices, routes_openai
 from .errors import (
     NO_BODY,
     NOT_AN_OBJECT,
@@ -173,6 +173,8 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if scope["path"] in anthropic.PATHS:  # its errors in Anthropic's envelope
+            send = anthropic.enveloped(send)
         if (refused := target_refusal(scope)
                 or host_refusal(scope, self.loopback_only)) is not None:
             await self._refuse(send, *refused)

@@ -1,6 +1,6 @@
 """Anthropic's Messages API: ``POST /v1/messages`` (whole, or streamed as Anthropic's
-events) and ``POST /v1/messages/count_tokens``, and :class:`AnthropicErrors`, which
-puts every error of those paths in Anthropic's envelope.
+events) and ``POST /v1/messages/count_tokens`` (their errors are put in Anthropic's envelope by
+the guard: ``anthropic.enveloped``).
 
 A message is a chat completion's device request (gateway/anthropic.py maps the body),
 followed by a :class:`~aotx.gateway.choices.ChoiceText` as a chat choice is: its text,
@@ -17,10 +17,8 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
 from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import ids, wire
 from . import anthropic as A
@@ -166,48 +164,3 @@ async def _stream(text: choices.ChoiceText, head: dict[str, Any], stops: list[st
     finally:
         if not done:
             await calls.cancel_quietly(text.g, text.principal, text.rh)
-
-
-class AnthropicErrors:
-    """ASGI middleware: an error answer (status >= 400, a JSON body) on the Messages
-    paths, whoever gave it (the guard, authentication, validation, the route), in
-    Anthropic's envelope ``{"type": "error", "error": {"type", "message"}}``."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in A.PATHS:
-            await self.app(scope, receive, send)
-            return
-        start: Message | None = None
-        body = b""
-
-        async def wrapped(message: Message) -> None:
-            nonlocal start, body
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                start = message
-                return
-            if start is None or message["type"] != "http.response.body":
-                await send(message)
-                return
-            body += message.get("body", b"")
-            if message.get("more_body"):
-                return
-            converted = _converted(start, body)
-            size = str(len(converted)).encode()
-            await send({**start, "headers": [(k, size if k == b"content-length" else v)
-                                             for k, v in start["headers"]]})
-            await send({"type": "http.response.body", "body": converted})
-
-        await self.app(scope, receive, wrapped)
-
-
-def _converted(start: Message, body: bytes) -> bytes:
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return body
-    if not isinstance(obj, dict) or "error" not in obj:
-        return body
-    return dumps(A.error_envelope(start["status"], obj))
