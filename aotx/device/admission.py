@@ -107,12 +107,12 @@ class Admission:
         if not self.state.loaded(h.role):
             return self._defer(h, payload)
         p = self._prepare(h, payload)
+        if _dry(p) and not h.first_item:  # a dry run's first page is an admission's cost
+            self.check_rate(h, p.grant)
         job = self._text_or_job(p, mailbox)
         if isinstance(job, MediaJob):
             return job
-        if h.submit_flags & wire.SUBMIT_FLAG_DRY:
-            return dry.reply(h, p.model.engine, p.prompt.text, job, self.state.epoch)
-        return self._admit(p, job, [])
+        return self._dry_end(p, job) if _dry(p) else self._admit(p, job, [])
 
     def _text_or_job(self, p: Prepared, mailbox: int, stub: Request | None = None
                      ) -> list[int] | MediaJob:
@@ -155,17 +155,15 @@ class Admission:
         """Admit a request whose model has loaded, as if it had just come (lock held); a
         refusal fails it with the refusal's status and reason."""
         self.state.deferred.pop(d.req.identity, None)
-        if d.header.submit_flags & wire.SUBMIT_FLAG_DRY:
-            # A dry run waited for the load only: it ends, and its caller asks again.
-            settle(d.req, wire.Phase.COMPLETED, wire.Finish.STOP, Failure.NONE)
-            self.state.ended(d.req)
-            return None
         try:
             p = self._prepare(d.header, d.payload)
             job = self._text_or_job(p, -1, d.req)
             if isinstance(job, MediaJob):
                 return job
-            self._admit(p, job, [], stub=d.req)
+            if _dry(p):
+                self._dry_end(p, job, d.req)
+            else:
+                self._admit(p, job, [], stub=d.req)
         except DeviceError as exc:
             self.fail_deferred(d.req, exc.status, exc.reason)
         return None
@@ -324,8 +322,8 @@ class Admission:
             if not prompt or prompt[-1] < 0:
                 raise DeviceError(400, Reason.MEDIA_LAST)
             if _dry(p):  # (its segments and leases are given back below)
-                return dry.reply(p.header, p.model.engine, p.prompt.text, prompt,
-                                 self.state.epoch)
+                with lock:
+                    return self._dry_end(p, prompt, job.stub)
             with lock:
                 # The grant may have been replaced or revoked meanwhile: admit under the
                 # one installed now.
@@ -395,6 +393,22 @@ class Admission:
         # The payload: the leased sources' ids, in prompt order (the seed's media handles).
         return (h.reply(202, epoch=st.epoch, identity=identity, **st.state_fields(req)),
                 b"".join(src.id for src in p.leased))
+
+    def _dry_end(self, p: Prepared, prompt: list[int], stub: Request | None = None) -> Reply:
+        """A dry run's answer (lock held): its 200, or, for one that waited for its model
+        (``stub``), the whole answer as that request's output, read as any request's."""
+        if stub is None:
+            return dry.reply(p.header, p.model.engine, p.prompt.text, prompt, self.state.epoch)
+        st, h = self.state, p.header
+        if not stub.phase.terminal:  # (else it was cancelled meanwhile)
+            stub.prompt = prompt
+            stub.out += dry.answer(h, p.model.engine, p.prompt.text, prompt)
+            settle(stub, wire.Phase.COMPLETED, wire.Finish.STOP, Failure.NONE)
+            st.ended(stub)
+            if (od := st.on_demand.get(stub.role)) is not None:
+                od.used(stub.principal, time.monotonic(), od.asked_keep_alive(
+                    h, bool(p.grant.actions & wire.Action.ADMIN)))
+        return h.reply(202, epoch=st.epoch, identity=stub.identity, **st.state_fields(stub)), b""
 
     def _output_limit(self, p: Prepared, prompt_tokens: int) -> int:
         """The request's output token limit: what it asked, within the context and limits."""

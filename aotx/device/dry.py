@@ -26,17 +26,28 @@ def reply(h: Header, engine: Model, rendering: str, prompt: list[int], epoch: in
     """The 200 of dry run ``h`` whose prompt is ``prompt`` (the template's ``rendering``):
     ``total`` is the count of what the flags list (tokens, or the rendering's bytes),
     the payload the part from ``first_item``."""
-    flags, first = h.submit_flags, h.first_item
-    total, data = len(prompt), b""
+    total = (len(rendering.encode("utf-8")) if h.submit_flags & wire.SUBMIT_DRY_TEXT
+             else len(prompt))
+    data = answer(h, engine, rendering, prompt, h.first_item, wire.MAX_PAYLOAD)
+    return h.reply(200, epoch=epoch, prompt_tokens=len(prompt), total=total), data
+
+
+def answer(h: Header, engine: Model, rendering: str, prompt: list[int], first: int = 0,
+           room: int | None = None) -> bytes:
+    """What dry run ``h`` lists, from token (or byte) ``first`` on, within ``room`` bytes
+    (None: all of it; a deferred dry run's output holds it whole)."""
+    flags = h.submit_flags
+    count = len(prompt) if room is None else TOKENS_PER_REPLY
     if flags & wire.SUBMIT_DRY_TEXT:
         text = rendering.encode("utf-8")
-        total, data = len(text), text[first:first + wire.MAX_PAYLOAD]
-    elif flags & wire.SUBMIT_DRY_PIECES:
+        return text[first:] if room is None else text[first:first + room]
+    if flags & wire.SUBMIT_DRY_PIECES:
         # (a media part's positions have no bytes: they are listed with none)
         data, _ = wire.encode_pieces(
-            [(t, engine.token_bytes(t) if t >= 0 else b"")
-             for t in prompt[first:first + TOKENS_PER_REPLY]])
-    elif flags & wire.SUBMIT_DRY_TOKENS:
-        part = prompt[first:first + TOKENS_PER_REPLY]
-        data = struct.pack(f"<{len(part)}i", *part)
-    return h.reply(200, epoch=epoch, prompt_tokens=len(prompt), total=total), data
+            [(t, engine.token_bytes(t) if t >= 0 else b"") for t in prompt[first:first + count]],
+            room if room is not None else 1 << 62)
+        return data
+    if flags & wire.SUBMIT_DRY_TOKENS:
+        part = prompt[first:first + count]
+        return struct.pack(f"<{len(part)}i", *part)
+    return b""

@@ -188,7 +188,8 @@ class Device:
             log.exception("event=device.error op=%d", h.op)
             result = h.refuse(500, Reason.INTERNAL, epoch=epoch), b""
         if (isinstance(result, tuple) and h.op in (Op.SUBMIT, Op.EMBED)
-                and result[0].status >= 400 and result[0].reason != Reason.WITHDRAWN):
+                and result[0].status >= 400 and result[0].reason != Reason.WITHDRAWN
+                and not (h.op == Op.SUBMIT and h.flags & wire.SUBMIT_FLAG_DRY)):
             self.state.counters.refused[result[0].status] += 1  # (a withdrawal refuses none)
         return result
 
@@ -284,6 +285,7 @@ class Device:
                     if result[0].status >= 400:
                         self.admission.fail_deferred(job.stub, result[0].status,
                                                      Reason(result[0].reason))
+                    if job.stub.phase.terminal:  # (failed, or a dry run's answer is whole)
                         self.waits.force(job.stub.identity)
                     continue
                 self.busy_mailboxes.discard(job.mailbox)

@@ -171,7 +171,8 @@ async def response_input_tokens(body: ResponseRequest, principal: Principal = Ca
     context = (await _context(g, st, principal, body.previous_response_id)
                if body.previous_response_id else [])
     try:
-        n = await routes_tokens.input_tokens(g, body.chat(context), principal)
+        n = await routes_tokens.input_tokens(g, body.chat(context), principal,
+                                             allow_media=True)
     except ApiError as exc:
         raise reworded(exc) from None
     return json_response({"object": "response.input_tokens", "input_tokens": n})

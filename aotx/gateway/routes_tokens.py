@@ -22,7 +22,7 @@ from . import calls, dry
 from .body import Body
 from .errors import ApiError, Call, refusal
 from .render import json_response
-from .requests import ChatRequest
+from .requests import ChatRequest, TextPart
 from .service import Caller, Gateway, Principal, Service
 
 router = APIRouter(tags=["tokens"], redirect_slashes=False)
@@ -136,15 +136,21 @@ async def apply_template(body: TemplateRequest, principal: Principal = Caller,
     (the tools, and automatic memory's facts, where the request would have them)."""
     await g.ensure_ready()
     body.model = text_model(g, body.model, principal).alias
+    if any(not isinstance(p, TextPart) for m in body.messages for p in m.parts()):
+        # (an inline image would be an upload for one page of the answer)
+        raise ApiError(400, "/apply-template renders text messages; count media with the "
+                            "input_tokens routes", param="messages")
     _, h, payload, call = await calls.prepare(g, body, principal, allow_media=False)
     _, pages = await dry.pages(g, principal, h, payload, call, wire.SUBMIT_DRY_TEXT)
     return json_response({"prompt": b"".join(pages).decode("utf-8", errors="replace")})
 
 
-async def input_tokens(g: Gateway, body: ChatRequest, principal: Principal) -> int:
-    """The prompt tokens of the request ``body`` would make (media included)."""
-    _, h, payload, call = await calls.prepare(g, body, principal, allow_media=False)
-    rh, _ = await dry.once(g, principal, dry.dry(h), payload, call)
+async def input_tokens(g: Gateway, body: ChatRequest, principal: Principal,
+                       allow_media: bool = False) -> int:
+    """The prompt tokens of the request ``body`` would make (media included;
+    ``allow_media``: media sources named by digest, as the route that runs it takes)."""
+    _, h, payload, call = await calls.prepare(g, body, principal, allow_media)
+    rh, _, _ = await dry.once(g, principal, dry.dry(h), payload, call)
     return rh.prompt_tokens
 
 

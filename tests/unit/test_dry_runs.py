@@ -135,3 +135,20 @@ def test_a_dry_run_with_media_counts_their_positions_and_gives_the_leases_back(
     meta = wire.decode_media_meta(call(dev, wire.Header(op=wire.Op.MEDIA_READ,
                                                         identity=rh.identity))[1][:64])
     assert meta.leases == 0 and not dev.state.requests
+
+
+def test_a_dry_runs_first_page_counts_against_the_rate_and_its_refusals_do_not(
+        device: Pair) -> None:
+    dev, _ = device
+    dev.state.grants[7] = dev.state.grants[7]._replace(rate_per_minute=2)
+    flags = DRY | wire.SUBMIT_DRY_TEXT
+    assert call(dev, SUBMIT._replace(flags=flags), chat("ab"))[0].status == 200
+    # later pages of the same answer are not another admission
+    for _ in range(3):
+        assert call(dev, SUBMIT._replace(flags=flags, limit=1), chat("ab"))[0].status == 200
+    assert call(dev, SUBMIT._replace(flags=flags), chat("ab"))[0].status == 200
+    h, _ = call(dev, SUBMIT._replace(flags=flags), chat("ab"))
+    assert (h.status, h.reason) == (429, wire.Reason.RATE_LIMIT)
+    assert call(dev, SUBMIT, chat("ab"))[0].status == 429  # the same minute's admissions
+    assert sum(dev.state.counters.refused.values()) == 1  # the real one only
+

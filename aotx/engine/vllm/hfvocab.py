@@ -55,6 +55,7 @@ class HfVocab:
         self._pattern = (re.compile("|".join(re.escape(text) for text, _ in ordered))
                          if ordered else None)
         self.special_ids = frozenset(t for _, t in vocab.specials)
+        self._special_text = {t: text.encode("utf-8") for text, t in reversed(vocab.specials)}
         self._run = functools.lru_cache(maxsize=RUN_CACHE)(vocab.encode)
         self._pieces: dict[int, bytes] = {}
 
@@ -66,10 +67,8 @@ class HfVocab:
 
     def token_bytes(self, token: int) -> bytes:
         """A token's bytes, a special token's text included."""
-        for text, t in self.vocab.specials:
-            if t == token:
-                return text.encode("utf-8")
-        return self.piece(token)
+        special = self._special_text.get(token)
+        return special if special is not None else self.piece(token)
 
     def piece(self, token: int) -> bytes:
         """The exact bytes of one token; a special token is no text."""
