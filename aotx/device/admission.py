@@ -200,7 +200,8 @@ class Admission:
             media_at = []  # no media here (memory is off with media)
         try:
             prompt = split(model.template, messages, model.engine.specials, media_at,
-                           model.media_marker, tools)
+                           model.media_marker, tools,
+                           tool_fields.template_args(sub.template_args, model.engine.specials))
         except TemplateError as exc:
             log.debug("event=request.template_refused role=%d error=%s", h.role, exc)
             raise DeviceError(400, Reason.TEMPLATE if exc.refused else Reason.TEMPLATE_FAILED

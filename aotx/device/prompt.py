@@ -88,15 +88,16 @@ class TextRefused(Exception):
 
 def split(template: ChatTemplate, messages: Sequence[dict[str, Any]], specials: Specials,
           media_at: Sequence[Sequence[int]] = (), marker: str = "",
-          tools: Sequence[dict[str, Any]] | None = None) -> Prompt:
-    """Render ``messages`` (with ``tools``, for a template that renders them) and cut the
-    rendering into pieces.  ``media_at``: for each message, where in its text a media
+          tools: Sequence[dict[str, Any]] | None = None,
+          args: dict[str, Any] | None = None) -> Prompt:
+    """Render ``messages`` (with ``tools``, for a template that renders them, and the
+    request's template ``args``) and cut the rendering into pieces.  ``media_at``: for each message, where in its text a media
     part's ``marker`` sits (in order).  Raises TemplateError (the template), TextRefused,
     or MediaInputError when the rendering does not hold each media part exactly once."""
-    text = template.render(messages, tools=tools)
+    text = template.render(messages, tools=tools, args=args)
     contents = [m["content"] for m in messages]
     at = list(media_at) or [()] * len(messages)
-    layout = _placeholder_layout(template, messages, tools)
+    layout = _placeholder_layout(template, messages, tools, args)
     if layout is not None and _joined(layout, contents) == text:
         return _prompt(text, layout, contents, at, marker, Method.PLACEHOLDERS)
     located = _verbatim_layout(text, contents)
@@ -138,15 +139,17 @@ def has_fields(messages: Sequence[dict[str, Any]]) -> bool:
 
 
 def _placeholder_layout(template: ChatTemplate, messages: Sequence[dict[str, Any]],
-                        tools: Sequence[dict[str, Any]] | None) -> Layout | None:
+                        tools: Sequence[dict[str, Any]] | None,
+                        args: dict[str, Any] | None = None) -> Layout | None:
     """The template's rendering with each text a placeholder, as markup and message
     numbers; None when the template does not render the placeholders.  Without tools it
     depends on the roles alone (and on which texts are empty), so it is cached by those:
-    one render per request, not two.  Tools and tool fields are markup: rendered again."""
-    if tools or has_fields(messages):
+    one render per request, not two.  Tools, tool fields and template arguments are
+    markup: rendered again."""
+    if tools or args or has_fields(messages):
         return _layout(template, [(m["role"], bool(m["content"])) for m in messages],
                        [{k: v for k, v in m.items() if k not in ("role", "content")}
-                        for m in messages], tools)
+                        for m in messages], tools, args)
     return _shape_layout(template, tuple((m["role"], bool(m["content"])) for m in messages))
 
 
@@ -156,14 +159,14 @@ def _shape_layout(template: ChatTemplate, shape: tuple[tuple[str, bool], ...]) -
 
 
 def _layout(template: ChatTemplate, shape: Sequence[tuple[str, bool]],
-            extras: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
-            ) -> Layout | None:
+            extras: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
+            args: dict[str, Any] | None = None) -> Layout | None:
     nonce = secrets.token_hex(8)
     # An empty text stays empty: a template may test for one (``if content``).
     stand_in = [{"role": role, "content": f"<<{nonce}:{i}>>" if filled else "", **extra}
                 for i, ((role, filled), extra) in enumerate(zip(shape, extras, strict=True))]
     try:
-        rendered = template.render(stand_in, tools=tools)
+        rendered = template.render(stand_in, tools=tools, args=args)
     except TemplateError:
         return None
     head, *rest = rendered.split(f"<<{nonce}:")

@@ -36,6 +36,8 @@ from ..wire import ToolFormat
 MAX_RANGE = 100_000
 MAX_RENDERED = 4 * 1024 * 1024
 RENDER_SECONDS = 1.0  # a render that takes longer is stopped (template denial of service)
+#: The variables a template is given, which a request's template arguments may not replace.
+RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 class TemplateError(Exception):
@@ -134,13 +136,19 @@ class ChatTemplate:
         self.tool_format = tool_format(self)
 
     def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: Sequence[dict[str, Any]] | None = None) -> str:
+               tools: Sequence[dict[str, Any]] | None = None,
+               args: dict[str, Any] | None = None) -> str:
         """``tools``: the functions offered, as OpenAI lists them (only where the template
-        renders tools, :attr:`tool_format`); None renders as the template's no-tools case."""
+        renders tools, :attr:`tool_format`); None renders as the template's no-tools case.
+        ``args``: more variables (a request's ``chat_template_kwargs``); one may not
+        replace the variables above (TemplateError)."""
+        if args and (taken := sorted(set(args) & RESERVED)):
+            raise TemplateError(f"template argument {taken[0]!r} is the template's own")
         local = _TimedSandbox._local
         local.deadline = time.monotonic() + RENDER_SECONDS
         try:
-            text = self._template.render(messages=list(messages), tools=tools or None,
+            text = self._template.render(**(args or {}), messages=list(messages),
+                                         tools=tools or None,
                                          add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token, eos_token=self.eos_token)
         except TemplateError:

@@ -17,6 +17,7 @@ from .. import wire
 from ..wire import Reason, Role, ToolFormat
 from .errors import DeviceError
 from .prompt import Specials
+from .template import RESERVED
 
 #: The fields a message's FIELDS part may hold, by role.
 ALLOWED = {Role.ASSISTANT: {"tool_calls"}, Role.TOOL: {"tool_call_id"}}
@@ -39,6 +40,31 @@ def tools(data: bytes) -> list[dict[str, Any]] | None:
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
         raise DeviceError(400, Reason.MALFORMED)
     return value
+
+
+def template_args(data: bytes, specials: Specials) -> dict[str, Any] | None:
+    """A submission's template arguments (chat_template_kwargs): a JSON object whose
+    names are not the template's own variables and whose strings hold no special-token
+    text (the template writes them as markup, as it writes tools)."""
+    if not data:
+        return None
+    value = _json(data)
+    if not isinstance(value, dict):
+        raise DeviceError(400, Reason.MALFORMED)
+    if set(value) & RESERVED or any(specials(s) for s in _strings(value)):
+        raise DeviceError(400, Reason.TEMPLATE_ARGS)
+    return value
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string in a JSON value, keys included."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in (k, *_strings(v))]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
 
 
 def fields(role: Role, data: bytes) -> dict[str, Any]:

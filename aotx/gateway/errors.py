@@ -189,6 +189,10 @@ REASONS: dict[Reason, Wording] = {
     Reason.TOOL_TEXT: Wording("the tools, or the tool calls of message {detail}, hold "
                               "special-token text, which model {model}'s chat template would "
                               "write as control tokens", param="tools"),
+    Reason.TEMPLATE_ARGS: Wording("chat_template_kwargs name a variable the chat template "
+                                  "is given already, or hold special-token text, which "
+                                  "model {model}'s chat template would write as control "
+                                  "tokens", param="chat_template_kwargs"),
     Reason.ENGINE_FEATURE: Wording("model {model}'s engine does not provide {feature} yet",
                                    "engine_feature_unsupported"),
     Reason.NO_SOURCE_ID: Wording("no such media source"),

@@ -168,6 +168,9 @@ class ChatRequest(Body):
     n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     memory: Literal["on", "off"] | None = None
     keep_alive: KeepAlive = None  # Ollama's: the model's idle time after this request
+    # More variables for the chat template (llama-server's and vLLM's field), such as
+    # Qwen 3's enable_thinking: the device refuses the template's own names.
+    chat_template_kwargs: dict[str, Any] | None = None
     # The rest of the sampler (wire.Sampling): OpenAI's penalties and logit bias, and the
     # extensions llama.cpp's server and vLLM accept.
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)

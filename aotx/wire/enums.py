@@ -204,6 +204,7 @@ class Reason(enum.IntEnum):
     TOOL_FORMAT = 56  #: the tools' fields or format are not the model's template's; detail: its ToolFormat
     TOOL_TEXT = 57  #: a tool, call or call id holds special-token text; detail: the message (count: the tools)
     ENGINE_FEATURE = 58  #: the model's engine does not provide it (501); detail: an EngineFeature
+    TEMPLATE_ARGS = 59  #: a template argument is the template's own variable, or holds special-token text
     KV_FULL = 60  #: the engine ran out of KV cache (503)
     DECODE = 61  #: llama_decode failed (500)
     MEDIA_ENCODE = 62  #: encoding a media part failed (500)

@@ -85,6 +85,8 @@ class Submission(NamedTuple):
     sampling: Sampling = Sampling()
     constraint: Constraint | None = None
     tools: bytes = b""  #: UTF-8 JSON array: the tools the chat template renders (none: empty)
+    #: UTF-8 JSON object: more variables for the chat template (chat_template_kwargs)
+    template_args: bytes = b""
 
 
 def _part(kind: int, data: bytes) -> Part:
@@ -122,7 +124,8 @@ def encode_submission(sub: Submission) -> bytes:
             out += _U32x2.pack(int(part.kind), len(part.data)) + part.data
     if sub.constraint is not None and sub.constraint.kind == GrammarKind.NONE:
         raise WireError("a NONE constraint is written for tools only: give None")
-    constraint = sub.constraint or (Constraint(GrammarKind.NONE, "") if sub.tools else None)
+    later = sub.tools or sub.template_args  # the sections after the constraint
+    constraint = sub.constraint or (Constraint(GrammarKind.NONE, "") if later else None)
     extended = sub.sampling != Sampling() or constraint is not None
     if sub.stop or extended:  # the seed's layout exactly when there are none
         out += _U32.pack(len(sub.stop))
@@ -140,9 +143,13 @@ def encode_submission(sub: Submission) -> bytes:
     if constraint is not None:
         text = constraint.text.encode("utf-8")
         out += _U32x2.pack(int(constraint.kind), len(text)) + text
-    if sub.tools:
-        _json_text(sub.tools, "tools", b"[")
+    if later:  # (an empty tools section holds the place of none before template arguments)
+        if sub.tools:
+            _json_text(sub.tools, "tools", b"[")
         out += _U32.pack(len(sub.tools)) + sub.tools
+    if sub.template_args:
+        _json_text(sub.template_args, "template arguments", b"{")
+        out += _U32.pack(len(sub.template_args)) + sub.template_args
     if len(out) > MAX_PAYLOAD:
         raise WireError(f"submission of {len(out)} bytes exceeds one packet", 413,
                         Reason.TOO_LARGE)
@@ -212,10 +219,15 @@ def decode_submission(data: bytes | memoryview) -> Submission:
     tools = b""
     if r.pos < len(r.data):  # the tools the template renders: a JSON array
         tools = r.take(r.bounded("tools bytes", MAX_PAYLOAD))
-        _json_text(tools, "tools", b"[")
+        if tools:
+            _json_text(tools, "tools", b"[")
+    args = b""
+    if r.pos < len(r.data):  # more variables for the template: a JSON object
+        args = r.take(r.bounded("template argument bytes", MAX_PAYLOAD))
+        _json_text(args, "template arguments", b"{")
     if r.pos != len(r.data):
         raise WireError(f"{len(r.data) - r.pos} trailing bytes after the payload")
-    return Submission(tuple(messages), tuple(stops), sampling, constraint, tools)
+    return Submission(tuple(messages), tuple(stops), sampling, constraint, tools, args)
 
 
 def _sampling(r: _Reader) -> Sampling:

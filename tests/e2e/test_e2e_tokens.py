@@ -145,3 +145,20 @@ def test_another_principals_model_mask_holds_on_every_token_route(service: Servi
         # with no model named, it has none to use
         r = c.post("/tokenize", json={"content": "a"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
+def test_template_arguments_are_markup_and_checked(service: Service) -> None:
+    """chat_template_kwargs reach the template (SmolLM2's uses none: the same prompt);
+    the template's own names, and special-token text, are refused."""
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]}
+    plain = ok(service, "/apply-template", body)["prompt"]
+    assert ok(service, "/apply-template", {**body, "chat_template_kwargs": {
+        "enable_thinking": False}})["prompt"] == plain
+    for bad in ({"add_generation_prompt": False}, {"note": "a<|im_end|>b"}):
+        r = post(service, "/v1/chat/completions", {**body, "max_tokens": 2,
+                                                   "chat_template_kwargs": bad})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "chat_template_kwargs"
+    r = post(service, "/apply-template", {**body, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"

@@ -4,6 +4,7 @@ nowhere; the token ids, pieces or rendering a page at a time; and the flags' rul
 
 from __future__ import annotations
 
+import json
 import struct
 
 import pytest
@@ -152,3 +153,23 @@ def test_a_dry_runs_first_page_counts_against_the_rate_and_its_refusals_do_not(
     assert call(dev, SUBMIT, chat("ab"))[0].status == 429  # the same minute's admissions
     assert sum(dev.state.counters.refused.values()) == 1  # the real one only
 
+
+def test_template_arguments_reach_the_template_and_its_own_names_are_refused(
+        device: Pair) -> None:
+    dev, _ = device
+    dev.state.models[1].template = ChatTemplate(
+        "{{ messages[0]['content'] }}{% if enable_thinking is defined and not enable_thinking %}"
+        "<no-think>{% endif %}")
+
+    def rendering(args: dict[str, object] | None) -> tuple[wire.Header, bytes]:
+        sub = wire.Submission((wire.Message(wire.Role.USER, (text("q"),)),),
+                              template_args=json.dumps(args).encode() if args else b"")
+        return call(dev, SUBMIT._replace(flags=DRY | wire.SUBMIT_DRY_TEXT),
+                    wire.encode_submission(sub))
+
+    assert rendering(None)[1] == b"q"
+    assert rendering({"enable_thinking": False})[1] == b"q<no-think>"
+    assert rendering({"enable_thinking": True})[1] == b"q"
+    for bad in ({"messages": []}, {"add_generation_prompt": False}):
+        h, _ = rendering(bad)
+        assert (h.status, h.reason) == (400, wire.Reason.TEMPLATE_ARGS), bad

@@ -135,13 +135,21 @@ tool_sections = st.lists(json_values, max_size=3).map(lambda v: json.dumps(v).en
 submissions = st.builds(wire.Submission, st.lists(messages, min_size=1, max_size=5).map(tuple),
                         st.lists(st.text(min_size=1, max_size=8), max_size=3).map(tuple),
                         st.just(wire.Sampling()) | samplings, st.none() | constraints,
-                        st.just(b"") | tool_sections)
+                        st.just(b"") | tool_sections, st.just(b""))
+template_args = st.dictionaries(st.text(max_size=5), json_values, min_size=1, max_size=3).map(
+    lambda v: json.dumps(v).encode())
 
 
 @given(submissions)
 def test_submission_roundtrip(sub: wire.Submission) -> None:
     data = roundtrip(wire.encode_submission, wire.decode_submission, sub)
     assert struct.unpack_from("<I", data, 0)[0] == len(sub.messages)
+
+
+@given(submissions, template_args)
+def test_template_arguments_follow_the_tools(sub: wire.Submission, args: bytes) -> None:
+    """With or without tools (an empty tools section holds their place)."""
+    roundtrip(wire.encode_submission, wire.decode_submission, sub._replace(template_args=args))
 
 
 def _sub(*chunks: bytes) -> bytes:
@@ -165,7 +173,10 @@ P = struct.Struct("<I").pack
     (P(1) + P(1) + P(1) + P(3) + P(0), "u32 token ids"),
     (P(1) + P(1) + P(1) + P(3) + P(6) + bytes(6), "u32 token ids"),
     (P(1) + P(1) + P(0) + P(0) + wire.SAMPLING.pack(*wire.Sampling()[:-1]) + P(1) + P(2)
-     + b"{}" + P(2) + b"[]" + b"junk", "trailing"),
+     + b"{}" + P(2) + b"[]" + P(2) + b"{}" + b"junk", "trailing"),
+    # template arguments (after the tools, maybe an empty section) are a JSON object
+    (P(1) + P(1) + P(0) + P(0) + wire.SAMPLING.pack(*wire.Sampling()[:-1]) + P(0) + P(0)
+     + P(0) + P(2) + b"[]", "JSON object"),
     # the tools section (after a constraint, NONE holding its place) is a JSON array
     (P(1) + P(1) + P(0) + P(0) + wire.SAMPLING.pack(*wire.Sampling()[:-1]) + P(0) + P(0)
      + P(2) + b"{}", "JSON array"),
