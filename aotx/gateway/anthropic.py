@@ -81,13 +81,19 @@ class ToolUseBlock(Cached):
 class ToolResultBlock(Cached):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1, max_length=256)
-    content: str | list[TextBlock] = ""
+    content: str | list[TextBlock | ImageBlock] = ""
     is_error: bool = False
 
     def text(self) -> str:
         text = (self.content if isinstance(self.content, str)
-                else "".join(b.text for b in self.content))
+                else "".join(b.text for b in self.content if isinstance(b, TextBlock)))
         return f"Error: {text}" if self.is_error else text
+
+    def images(self) -> list[ImageBlock]:
+        """Its images (a screenshot, a file read): a tool message holds text only, so
+        they go in the user message that follows the results."""
+        return [] if isinstance(self.content, str) else [
+            b for b in self.content if isinstance(b, ImageBlock)]
 
 
 class ThinkingBlock(Body):
@@ -179,9 +185,6 @@ class CountRequest(Body):
         if self.output_config is not None and self.output_config.format is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "output", "schema": self.output_config.format.schema_}}
-        if self.messages[-1].role == "assistant":
-            raise ApiError(400, "prefill is not supported: the last message must be the "
-                                "user's", param="messages")
         try:
             return ChatRequest.model_validate(body)
         except ValidationError as exc:
@@ -218,6 +221,9 @@ class MessagesRequest(CountRequest):
     def chat_request(self, cap: int) -> ChatRequest:
         """The chat envelope, asking at most ``cap`` tokens: ``max_tokens`` is a ceiling
         (Claude Code asks for 32,000), held to what this caller may ask."""
+        if self.messages[-1].role == "assistant":
+            raise ApiError(400, "prefill is not supported: the last message must be the "
+                                "user's", param="messages")
         return self.chat({"max_tokens": min(self.max_tokens, cap or self.max_tokens),
                           "stop": self.stop_sequences,
                           "temperature": self.temperature, "top_p": self.top_p,
@@ -243,7 +249,7 @@ def _turn(m: Message) -> list[dict[str, Any]]:
                                   "content": b.text()}
                                  for b in blocks if isinstance(b, ToolResultBlock)]
     parts: list[dict[str, Any]] = []
-    for b in blocks:
+    for b in [i for r in blocks if isinstance(r, ToolResultBlock) for i in r.images()] + blocks:
         if isinstance(b, TextBlock):
             parts.append({"type": "text", "text": b.text})
         elif isinstance(b, ImageBlock):
@@ -320,10 +326,20 @@ def usage(prompt_tokens: int, output_tokens: int) -> dict[str, int]:
 
 def error_envelope(status: int, body: dict[str, Any]) -> dict[str, Any]:
     """The standard error object ``body`` in Anthropic's envelope."""
-    message = (body.get("error") or {}).get("message") or HTTPStatus(status).phrase
+    error = body.get("error")
+    message = error.get("message") if isinstance(error, dict) else None
+    if not isinstance(message, str) or not message:
+        message = _phrase(status)
     kind = ERROR_TYPES.get(status) or ("api_error" if status >= 500
                                        else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:  # (499: the client closed the connection)
+        return "error"
 
 
 def enveloped(send: types.Send) -> types.Send:
@@ -354,10 +370,10 @@ def enveloped(send: types.Send) -> types.Send:
 
 
 def _converted(status: int, body: bytes) -> bytes:
+    """The error answer ``body`` in the envelope (one that is not the standard object,
+    as a plain-text 500, with its status's phrase)."""
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return body
-    if not isinstance(obj, dict) or "error" not in obj:
-        return body
-    return dumps(error_envelope(status, obj))
+        obj = {}
+    return dumps(error_envelope(status, obj if isinstance(obj, dict) else {}))

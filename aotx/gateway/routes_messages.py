@@ -17,7 +17,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from .. import ids, wire
@@ -25,7 +25,7 @@ from . import anthropic as A
 from . import calls, choices, routes_tokens
 from .errors import ApiError
 from .render import dumps, json_response
-from .service import Caller, Gateway, Principal, Service
+from .service import Caller, Gateway, Principal, Service, until_disconnected
 
 log = logging.getLogger("aotx.gateway")
 router = APIRouter(tags=["anthropic"], redirect_slashes=False)
@@ -35,8 +35,8 @@ _SSE: dict[int | str, dict[str, Any]] = {200: {
 
 
 @router.post("/v1/messages", responses=_SSE)
-async def create_message(body: A.MessagesRequest, principal: Principal = Caller,
-                         g: Gateway = Service) -> Response:
+async def create_message(body: A.MessagesRequest, request: Request,
+                         principal: Principal = Caller, g: Gateway = Service) -> Response:
     await g.ensure_ready()
     caps = (g.info.output_tokens if g.info else 0,
             principal.grant.limits.get("output_tokens", 0))
@@ -59,7 +59,7 @@ async def create_message(body: A.MessagesRequest, principal: Principal = Caller,
                                  headers={**headers, "Cache-Control": "no-store"})
     done = False
     try:
-        got = await text.whole()
+        got = await until_disconnected(request, text.whole())
         done = True
     finally:
         if not done:  # (the client left, or the route failed)

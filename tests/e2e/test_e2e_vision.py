@@ -313,6 +313,19 @@ def test_an_anthropic_image_block_and_its_count(vsvc: Service) -> None:
     assert seen.content and seen.content[0].type == "text"
     counted = claude.messages.count_tokens(model="smollm2", messages=with_image)
     assert counted.input_tokens == seen.usage.input_tokens
+    # a tool's result with an image (a screenshot, a file read): the image is read too
+    def turns(result: list[dict]) -> list[dict]:
+        return [{"role": "user", "content": "Look at the file."},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1",
+                                                   "name": "Read", "input": {"f": "a.png"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                              "content": result}, question]}]
+    read = {"name": "Read", "input_schema": {"type": "object"}}
+    text_only = claude.messages.count_tokens(model="smollm2", tools=[read], messages=turns(
+        [{"type": "text", "text": "a.png"}]))
+    shown = claude.messages.count_tokens(model="smollm2", tools=[read], messages=turns(
+        [{"type": "text", "text": "a.png"}, image]))
+    assert shown.input_tokens == text_only.input_tokens + IMAGE_POSITIONS
     with pytest.raises(anthropic.BadRequestError) as err:
         claude.messages.create(model="plain", max_tokens=4, messages=with_image)
     assert err.value.body["error"]["type"] == "invalid_request_error"
