@@ -299,7 +299,9 @@ class Admission:
         segments: list[MediaSegment] = []
         admitted = False
         try:
-            matcher = None if _dry(p) else constraint_matcher(p.model, p.submission.constraint)
+            matcher = None if _dry(p) else constraint_matcher(
+                p.model, p.submission.constraint, _thinking(p),
+                max(1, (p.header.max_tokens or p.model.engine.slot_context) // 2))
             try:
                 if p.model.encoder is None or not p.leased:
                     prompt = self._tokens(p)
@@ -357,7 +359,7 @@ class Admission:
                       sampling=p.submission.sampling, matcher=matcher,
                       memory_off=bool(h.submit_flags & wire.SUBMIT_FLAG_MEMORY_OFF),
                       kept_flags=h.submit_flags & (wire.SUBMIT_FLAG_TOOLS
-                                                   | wire.SUBMIT_TOOL_FORMAT),
+                                                   | wire.SUBMIT_TOOL_FORMAT) | _thinking(p),
                       segments=segments)
         if p.memory_on and st.policy.enabled:
             req.source_text = "\n".join(f"{m['role'].capitalize()}: {m['content']}"
@@ -470,6 +472,18 @@ class Admission:
         for sid in st.leases.pop(req.identity, []):
             st.media.unlease(sid)
         return wake
+
+
+def _thinking(p: Prepared) -> int:
+    """The state flags of a request whose model thinks: its output may begin with a
+    think block, or (the rendering ended with ``<think>``) begins inside one."""
+    if p.header.submit_flags & wire.SUBMIT_FLAG_RAW or not p.model.template.thinks:
+        return 0
+    end = p.prompt.text.rstrip()
+    if end.endswith("</think>"):  # the template closed it: no thinking (enable_thinking off)
+        return 0
+    opened = end.endswith("<think>")
+    return wire.STATE_FLAG_THINKS | (wire.STATE_FLAG_THINK_OPEN if opened else 0)
 
 
 def _dry(p: Prepared) -> bool:

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 
 import orjson
 
 from ..engine.grammar import GrammarCompiler, GrammarError, GrammarSpec, Matcher
-from ..wire import Constraint, GrammarKind, Reason
+from ..wire import STATE_FLAG_THINK_OPEN, STATE_FLAG_THINKS, Constraint, GrammarKind, Reason
 from .errors import DeviceError
 from .loading import LoadedModel
 
@@ -35,17 +36,43 @@ def compiler_of(model: LoadedModel) -> GrammarCompiler:
         return model.grammars
 
 
-def constraint_matcher(model: LoadedModel, constraint: Constraint | None) -> Matcher | None:
-    """A fresh matcher for ``constraint`` (None without one); 400 GRAMMAR when refused."""
+def constraint_matcher(model: LoadedModel, constraint: Constraint | None, thinking: int = 0,
+                       budget: int = 0) -> Matcher | None:
+    """A fresh matcher for ``constraint`` (None without one); 400 GRAMMAR when refused.
+    ``thinking``: the request's STATE_FLAG_THINKS bits: the constraint applies after the
+    model's think block, which has at most ``budget`` tokens."""
     if constraint is None:
         return None
     try:
+        if thinking & STATE_FLAG_THINKS and constraint.kind is not GrammarKind.REGEX:
+            constraint = after_thinking(constraint, bool(thinking & STATE_FLAG_THINK_OPEN),
+                                        budget)
         spec = _spec(constraint)
         return compiler_of(model).matcher(spec)
     except GrammarError as exc:
         log.debug("event=request.grammar_refused code=%s where=%s", exc.code, exc.where)
         raise DeviceError(400, Reason.GRAMMAR, payload=orjson.dumps(
             {"code": exc.code, "where": exc.where, "detail": exc.detail})) from None
+
+
+def after_thinking(constraint: Constraint, opened: bool, budget: int) -> Constraint:
+    """``constraint`` after a think block: ``<think>`` (unless the prompt opened it), free
+    text without ``</think>`` of at most ``budget`` tokens, ``</think>`` (the model
+    writes it when it is done, or must once the budget is spent), and the constraint's
+    grammar as the answer."""
+    if constraint.kind is GrammarKind.JSON_SCHEMA:
+        answer = f"answer: %json {constraint.text}"
+    else:  # a Lark grammar: its start rule becomes the answer
+        answer = _START.sub("answer:", constraint.text)
+    head = "" if opened else '"<think>" '
+    return Constraint(GrammarKind.LARK, (
+        f'start: {head}thought "</think>" GAP answer\n'
+        f"thought[max_tokens={budget}]: THOUGHT\n"
+        "THOUGHT: /(.|\\n)*/ & ~/(.|\\n)*<\\/think>(.|\\n)*/\n"
+        "GAP: /[ \\t\\n]*/\n") + answer + "\n")
+
+
+_START = re.compile(r"^start\s*:", re.MULTILINE)
 
 
 def _spec(constraint: Constraint) -> GrammarSpec:

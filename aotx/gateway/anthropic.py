@@ -182,6 +182,11 @@ class CountRequest(Body):
                 for t in self.tools]
         if self.tool_choice is not None:
             body.update(_choice(self.tool_choice))
+        effort = self.output_config.effort if self.output_config else None
+        if effort is not None:  # (the template's reasoning_effort: low, medium, high)
+            body["reasoning_effort"] = {"xhigh": "high", "max": "high"}.get(effort, effort)
+        if self.thinking is not None and self.thinking.type == "disabled":
+            body["chat_template_kwargs"] = {"enable_thinking": False}
         if self.output_config is not None and self.output_config.format is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "output", "schema": self.output_config.format.schema_}}
@@ -306,10 +311,13 @@ def stop_reason(finish: str, stop_hit: int, stops: list[str] | None
 
 
 def content(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """A chat message's text and calls as content blocks."""
+    """A chat message's thinking, text and calls as content blocks.  A thinking block's
+    ``signature`` is empty: aotx does not sign thinking (it renders none back)."""
     calls = message.get("tool_calls") or []
     text = message.get("content") or ""
-    out = [{"type": "text", "text": text}] if text else []
+    thought = message.get("reasoning_content")
+    out = [{"type": "thinking", "thinking": thought, "signature": ""}] if thought else []
+    out += [{"type": "text", "text": text}] if text else []
     return out + [tool_use(c) for c in calls]
 
 

@@ -86,8 +86,8 @@ def submission(body: ChatRequest, m: wire.ModelInfo, principal: Principal, allow
         payload = wire.encode_submission(wire.Submission(
             tuple(messages), tuple(body.stops), body.sampling, body.constraint(fmt),
             _utf8(body.template_tools()) if fmt is not wire.ToolFormat.FALLBACK else b"",
-            _utf8(json.dumps(body.chat_template_kwargs, ensure_ascii=False))
-            if body.chat_template_kwargs else b""))
+            _utf8(json.dumps(args, ensure_ascii=False)) if (args := body.template_args())
+            else b""))
     except wire.WireError as exc:
         # The codec's message is for a log; the client gets the table's wording of the
         # reason, as when the device refuses a packet.

@@ -28,7 +28,7 @@ from typing import Any
 from fastapi.responses import Response, StreamingResponse
 
 from .. import ids, seeds, wire
-from . import calls, tools
+from . import calls, reasoning, tools
 from .errors import ApiError
 from .render import finish_reason, json_response, sse_data, token_logprob
 from .requests import ChatRequest
@@ -129,6 +129,12 @@ class ChoiceText:
         # fed when each piece ends
         self._fed = 0
         self._lps: list[tuple[int, list[dict[str, Any]]]] = []
+        # a thinking model's: its thinking told from its answer (decided at the first
+        # output, once the state says how the model thinks), and the logprobs of text
+        # that splitter holds
+        self._think: reasoning.ThinkStream | None = None
+        self._decided = False
+        self._think_lps: list[dict[str, Any]] = []
 
     async def whole(self) -> dict[str, Any]:
         """The choice's ``message``, ``logprobs`` and ``finish_reason`` (to its end)."""
@@ -139,8 +145,12 @@ class ChoiceText:
                                          self.rh.identity, 0)
             logprobs = {"content": [token_logprob(n) for n in lines], "refusal": None}
         text = b"".join(chunks).decode("utf-8", errors="replace")
+        thinks, opened = reasoning.mode(self.last.submit_flags)
+        thought, text = reasoning.split(text, opened) if thinks else (None, text)
         message, finish = tools.message(text, finish_reason(self.last), self.mode,
                                         self.rh.identity, self.fmt)
+        if thought is not None:
+            message["reasoning_content"] = thought
         return {"message": message, "logprobs": logprobs, "finish_reason": finish}
 
     async def events(self) -> AsyncIterator[Event]:
@@ -170,7 +180,10 @@ class ChoiceText:
     async def add(self, data: bytes, final: bool = False) -> list[Event]:
         """The content deltas that ``data`` completes (``final``: the output is whole)."""
         out: list[Event] = []
-        for text, lps in await self._pieces(data, final):
+        for kind, text, lps in self._thought(await self._pieces(data, final), final):
+            if kind == "thinking":
+                out.append(({"reasoning_content": text}, lps, None))
+                continue
             if self._tools is None:
                 out.append(({"content": text}, lps, None))
                 continue
@@ -181,6 +194,29 @@ class ChoiceText:
             if sent:
                 lps_ = self._release(self._fed - len(self._tools.held))
                 out.append(({"content": sent}, lps_, None))
+        return out
+
+    def _thought(self, pieces: list[tuple[str, Any]], final: bool
+                 ) -> list[tuple[str, str, Any]]:
+        """The pieces as ("thinking" | "answer", text, logprobs): a thinking model's
+        split as they come (its held text's logprobs go with the next piece out)."""
+        if not self._decided and (pieces or final):
+            self._decided = True
+            thinks, opened = reasoning.mode(self.last.submit_flags)
+            self._think = reasoning.ThinkStream(opened) if thinks else None
+        if self._think is None:
+            return [("answer", text, lps) for text, lps in pieces]
+        got: list[tuple[str, str]] = []
+        for text, lps in pieces:
+            self._think_lps += lps or []
+            got += self._think.feed(text)
+        got += self._think.end() if final else []
+        if final and self._think_lps and not got:
+            got = [("answer", "")]
+        out = []
+        for kind, text in got:
+            lps, self._think_lps = (self._think_lps if self.notes else None), []
+            out.append((kind, text, lps))
         return out
 
     def end(self) -> list[Event]:

@@ -171,6 +171,9 @@ class ChatRequest(Body):
     # More variables for the chat template (llama-server's and vLLM's field), such as
     # Qwen 3's enable_thinking: the device refuses the template's own names.
     chat_template_kwargs: dict[str, Any] | None = None
+    # A reasoning model's effort: the template's ``reasoning_effort`` (gpt-oss reads it);
+    # "none" also turns thinking off (``enable_thinking: false``, Qwen 3's).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # The rest of the sampler (wire.Sampling): OpenAI's penalties and logit bias, and the
     # extensions llama.cpp's server and vLLM accept.
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -251,6 +254,16 @@ class ChatRequest(Body):
         # Key order is kept: the output lists properties in the schema's order.
         return None if schema is None else Constraint(GrammarKind.JSON_SCHEMA, json.dumps(
             close_objects(schema), ensure_ascii=False, separators=(",", ":")))
+
+    def template_args(self) -> dict[str, Any] | None:
+        """The chat template's more variables: chat_template_kwargs, and reasoning_effort
+        (a kwarg of the same name wins)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        effort: dict[str, Any] = {"reasoning_effort": self.reasoning_effort}
+        if self.reasoning_effort == "none":
+            effort["enable_thinking"] = False
+        return {**effort, **(self.chat_template_kwargs or {})}
 
     @property
     def tool_mode(self) -> T.Mode | None:

@@ -10,7 +10,12 @@ A cut depends only on the bytes before it and the one after it, so any prefix of
 output gives the same first pieces, however the bytes arrived; the rest is the last
 piece once the request is terminal.  Each piece is one ``response.output_text.delta``
 (with tools, what the tool stream lets through of it: gateway/tools.py ``ToolStream``).
-Every other event comes from the order above and the terminal state.
+A thinking model's pieces go through gateway/reasoning.py's ``ThinkStream`` first: its
+thinking is a ``reasoning`` item's ``response.reasoning_text.delta`` events, before the
+message (whether it thinks is read from the state that came with the first output
+bytes, which is the same on every replay).  Every other event comes from the order
+above and the terminal state; an item is opened with its first text (the message of a
+text response at the end, when it has none).
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import wire
+from . import reasoning
 from . import tools as T
-from .responses import call_item, item_status, message_item
+from .responses import call_item, item_status, message_item, reasoning_item
 
 MAX_PIECE = 64  # bytes: the longest delta, so a text without spaces still streams
 _SPACE = frozenset(b" \t\n\r")
@@ -74,6 +80,14 @@ class Events:
                       if first.submit_flags & wire.SUBMIT_FLAG_TOOLS else None)
         self.message: dict[str, Any] | None = None  # the open message item
         self.text = ""
+        self.index = 0  # the next item's output_index
+        self.at = 0  # the message's
+        # a thinking model's: its splitter (decided with the first bytes), its open
+        # reasoning item and its text
+        self.think: reasoning.ThinkStream | None = None
+        self.decided = False
+        self.reasoning: dict[str, Any] | None = None
+        self.thought = ""
 
     def _ev(self, kind: str, **fields: Any) -> Event:
         ev = {"type": kind, "sequence_number": self.seq, **fields}
@@ -81,20 +95,18 @@ class Events:
         return ev
 
     def start(self, first: wire.Header) -> list[Event]:
-        out = [self._ev("response.created", response=self.snapshot(first, b"", "queued")),
-               self._ev("response.in_progress",
-                        response=self.snapshot(first, b"", "in_progress"))]
-        if self.tools is None:  # a text response has its message from the start
-            out += self._open()
-        return out
+        return [self._ev("response.created", response=self.snapshot(first, b"", "queued")),
+                self._ev("response.in_progress",
+                         response=self.snapshot(first, b"", "in_progress"))]
 
     def _open(self) -> list[Event]:
         self.message = message_item(self.identity, "", "in_progress")
+        self.at, self.index = self.index, self.index + 1
         item = {**self.message, "content": []}
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return [self._ev("response.output_item.added", output_index=0, item=item),
-                self._ev("response.content_part.added", item_id=item["id"], output_index=0,
-                         content_index=0, part=part)]
+        return [self._ev("response.output_item.added", output_index=self.at, item=item),
+                self._ev("response.content_part.added", item_id=item["id"],
+                         output_index=self.at, content_index=0, part=part)]
 
     def _delta(self, text: str) -> list[Event]:
         if self.tools is not None:
@@ -105,17 +117,58 @@ class Events:
         self.text += text
         assert self.message is not None
         return out + [self._ev("response.output_text.delta", item_id=self.message["id"],
-                               output_index=0, content_index=0, delta=text, logprobs=[])]
+                               output_index=self.at, content_index=0, delta=text,
+                               logprobs=[])]
 
-    def feed(self, data: bytes) -> list[Event]:
+    def feed(self, data: bytes, flags: int = 0) -> list[Event]:
+        """The events of more output bytes; ``flags``: the state read with them."""
         self.raw += data
         return [ev for piece in self.split.feed(data)
-                for ev in self._delta(piece.decode("utf-8", errors="replace"))]
+                for ev in self._piece(piece.decode("utf-8", errors="replace"), flags)]
+
+    def _piece(self, text: str, flags: int, final: bool = False) -> list[Event]:
+        if not self.decided:
+            self.decided = True
+            thinks, opened = reasoning.mode(flags)
+            self.think = reasoning.ThinkStream(opened) if thinks else None
+        if self.think is None:
+            return self._delta(text)
+        out: list[Event] = []
+        for kind, part in self.think.feed(text) + (self.think.end() if final else []):
+            out += self._thinking(part) if kind == "thinking" else self._answer(part)
+        return out
+
+    def _thinking(self, text: str) -> list[Event]:
+        out = []
+        if self.reasoning is None:
+            self.reasoning = {**reasoning_item(self.identity, "", "in_progress"),
+                              "content": [], "output_index": self.index}
+            self.index += 1
+            item = {k: v for k, v in self.reasoning.items() if k != "output_index"}
+            out.append(self._ev("response.output_item.added",
+                                output_index=self.reasoning["output_index"], item=item))
+        self.thought += text
+        return out + [self._ev("response.reasoning_text.delta", item_id=self.reasoning["id"],
+                               output_index=self.reasoning["output_index"], content_index=0,
+                               delta=text)]
+
+    def _answer(self, text: str, state: str = "completed") -> list[Event]:
+        out = []
+        if self.reasoning is not None and self.reasoning["status"] == "in_progress":
+            self.reasoning["status"] = state
+            rid, at = self.reasoning["id"], self.reasoning["output_index"]
+            out = [self._ev("response.reasoning_text.done", item_id=rid, output_index=at,
+                            content_index=0, text=self.thought),
+                   self._ev("response.output_item.done", output_index=at,
+                            item=reasoning_item(self.identity, self.thought, state))]
+        return out + self._delta(text)
 
     def end(self, last: wire.Header) -> list[Event]:
-        """The events after the last bytes: the rest of the text, the message's and the
-        calls' done events, and the terminal event."""
-        out = self._delta(self.split.end().decode("utf-8", errors="replace"))
+        """The events after the last bytes: the rest of the text, the reasoning's, the
+        message's and the calls' done events, and the terminal event."""
+        out = self._piece(self.split.end().decode("utf-8", errors="replace"),
+                          last.submit_flags, final=True)
+        out += self._answer("", item_status(last))  # (the reasoning item, if still open)
         calls: list[dict[str, Any]] = []
         if self.tools is not None:
             held = self.tools.held
@@ -124,9 +177,10 @@ class Events:
             if rest:
                 self.tools = None  # the rest is content now: let it through whole
                 out += self._delta(rest)
+        if self.message is None and self.tools is None:  # a text response has its message
+            out += self._open()
         out += self._close(item_status(last))
-        index = 1 if self.message is not None else 0
-        for i, call in enumerate(calls, start=index):
+        for i, call in enumerate(calls, start=self.index):
             out += self._call(i, call_item(call))
         final = self.snapshot(last, bytes(self.raw), None)
         kind = {"completed": "response.completed", "failed": "response.failed"}.get(
@@ -138,11 +192,11 @@ class Events:
             return []
         item_id = self.message["id"]
         part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
-        return [self._ev("response.output_text.done", item_id=item_id, output_index=0,
+        return [self._ev("response.output_text.done", item_id=item_id, output_index=self.at,
                          content_index=0, text=self.text, logprobs=[]),
-                self._ev("response.content_part.done", item_id=item_id, output_index=0,
+                self._ev("response.content_part.done", item_id=item_id, output_index=self.at,
                          content_index=0, part=part),
-                self._ev("response.output_item.done", output_index=0,
+                self._ev("response.output_item.done", output_index=self.at,
                          item=message_item(self.identity, self.text, state))]
 
     def _call(self, index: int, item: dict[str, Any]) -> list[Event]:

@@ -22,6 +22,7 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    ConfigDict,
     Discriminator,
     Field,
     Tag,
@@ -31,6 +32,7 @@ from pydantic import (
 )
 
 from .. import wire
+from . import reasoning
 from . import tools as T
 from .body import Body, KeepAlive
 from .errors import ApiError, wording
@@ -124,14 +126,29 @@ class FunctionCallOutputItem(Body):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
+class ReasoningItem(Body):
+    """An earlier output's reasoning, sent back (the Agents SDK does): kept with the
+    conversation, not rendered (a thinking template drops earlier turns' thinking)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["reasoning"]
+
+
+class ReasoningConfig(Body):
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # (none is written)
+
+
 def _item_tag(v: Any) -> str | None:
     kind = v.get("type", "message") if isinstance(v, dict) else getattr(v, "type", None)
-    return kind if kind in ("message", "function_call", "function_call_output") else None
+    return kind if kind in ("message", "function_call", "function_call_output",
+                            "reasoning") else None
 
 
 Item = Annotated[Annotated[MessageItem, Tag("message")]
                  | Annotated[FunctionCallItem, Tag("function_call")]
-                 | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                 | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+                 | Annotated[ReasoningItem, Tag("reasoning")],
                  Discriminator(_item_tag)]
 
 
@@ -184,6 +201,7 @@ class ResponseRequest(Body):
     user: str | None = Field(default=None, max_length=256)  # logged, as chat's
     keep_alive: KeepAlive = None  # Ollama's: the model's idle time after this request
     safety_identifier: str | None = Field(default=None, max_length=256)
+    reasoning: ReasoningConfig | None = None  # a thinking model's effort (its template's)
 
     @field_validator("input")
     @classmethod
@@ -245,7 +263,9 @@ class ResponseRequest(Body):
         body: dict[str, Any] = {"model": self.model, "messages": messages,
                                 "max_tokens": self.max_output_tokens,
                                 "temperature": self.temperature, "top_p": self.top_p,
-                                "parallel_tool_calls": self.parallel_tool_calls}
+                                "parallel_tool_calls": self.parallel_tool_calls,
+                                "reasoning_effort": self.reasoning.effort if self.reasoning
+                                else None}
         if self.tools is not None:
             body["tools"] = [{"type": "function", "function": t.model_dump(
                 exclude={"type"}, exclude_none=True)} for t in self.tools]
@@ -309,6 +329,8 @@ def messages_of(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             output = item["output"]
             text = output if isinstance(output, str) else "".join(p["text"] for p in output)
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
+        elif kind == "reasoning":
+            continue  # (not rendered back: see ReasoningItem)
         else:
             out.append({"role": item["role"], "content": _content(item)})
     return out
@@ -384,18 +406,29 @@ def call_item(call: dict[str, Any], state: str = "completed") -> dict[str, Any]:
             "name": f["name"], "arguments": f["arguments"], "status": state}
 
 
+def reasoning_item(identity: bytes, text: str, state: str) -> dict[str, Any]:
+    return {"id": "rs_" + identity.hex(), "type": "reasoning", "status": state, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def output_items(h: wire.Header, data: bytes) -> list[dict[str, Any]]:
-    """The output of request ``h`` whose bytes are ``data``: a text request's one message
-    (none while it is queued); with tools, the text before the first call as a message
-    (none when empty) and each complete call as a ``function_call`` item."""
+    """The output of request ``h`` whose bytes are ``data``: a thinking model's thinking
+    as a ``reasoning`` item first; then a text request's one message (none while it is
+    queued); with tools, the text before the first call as a message (none when empty)
+    and each complete call as a ``function_call`` item."""
     text = data.decode("utf-8", errors="replace")
     state = item_status(h)
+    thinks, opened = reasoning.mode(h.submit_flags)
+    thought, text = reasoning.split(text, opened) if thinks else (None, text)
+    # (a think block that closed is done, whatever became of the answer after it)
+    done = "completed" if reasoning.CLOSE in data.decode("utf-8", errors="replace") else state
+    out = [] if thought is None else [reasoning_item(h.identity, thought, done)]
     if not h.submit_flags & wire.SUBMIT_FLAG_TOOLS:
         if h.phase == wire.Phase.QUEUED:
             return []
-        return [message_item(h.identity, text, state)]
+        return [*out, message_item(h.identity, text, state)]
     content, calls = T.parse(text, h.identity, wire.submit_tool_format(h.submit_flags))
-    out = [message_item(h.identity, content, state)] if content else []
+    out += [message_item(h.identity, content, state)] if content else []
     return out + [call_item(c) for c in calls]
 
 
@@ -423,7 +456,8 @@ def response_object(h: wire.Header, data: bytes, alias: str | None,
 def input_item_ids(identity: bytes, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Stored input items with the ids ``input_items`` lists them by (derived from the
     response and the item's place, so every listing names an item alike)."""
-    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+              "reasoning": "rs"}
     out = []
     for n, item in enumerate(items):
         kind = item.get("type", "message")

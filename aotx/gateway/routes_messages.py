@@ -111,8 +111,15 @@ class _Blocks:
         return [_event("content_block_stop", index=self.index)]
 
     def delta(self, delta: dict[str, Any]) -> list[bytes]:
-        """The events of one chat delta (text, or a tool call's start or arguments)."""
+        """The events of one chat delta (thinking, text, or a tool call's start or
+        arguments)."""
         out: list[bytes] = []
+        if delta.get("reasoning_content"):
+            if self.open != "thinking":
+                out += self.start("thinking", {"type": "thinking", "thinking": "",
+                                               "signature": ""})
+            out.append(_event("content_block_delta", index=self.index, delta={
+                "type": "thinking_delta", "thinking": delta["reasoning_content"]}))
         if delta.get("content"):
             if self.open != "text":
                 out += self.start("text", {"type": "text", "text": ""})

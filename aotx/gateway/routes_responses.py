@@ -233,7 +233,7 @@ async def _stream(g: Gateway, principal: Principal, rh: wire.Header, snapshot: S
             if ev["sequence_number"] > after:
                 yield sse(ev["type"], dumps(ev))
         async for last, data, _ in calls.follow(g, principal, rh.epoch, rh.identity, 0, first):
-            out = events.feed(data)
+            out = events.feed(data, last.submit_flags)
             offset += len(data)
             if wire.Phase(last.phase).terminal and offset >= last.total:
                 out += events.end(last)

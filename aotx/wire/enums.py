@@ -143,6 +143,9 @@ SUBMIT_DRY_ONLY = (SUBMIT_DRY_TOKENS | SUBMIT_DRY_PIECES | SUBMIT_DRY_TEXT | SUB
                    | SUBMIT_DRY_SPECIAL)
 CANCEL_FLAG_ADMIN = 1  # cancel any principal's request (needs Action.ADMIN)
 READ_FLAG_ANNOTATIONS = 1  # READ/WAIT: the request's annotation stream, not its output
+#: A request's state reply (``flags``), set by the device beside the SUBMIT flags it keeps:
+STATE_FLAG_THINKS = 1 << 16  # the model's template thinks: the output may open with <think>
+STATE_FLAG_THINK_OPEN = 1 << 17  # the prompt opened the think block: the output starts in it
 
 
 class Reason(enum.IntEnum):

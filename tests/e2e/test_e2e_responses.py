@@ -246,7 +246,7 @@ def test_delete_makes_the_response_not_found(oai: openai.OpenAI, service: Servic
 
 
 def test_refusals_name_the_field(oai: openai.OpenAI, service: Service) -> None:
-    for extra, param in (({"reasoning": {"effort": "low"}}, "reasoning"),
+    for extra, param in (({"reasoning": {"effort": "extreme"}}, "reasoning"),
                          ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
                          ({"truncation": "auto"}, "truncation"),
                          ({"input": []}, "input"),

@@ -268,7 +268,7 @@ def test_a_validation_error_names_the_field_the_caller_wrote(gw: Any) -> None:
          "Input should be a string, an integer or an array, not a number"),
         ("/v1/responses", {"model": "smollm2", "input": [{"type": "mess"}]}, "input.0",
          'unknown type "mess"; expected one of "message", "function_call", '
-         '"function_call_output"'),
+         '"function_call_output", "reasoning"'),
         ("/v1/responses", {"model": "smollm2", "input": [{"role": "user", "content": [
             {"type": "input_text", "text": 5}]}]}, "input.0.content.0.text",
          "Input should be a valid string"),

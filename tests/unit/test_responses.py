@@ -95,7 +95,7 @@ def test_text_format_is_chats_response_format() -> None:
     assert err.value.status == 400 and "text.format" in err.value.message
 
 
-@pytest.mark.parametrize("extra", [{"reasoning": {}}, {"truncation": "auto"},
+@pytest.mark.parametrize("extra", [{"reasoning": {"effort": "extreme"}}, {"truncation": "auto"},
                                    {"include": ["x"]}, {"text": {"verbosity": "low"}},
                                    {"tools": [{"type": "web_search"}]},
                                    {"input": [{"type": "item_reference", "id": "x"}]},

@@ -182,7 +182,7 @@ def test_text_before_calls_whole_and_streamed() -> None:
 
 def test_fields_aotx_does_not_implement_are_refused_by_name() -> None:
     for field, value in [("prediction", {"type": "content", "content": "x"}),
-                         ("reasoning_effort", "low"), ("metadata", {"a": "b"}),
+                         ("reasoning_effort", "extreme"), ("metadata", {"a": "b"}),
                          ("audio", {"voice": "alloy"}), ("store", True),
                          ("modalities", ["text", "audio"]), ("service_tier", "flex")]:
         with pytest.raises(ValidationError) as info:

@@ -1,0 +1,100 @@
+"""A reasoning model's thinking, told from its answer.
+
+A model whose chat template thinks (Qwen 3, DeepSeek R1, QwQ: the device marks its
+requests' state with ``STATE_FLAG_THINKS``) writes ``<think>`` ... ``</think>`` before
+its answer; a template that opens the block itself (DeepSeek R1's generation prompt
+ends with ``<think>``: ``STATE_FLAG_THINK_OPEN``) has the output start inside it.  The
+output's bytes stay as the model wrote them (the native route reads them whole); the
+standard routes show the thinking apart: chat's ``reasoning_content``, a ``reasoning``
+item on Responses, ``thinking`` blocks on Messages.  The answer is what follows
+``</think>``, its leading blank lines dropped; tool calls and JSON are parsed in it.
+An output cut off while thinking has no answer.
+"""
+
+from __future__ import annotations
+
+from .. import wire
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+def mode(flags: int) -> tuple[bool, bool]:
+    """(the model thinks, the prompt opened the block) from a state's flags."""
+    return bool(flags & wire.STATE_FLAG_THINKS), bool(flags & wire.STATE_FLAG_THINK_OPEN)
+
+
+def split(text: str, opened: bool) -> tuple[str | None, str]:
+    """(the thinking, or None without a think block; the answer) of a whole output."""
+    body = text
+    if not opened:
+        stripped = text.lstrip()
+        if not stripped.startswith(OPEN):
+            return None, text
+        body = stripped[len(OPEN):]
+    thought, sep, answer = body.partition(CLOSE)
+    return thought.strip("\n"), answer.lstrip("\n") if sep else ""
+
+
+class ThinkStream:
+    """A stream's text as ("thinking" | "answer", text) pieces, as it comes.  What could
+    still be ``<think>`` at the start, or ``</think>`` at the end of the thinking, waits
+    for the next characters; so do the newlines around the block's edges."""
+
+    def __init__(self, opened: bool) -> None:
+        self.state = "thinking" if opened else "start"
+        self.held = ""
+        self.fresh = True  # at the thinking's start: its leading newlines go
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        self.held += text
+        out: list[tuple[str, str]] = []
+        if self.state == "start":
+            stripped = self.held.lstrip()
+            if len(stripped) < len(OPEN) and OPEN.startswith(stripped):
+                return out  # (maybe the block's opening: wait)
+            if not stripped.startswith(OPEN):
+                self.state = "answer"
+            else:
+                self.state, self.held = "thinking", stripped[len(OPEN):]
+        if self.state == "thinking":
+            if self.fresh:
+                self.held = self.held.lstrip("\n")
+                if not self.held:
+                    return out
+                self.fresh = False
+            at = self.held.find(CLOSE)
+            if at < 0:
+                # (held: what may begin </think>, and the newlines before it)
+                cut = len(self.held[:len(self.held) - _partial(self.held, CLOSE)].rstrip("\n"))
+                if cut:
+                    out.append(("thinking", self.held[:cut]))
+                self.held = self.held[cut:]
+                return out
+            thought = self.held[:at].rstrip("\n")
+            if thought:
+                out.append(("thinking", thought))
+            self.state, self.held = "after", self.held[at + len(CLOSE):]
+        if self.state == "after":
+            self.held = self.held.lstrip("\n")
+            if not self.held:
+                return out
+            self.state = "answer"
+        if self.state == "answer" and self.held:
+            out.append(("answer", self.held))
+            self.held = ""
+        return out
+
+    def end(self) -> list[tuple[str, str]]:
+        """What is held when the output ends: the thinking's tail, or the answer."""
+        held, self.held = self.held, ""
+        if not held or self.state == "after":
+            return []
+        if self.state == "thinking":
+            return [("thinking", held.rstrip("\n"))] if held.strip("\n") else []
+        return [("answer", held)]
+
+
+def _partial(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that could still begin ``tag``."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1)
+                 if text.endswith(tag[:k])), 0)

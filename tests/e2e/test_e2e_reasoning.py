@@ -1,0 +1,170 @@
+"""Reasoning models (issue 43) on the embedded SmolLM2 with thinking templates: Qwen 3's
+own (the model opens ``<think>`` itself; ``enable_thinking: false`` closes the block in
+the prompt) and one in DeepSeek R1's way (tests/data/think-open.jinja: the prompt opens
+the block).  SmolLM2 never thinks on its own, so a JSON schema steers it: the device puts
+the schema after a think block of at most half of max_tokens, which the grammar makes
+the model write and close.  The thinking and the answer are told apart on chat (whole
+and streamed: ``reasoning_content``) and on Messages (``thinking`` blocks); the native
+route keeps the bytes as the model wrote them."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import jsonschema
+import openai
+import pytest
+
+from aotx.device.models import default_model_path
+
+from ..helpers import SMALL_MODELS, Service, running_service
+
+pytestmark = pytest.mark.e2e
+
+DATA = os.path.join(os.path.dirname(__file__), "..", "data")
+QWEN3 = os.path.join(DATA, "templates", "Qwen-Qwen3-0.6B.jinja")
+OPEN = os.path.join(DATA, "think-open.jinja")
+SCHEMA: dict[str, Any] = {"type": "object",
+                          "properties": {"colour": {"type": "string", "maxLength": 12}},
+                          "required": ["colour"], "additionalProperties": False}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "colour", "schema": SCHEMA}}
+ASK = [{"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def svc() -> Iterator[Service]:
+    gguf = default_model_path()
+    models = SMALL_MODELS + "".join(
+        f'\n[[model]]\nalias = "{alias}"\npath = "{gguf}"\nchat_template = "{path}"\n'
+        'slots = 2\ncontext = 2048\n' for alias, path in (("qwen3-tmpl", QWEN3),
+                                                          ("open-tmpl", OPEN)))
+    with running_service(models=models) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def oai(svc: Service) -> openai.OpenAI:
+    return openai.OpenAI(base_url=svc.url + "/v1", api_key=svc.token, max_retries=0,
+                         timeout=120)
+
+
+def chat(oai: openai.OpenAI, model: str, **kw: Any) -> Any:
+    kw.setdefault("messages", ASK)
+    kw.setdefault("max_tokens", 80)
+    return oai.chat.completions.create(model=model, temperature=0, **kw)
+
+
+def streamed(oai: openai.OpenAI, model: str, **kw: Any) -> tuple[str, str, str | None]:
+    thought, content, finish = "", "", None
+    for chunk in chat(oai, model, stream=True, **kw):
+        for c in chunk.choices:
+            thought += getattr(c.delta, "reasoning_content", None) or ""
+            content += c.delta.content or ""
+            finish = c.finish_reason or finish
+    return thought, content, finish
+
+
+@pytest.mark.parametrize("model", ["qwen3-tmpl", "open-tmpl"])
+def test_a_schema_answer_comes_after_the_thinking(oai: openai.OpenAI, model: str) -> None:
+    r = chat(oai, model, response_format=FORMAT)
+    m = r.choices[0].message
+    thought = getattr(m, "reasoning_content", None)
+    assert isinstance(thought, str) and thought  # the openai SDK reads the field
+    assert "<think>" not in thought and "</think>" not in (m.content or "")
+    jsonschema.validate(json.loads(m.content), SCHEMA)
+    assert r.choices[0].finish_reason == "stop"
+    # the same answer streamed, its thinking in reasoning_content deltas
+    assert streamed(oai, model, response_format=FORMAT) == (thought, m.content, "stop")
+
+
+def test_the_native_route_keeps_the_bytes(svc: Service) -> None:
+    with svc.client() as c:
+        r = c.post("/aotx/v1/requests", json={"model": "qwen3-tmpl", "messages": ASK,
+                                              "max_tokens": 80, "temperature": 0,
+                                              "response_format": FORMAT})
+        rid = r.json()["id"]
+        deadline = time.monotonic() + 60  # a state to wait for, not a speed
+        while (doc := c.get(f"/aotx/v1/requests/{rid}").json())["state"] != "completed":
+            assert time.monotonic() < deadline, doc["state"]
+            time.sleep(0.05)
+    raw = base64.b64decode(doc["output"]["bytes"]).decode()
+    assert raw.startswith("<think>") and "</think>" in raw
+    jsonschema.validate(json.loads(raw.split("</think>")[1]), SCHEMA)
+
+
+def test_enable_thinking_false_gives_no_thinking(oai: openai.OpenAI) -> None:
+    r = chat(oai, "qwen3-tmpl", response_format=FORMAT,
+             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    m = r.choices[0].message
+    assert getattr(m, "reasoning_content", None) is None
+    jsonschema.validate(json.loads(m.content), SCHEMA)
+
+
+def test_an_answer_cut_off_while_thinking_has_no_content(oai: openai.OpenAI) -> None:
+    """The R1-style template opens the block: all SmolLM2 writes is thinking."""
+    r = chat(oai, "open-tmpl", max_tokens=12)
+    m = r.choices[0].message
+    assert getattr(m, "reasoning_content", None) and not m.content
+    assert r.choices[0].finish_reason == "length"
+    thought, content, finish = streamed(oai, "open-tmpl", max_tokens=12)
+    assert (thought, content, finish) == (m.reasoning_content, "", "length")
+
+
+def test_a_model_that_does_not_open_the_block_answers_as_it_is(oai: openai.OpenAI) -> None:
+    r = chat(oai, "qwen3-tmpl", max_tokens=12)
+    assert getattr(r.choices[0].message, "reasoning_content", None) is None
+    assert r.choices[0].message.content
+
+
+def test_messages_show_thinking_blocks(svc: Service) -> None:
+    claude = anthropic.Anthropic(base_url=svc.url, api_key=svc.token, max_retries=0)
+    kw: dict[str, Any] = dict(model="qwen3-tmpl", max_tokens=80, messages=ASK,
+                              extra_body={"temperature": 0},
+                              thinking={"type": "enabled", "budget_tokens": 1024},
+                              output_config={"format": {"type": "json_schema",
+                                                        "schema": SCHEMA}})
+    m = claude.messages.create(**kw)
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    jsonschema.validate(json.loads(m.content[1].text), SCHEMA)
+    with claude.messages.stream(**kw) as s:
+        final = s.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    assert final.content[0].thinking == m.content[0].thinking
+    assert final.content[1].text == m.content[1].text
+
+
+def test_responses_have_a_reasoning_item(oai: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model="qwen3-tmpl", input="Name a colour.", temperature=0,
+                              max_output_tokens=80, reasoning={"effort": "low"},
+                              text={"format": {"type": "json_schema", "name": "colour",
+                                               "schema": SCHEMA}})
+    r = oai.responses.create(**kw)
+    kinds = [item.type for item in r.output]
+    assert kinds == ["reasoning", "message"], kinds
+    thought = r.output[0].content[0].text  # the SDK's ResponseReasoningItem
+    assert thought and r.output[0].status == "completed"
+    jsonschema.validate(json.loads(r.output_text), SCHEMA)
+    # streamed: the reasoning_text deltas, then the message's, in the same items
+    deltas: dict[str, str] = {"response.reasoning_text.delta": "",
+                              "response.output_text.delta": ""}
+    final = None
+    for ev in oai.responses.create(stream=True, **kw):
+        if ev.type in deltas:
+            deltas[ev.type] += ev.delta
+        if ev.type == "response.completed":
+            final = ev.response
+    assert deltas == {"response.reasoning_text.delta": thought,
+                      "response.output_text.delta": r.output_text}
+    assert final is not None and [i.type for i in final.output] == kinds
+    # the items sent back as the next input (as the Agents SDK does): reasoning included
+    again = oai.responses.create(model="qwen3-tmpl", max_output_tokens=8, temperature=0,
+                                 input=[{"role": "user", "content": "Name a colour."},
+                                        *[i.model_dump(exclude_none=True) for i in r.output],
+                                        {"role": "user", "content": "Another."}])
+    assert again.status in ("completed", "incomplete")
