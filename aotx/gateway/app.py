@@ -32,6 +32,7 @@ from starlette.types import ASGIApp
 from ..config import Settings
 from ..cpuslice import request_short_slice
 from ..paths import RuntimePaths
+from . import anthropic as A
 from . import (
     routes_completions,
     routes_embeddings,
@@ -57,8 +58,6 @@ from .service import Gateway
 
 log = logging.getLogger("aotx.gateway")
 
-#: Statuses any authenticated route can answer (see docs/api.md for which and why).
-_COMMON_ERRORS = (400, 401, 403, 404, 405, 408, 409, 410, 413, 415, 421, 422, 429, 431, 503)
 _PUBLIC = ("/healthz", "/readyz", "/openapi.json", "/docs", "/redoc")
 
 
@@ -133,9 +132,12 @@ def _document_errors(routes: list[BaseRoute]) -> None:
     for route in routes:
         if not isinstance(route, APIRoute) or route.path in _PUBLIC:
             continue
-        for status in _COMMON_ERRORS:
-            route.responses.setdefault(status, {"model": S.ErrorResponse,
-                                                "description": "standard error object"})
+        anthropic = route.path in A.PATHS  # (its errors in Anthropic's envelope)
+        for status in S.COMMON_ERRORS:
+            route.responses.setdefault(status, {
+                "model": S.AnthropicErrorResponse if anthropic else S.ErrorResponse,
+                "description": "Anthropic's error envelope" if anthropic
+                else "standard error object"})
         methods = route.methods or set()
         if "POST" in methods:
             route.responses.setdefault(200, {"description": "OK"})

@@ -16,6 +16,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+#: Statuses any authenticated route can answer (see docs/api.md for which and why).
+COMMON_ERRORS = (400, 401, 403, 404, 405, 408, 409, 410, 413, 415, 421, 422, 429, 431, 503)
+
 
 class _Doc(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -36,6 +39,18 @@ class ErrorResponse(_Doc):
     """The standard error object every route answers with on failure."""
 
     error: ErrorObject
+
+
+class AnthropicErrorObject(_Doc):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(_Doc):
+    """Anthropic's error envelope: every error of the Messages routes."""
+
+    type: Literal["error"]
+    error: AnthropicErrorObject
 
 
 class Health(_Doc):

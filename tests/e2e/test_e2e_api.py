@@ -387,7 +387,7 @@ def test_a_body_sent_as_a_form_is_read_as_json(service: Service) -> None:
      "Input should be a string, an integer or an array, not a number"),
     (lambda c: c.responses.create(model="smollm2", input=[{"type": "mess"}]), "input.0",
      'unknown type "mess"; expected one of "message", "function_call", '
-     '"function_call_output"'),
+     '"function_call_output", "reasoning"'),
 ])
 def test_a_union_field_is_named_as_the_client_wrote_it(oai: openai.OpenAI, call: Any,
                                                        param: str, message: str) -> None:
