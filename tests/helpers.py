@@ -44,6 +44,16 @@ def gemma_path() -> str:
 GEMMA_TEMPLATE = os.path.join(os.path.dirname(__file__), "data", "gemma3-chat.jinja")
 
 
+def with_templates(pairs: tuple[tuple[str, str], ...]) -> str:
+    """The small models, and the embedded GGUF again under each (alias, chat template
+    file) of ``pairs`` (2 slots, a 2,048-token context)."""
+    from aotx.device.models import default_model_path
+
+    return SMALL_MODELS + "".join(
+        f'\n[[model]]\nalias = "{alias}"\npath = "{default_model_path()}"\n'
+        f'chat_template = "{path}"\nslots = 2\ncontext = 2048\n' for alias, path in pairs)
+
+
 def eventually(probe: Callable[[], T | None], timeout: float, interval: float = 0.2,
                ignore: tuple[type[BaseException], ...] = (httpx.HTTPError,)) -> T:
     """Call ``probe`` until it returns something truthy (a component restarting may

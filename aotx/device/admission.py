@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import wire
+from ..engine.accept import THINK_INSIDE, THINK_UNDECIDED
 from ..engine.grammar import Matcher
 from ..engine.multimodal import MediaInputError, MediaProblem, MediaSegment, release_all
 from ..engine.request import Failure, Request, settle
@@ -361,6 +362,10 @@ class Admission:
                       kept_flags=h.submit_flags & (wire.SUBMIT_FLAG_TOOLS
                                                    | wire.SUBMIT_TOOL_FORMAT) | _thinking(p),
                       segments=segments)
+        thinking = _thinking(p)
+        if thinking:  # (engine/accept.py counts its reasoning tokens)
+            req.think = (THINK_INSIDE if thinking & wire.STATE_FLAG_THINK_OPEN
+                         else THINK_UNDECIDED)
         if p.memory_on and st.policy.enabled:
             req.source_text = "\n".join(f"{m['role'].capitalize()}: {m['content']}"
                                         for m in p.messages if m["role"] == "user")

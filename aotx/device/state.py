@@ -162,7 +162,7 @@ class DeviceState:
                     prompt_tokens=req.prompt_tokens, sampled_tokens=req.sampled,
                     finish=int(req.finish), failure=failure, reason=int(reason),
                     cancel_requested=int(req.cancel_requested), revision=req.revision,
-                    flags=req.kept_flags, value=req.stop_hit)
+                    flags=req.kept_flags, value=req.stop_hit, limit=req.reasoning_tokens)
 
     def window(self, req: Request, cursor: int, notes: bool = False, limit: int = 0) -> bytes:
         """The output window at ``cursor``, at most ``limit`` bytes (0: the device's window

@@ -54,6 +54,8 @@ def accept(req: Request, token: int, piece: bytes, now: int, stats: EngineStats,
         return STOPPED
     req.generated.append(token)
     assert req.buffer is not None
+    if req.think != THINK_NONE:
+        count_thinking(req, piece)
     published, stopped = req.buffer.push(piece)
     req.out += published
     if req.notes is not None:
@@ -68,3 +70,29 @@ def accept(req: Request, token: int, piece: bytes, now: int, stats: EngineStats,
         return CANCELLED
     req.phase = Phase.RUNNING
     return None
+
+
+#: Where a thinking model's output is (``Request.think``): not known yet (it may open
+#: with <think>), inside the think block, past it or without one.
+THINK_UNDECIDED, THINK_INSIDE, THINK_NONE = 0, 1, 2
+_OPEN, _CLOSE = b"<think>", b"</think>"
+
+
+def count_thinking(req: Request, piece: bytes) -> None:
+    """Count ``piece``'s token among the request's reasoning tokens while it is in its
+    think block (the tags' tokens included): the usage's ``reasoning_tokens``."""
+    if req.think == THINK_UNDECIDED:
+        req.think_tail += piece
+        head = req.think_tail.lstrip()
+        req.reasoning_tokens += 1  # (tentative while the opening may still come)
+        if len(head) < len(_OPEN) and _OPEN.startswith(head):
+            return
+        if not head.startswith(_OPEN):
+            req.think, req.reasoning_tokens, req.think_tail = THINK_NONE, 0, b""
+            return
+        req.think, req.think_tail = THINK_INSIDE, head[len(_OPEN):]
+    else:
+        req.reasoning_tokens += 1
+        req.think_tail = (req.think_tail + piece)[-(len(_CLOSE) + len(piece)):]
+    if _CLOSE in req.think_tail:
+        req.think, req.think_tail = THINK_NONE, b""

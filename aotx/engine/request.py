@@ -43,6 +43,11 @@ class Request:
     cancel_requested: bool = False
     finish: Finish = Finish.NONE
     stop_hit: int = 0  # the stop string it ended on: its index + 1 (0: none)
+    # A thinking model's (engine/accept.py count_thinking): where the output is (THINK_*),
+    # the bytes it looks at, and the tokens sampled from <think> to </think>
+    think: int = 2
+    think_tail: bytes = b""
+    reasoning_tokens: int = 0
     failure: Failure = Failure.NONE
     out: bytearray = field(default_factory=bytearray)
     sampled: int = 0

@@ -95,11 +95,17 @@ async def _admit(g: Gateway, body: ChatRequest, principal: Principal
     return admitted
 
 
-def _usage(lasts: list[wire.Header]) -> dict[str, int]:
-    """The prompt once (it was evaluated once), the tokens of every choice."""
+def _usage(lasts: list[wire.Header]) -> dict[str, Any]:
+    """The prompt once (it was evaluated once), the tokens of every choice; a thinking
+    model's, those it spent thinking too."""
     completion_tokens = sum(h.sampled_tokens for h in lasts)
-    return {"prompt_tokens": lasts[0].prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": lasts[0].prompt_tokens + completion_tokens}
+    out: dict[str, Any] = {"prompt_tokens": lasts[0].prompt_tokens,
+                           "completion_tokens": completion_tokens,
+                           "total_tokens": lasts[0].prompt_tokens + completion_tokens}
+    if any(h.submit_flags & wire.STATE_FLAG_THINKS for h in lasts):
+        out["completion_tokens_details"] = {
+            "reasoning_tokens": sum(h.reasoning_tokens for h in lasts)}
+    return out
 
 
 async def _cancel(texts: list[ChoiceText]) -> None:

@@ -383,7 +383,7 @@ def usage(h: wire.Header) -> dict[str, Any]:
     return {"input_tokens": h.prompt_tokens,
             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": h.sampled_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": h.reasoning_tokens},
             "total_tokens": h.prompt_tokens + h.sampled_tokens}
 
 

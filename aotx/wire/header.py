@@ -98,6 +98,8 @@ class Header(_Fields):
     detail = _View[int]("value", "refusal: the number its reason names")
     stop_hit = _View[int]("value", "a request's state: the stop string it ended on, its "
                                    "index + 1 (0: none)")
+    reasoning_tokens = _View[int]("limit", "a request's state: the tokens sampled in its "
+                                           "think block (STATE_FLAG_THINKS)")
 
     # -- requests and replies ------------------------------------------------------------
     @classmethod

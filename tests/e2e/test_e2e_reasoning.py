@@ -21,9 +21,7 @@ import jsonschema
 import openai
 import pytest
 
-from aotx.device.models import default_model_path
-
-from ..helpers import SMALL_MODELS, Service, running_service
+from ..helpers import Service, running_service, with_templates
 
 pytestmark = pytest.mark.e2e
 
@@ -39,11 +37,7 @@ ASK = [{"role": "user", "content": "Name a colour."}]
 
 @pytest.fixture(scope="module")
 def svc() -> Iterator[Service]:
-    gguf = default_model_path()
-    models = SMALL_MODELS + "".join(
-        f'\n[[model]]\nalias = "{alias}"\npath = "{gguf}"\nchat_template = "{path}"\n'
-        'slots = 2\ncontext = 2048\n' for alias, path in (("qwen3-tmpl", QWEN3),
-                                                          ("open-tmpl", OPEN)))
+    models = with_templates((("qwen3-tmpl", QWEN3), ("open-tmpl", OPEN)))
     with running_service(models=models) as s:
         yield s
 
@@ -79,6 +73,9 @@ def test_a_schema_answer_comes_after_the_thinking(oai: openai.OpenAI, model: str
     assert "<think>" not in thought and "</think>" not in (m.content or "")
     jsonschema.validate(json.loads(m.content), SCHEMA)
     assert r.choices[0].finish_reason == "stop"
+    # the tokens it spent thinking, tags included: most of its output, not all
+    spent = r.usage.completion_tokens_details.reasoning_tokens
+    assert 0 < spent < r.usage.completion_tokens
     # the same answer streamed, its thinking in reasoning_content deltas
     assert streamed(oai, model, response_format=FORMAT) == (thought, m.content, "stop")
 
@@ -103,6 +100,7 @@ def test_enable_thinking_false_gives_no_thinking(oai: openai.OpenAI) -> None:
              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     m = r.choices[0].message
     assert getattr(m, "reasoning_content", None) is None
+    assert r.usage.completion_tokens_details is None  # (a request that does not think)
     jsonschema.validate(json.loads(m.content), SCHEMA)
 
 
@@ -149,6 +147,7 @@ def test_responses_have_a_reasoning_item(oai: openai.OpenAI) -> None:
     assert kinds == ["reasoning", "message"], kinds
     thought = r.output[0].content[0].text  # the SDK's ResponseReasoningItem
     assert thought and r.output[0].status == "completed"
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
     jsonschema.validate(json.loads(r.output_text), SCHEMA)
     # streamed: the reasoning_text deltas, then the message's, in the same items
     deltas: dict[str, str] = {"response.reasoning_text.delta": "",

@@ -149,3 +149,26 @@ def test_an_alternative_the_mask_ruled_out_is_none_on_either_engine() -> None:
     ranked = {5: SimpleNamespace(logprob=-0.1, rank=1),
               6: SimpleNamespace(logprob=float("-inf"), rank=2)}
     assert entry(5, ranked, 2) == (-0.1, [(5, -0.1)])
+
+
+def test_a_thinking_models_reasoning_tokens_are_those_of_its_think_block() -> None:
+    from aotx.engine.accept import THINK_INSIDE, THINK_NONE, THINK_UNDECIDED
+
+    def run(think: int, pieces: list[bytes]) -> tuple[int, int]:
+        r = request()
+        r.think = think
+        for i, p in enumerate(pieces):
+            accept(r, 7 + i, p, 1 + i, EngineStats(), eog=False, held=6 + i, context=64)
+        return r.reasoning_tokens, r.think
+
+    # the model opens the block itself: its tokens to </think>, the tags' included
+    assert run(THINK_UNDECIDED, [b"\n<th", b"ink>", b"hm", b"</th", b"ink>", b"Hi", b"!"]) \
+        == (5, THINK_NONE)
+    # an answer that does not open one has none (the tentative count goes)
+    assert run(THINK_UNDECIDED, [b"<", b"b>Hi"]) == (0, THINK_NONE)
+    # the prompt opened it: every token to </think>
+    assert run(THINK_INSIDE, [b"a", b"b", b"</think>", b"c"]) == (3, THINK_NONE)
+    # one token holding all of it
+    assert run(THINK_UNDECIDED, [b"<think>x</think>y", b"z"]) == (1, THINK_NONE)
+    # cut off while thinking
+    assert run(THINK_INSIDE, [b"a", b"b"]) == (2, THINK_INSIDE)
