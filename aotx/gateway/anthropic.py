@@ -30,14 +30,14 @@ from http import HTTPStatus
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator
 from starlette import types
 
 from .body import Body
+from .dialect import Dialect
 from .errors import ApiError
 from .render import dumps
 from .requests import MAX_INLINE_CHARS, MAX_STOP, ChatRequest, check_stops
-from .validation import explain
 
 #: Anthropic's error types by status (its envelope: ``{"type": "error", "error": ...}``).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -190,13 +190,7 @@ class CountRequest(Body):
         if self.output_config is not None and self.output_config.format is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "output", "schema": self.output_config.format.schema_}}
-        try:
-            return ChatRequest.model_validate(body)
-        except ValidationError as exc:
-            message, at = explain(ChatRequest, exc.errors())
-            field = at.split(".")[0] if at else None
-            raise ApiError(400, _renamed(message), param=_FIELDS.get(field, field)
-                           if field else None) from None
+        return MESSAGES.chat(body)
 
     def _messages(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -277,24 +271,11 @@ def _choice(c: ToolChoice) -> dict[str, Any]:
     return out
 
 
-#: chat's field -> this body's, for chat's refusals
-_FIELDS = {"messages": "messages", "stop": "stop_sequences", "tools": "tools",
-           "tool_choice": "tool_choice", "max_tokens": "max_tokens"}
-
-
-def _renamed(message: str) -> str:
-    for chat, ours in (("function.parameters", "input_schema"), ("function.name", "name"),
-                       ("tool_calls", "tool_use blocks")):
-        message = message.replace(chat, ours)
-    return message
-
-
-def reworded(exc: ApiError) -> ApiError:
-    """A refusal worded for chat's fields, naming this body's."""
-    exc.message = _renamed(exc.message)
-    if exc.param is not None:
-        exc.param = _FIELDS.get(exc.param.split(".")[0], exc.param)
-    return exc
+#: chat's refusals worded for this body's fields
+MESSAGES = Dialect({"stop": "stop_sequences"},
+                   (("function.parameters", "input_schema"), ("function.name", "name"),
+                    ("tool_calls", "tool_use blocks")))
+reworded = MESSAGES.reworded
 
 
 # -- the answer -------------------------------------------------------------------------

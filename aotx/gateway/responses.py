@@ -26,7 +26,6 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
-    ValidationError,
     field_validator,
     model_validator,
 )
@@ -35,9 +34,9 @@ from .. import wire
 from . import reasoning
 from . import tools as T
 from .body import Body, KeepAlive
+from .dialect import Dialect
 from .errors import ApiError, wording
 from .requests import MAX_INLINE_CHARS, ChatRequest, InputAudio
-from .validation import explain
 
 _HEX = frozenset("0123456789abcdef")
 _ID_LEN = 5 + 16 + 32
@@ -279,37 +278,20 @@ class ResponseRequest(Body):
                 exclude={"type"}, exclude_none=True, by_alias=True)}
         elif fmt is not None:
             body["response_format"] = {"type": fmt.type}
-        try:
-            chat = ChatRequest.model_validate(body)
-            chat.keep_alive = self.keep_alive  # (milliseconds already)
-            return chat
-        except ValidationError as exc:
-            message, at = explain(ChatRequest, exc.errors())
-            field = at.split(".")[0] if at else None
-            raise ApiError(400, rename(message), param=FIELDS.get(field, field)
-                           if field else None) from None
+        chat = RESPONSES.chat(body)
+        chat.keep_alive = self.keep_alive  # (milliseconds already)
+        return chat
 
 
 #: chat's field -> this body's, for the messages and params of chat's checks
-FIELDS = {"messages": "input", "max_tokens": "max_output_tokens",
-          "response_format": "text.format", "tools": "tools", "tool_choice": "tool_choice"}
-
-
-def rename(message: str) -> str:
-    for chat, ours in (("response_format.json_schema.", "text.format."),
-                       ("response_format", "text.format"), ("max_tokens", "max_output_tokens"),
-                       ("messages", "input"), ("function.name", "name"),
-                       ("function.parameters", "parameters")):
-        message = message.replace(chat, ours)
-    return message
-
-
-def reworded(exc: ApiError) -> ApiError:
-    """A refusal worded for chat's fields, naming this body's."""
-    exc.message = rename(exc.message)
-    if exc.param is not None:
-        exc.param = FIELDS.get(exc.param.split(".")[0], exc.param)
-    return exc
+#: chat's refusals worded for this body's fields
+RESPONSES = Dialect(
+    {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
+     "tools": "tools", "tool_choice": "tool_choice"},
+    (("response_format.json_schema.", "text.format."), ("response_format", "text.format"),
+     ("max_tokens", "max_output_tokens"), ("messages", "input"), ("function.name", "name"),
+     ("function.parameters", "parameters")))
+reworded = RESPONSES.reworded
 
 
 def messages_of(items: list[dict[str, Any]]) -> list[dict[str, Any]]:

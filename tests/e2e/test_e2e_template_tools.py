@@ -20,9 +20,7 @@ import jsonschema
 import openai
 import pytest
 
-from aotx.device.models import default_model_path
-
-from ..helpers import SMALL_MODELS, Service, eventually, running_service
+from ..helpers import Service, eventually, running_service, with_templates
 from .test_e2e_tools import PARAMS, TOOLS, check_calls
 
 pytestmark = pytest.mark.e2e
@@ -34,11 +32,7 @@ LLAMA = os.path.join(TEMPLATES, "meta-llama-Llama-3.2-3B-Instruct.jinja")
 
 @pytest.fixture(scope="module")
 def svc() -> Iterator[Service]:
-    gguf = default_model_path()
-    models = SMALL_MODELS + "".join(
-        f'\n[[model]]\nalias = "{alias}"\npath = "{gguf}"\nchat_template = "{path}"\n'
-        'slots = 2\ncontext = 2048\n' for alias, path in (("qwen-tmpl", QWEN),
-                                                          ("llama-tmpl", LLAMA)))
+    models = with_templates((("qwen-tmpl", QWEN), ("llama-tmpl", LLAMA)))
     with running_service(models=models, env={"AOTX_LOG_PROMPTS": "1"}) as s:
         yield s
 
