@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import wire
-from ..engine.accept import THINK_INSIDE, THINK_UNDECIDED
+from ..engine.accept import THINK_INSIDE, THINK_NONE, THINK_UNDECIDED
 from ..engine.grammar import Matcher
 from ..engine.multimodal import MediaInputError, MediaProblem, MediaSegment, release_all
 from ..engine.request import Failure, Request, settle
@@ -352,6 +352,7 @@ class Admission:
             self._check_capacity(h, grant)
         identity = stub.identity if stub is not None else secrets.token_bytes(wire.IDENTITY_SIZE)
         seed = h.seed if h.submit_flags & wire.SUBMIT_FLAG_SEED else secrets.randbits(32)
+        thinking = _thinking(p)  # (engine/accept.py counts its reasoning tokens)
         req = Request(identity=identity, principal=h.principal, revision=grant.revision,
                       role=h.role, prompt=prompt, max_tokens=max_tokens,
                       temperature=max(0.0, h.temperature),
@@ -360,12 +361,10 @@ class Admission:
                       sampling=p.submission.sampling, matcher=matcher,
                       memory_off=bool(h.submit_flags & wire.SUBMIT_FLAG_MEMORY_OFF),
                       kept_flags=h.submit_flags & (wire.SUBMIT_FLAG_TOOLS
-                                                   | wire.SUBMIT_TOOL_FORMAT) | _thinking(p),
+                                                   | wire.SUBMIT_TOOL_FORMAT) | thinking,
+                      think=(THINK_NONE if not thinking else THINK_INSIDE
+                             if thinking & wire.STATE_FLAG_THINK_OPEN else THINK_UNDECIDED),
                       segments=segments)
-        thinking = _thinking(p)
-        if thinking:  # (engine/accept.py counts its reasoning tokens)
-            req.think = (THINK_INSIDE if thinking & wire.STATE_FLAG_THINK_OPEN
-                         else THINK_UNDECIDED)
         if p.memory_on and st.policy.enabled:
             req.source_text = "\n".join(f"{m['role'].capitalize()}: {m['content']}"
                                         for m in p.messages if m["role"] == "user")
