@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from .. import wire
 from ..engine.embedding import Embeddings, EmbedJob
+from ..engine.interface import Model
 from ..mailbox import mailbox_share
 from ..wire import Header, Reason
 from .admission import Admission
@@ -58,12 +59,31 @@ def embed(state: DeviceState, admission: Admission, calls: EmbedCalls, mailboxes
     if sum(1 for p, _ in calls if p == h.principal) >= share or (h.principal,
                                                                  h.identity) in calls:
         raise DeviceError(429, Reason.ACTIVE_LIMIT, share, retry_after=1)
-    engine, limit = model.engine, model.embeddings.embedder.context
+    inputs = _inputs(model.engine, model.embeddings.embedder.context, h.cursor,
+                     wire.decode_embed(payload), model.spec.kind == "rerank")
+    if h.cursor == 0:  # the first packet of a call: one admission against the rate
+        admission.check_rate(h, grant)
+        state.counters.admitted += 1  # (aotx_requests_admitted_total counts calls)
+    deadline = time.monotonic() + h.wait_ms / 1000 if h.wait_ms else math.inf
+    return EmbedCall(mailbox, h, model.embeddings, inputs, deadline)
+
+
+def _inputs(engine: Model, limit: int, cursor: int, items: list[str | tuple[int, ...]],
+            rank: bool) -> list[list[int]]:
+    """The tokens of each input, checked (``cursor``: the first one's index in the call).
+    A reranker's packet is a query (a text) then documents (texts): an input is the query
+    and a document joined (``rank_prompt``), indexed by the document."""
+    texts = [x for x in items if isinstance(x, str)]
+    if rank and (len(items) < 2 or len(texts) < len(items)):
+        raise DeviceError(400, Reason.MALFORMED, fields={"cursor": cursor})
     inputs = []
-    for i, x in enumerate(wire.decode_embed(payload)):
+    for i, x in enumerate(items[1:] if rank else items):
         # A text is a message's text: special-token texts in it stay text.
-        tokens = (engine.tokenize_pieces([(x, False)]) if isinstance(x, str) else list(x))
-        where = {"cursor": h.cursor + i}
+        if rank:
+            tokens = engine.rank_prompt(texts[0], texts[i + 1])
+        else:
+            tokens = (engine.tokenize_pieces([(x, False)]) if isinstance(x, str) else list(x))
+        where = {"cursor": cursor + i}
         bad = next((t for t in tokens if t >= engine.n_vocab), None)
         if bad is not None:
             raise DeviceError(400, Reason.TOKEN_ID, bad, fields=where)
@@ -71,11 +91,7 @@ def embed(state: DeviceState, admission: Admission, calls: EmbedCalls, mailboxes
             raise DeviceError(400, Reason.PROMPT_LENGTH, limit,
                               fields={**where, "prompt_tokens": len(tokens)})
         inputs.append(tokens)
-    if h.cursor == 0:  # the first packet of a call: one admission against the rate
-        admission.check_rate(h, grant)
-        state.counters.admitted += 1  # (aotx_requests_admitted_total counts calls)
-    deadline = time.monotonic() + h.wait_ms / 1000 if h.wait_ms else math.inf
-    return EmbedCall(mailbox, h, model.embeddings, inputs, deadline)
+    return inputs
 
 
 def withdraw_due(calls: EmbedCalls, now: float) -> float:
@@ -88,8 +104,8 @@ def withdraw_due(calls: EmbedCalls, now: float) -> float:
 
 
 def reply(state: DeviceState, call: EmbedCall, job: EmbedJob) -> tuple[Header, bytes]:
-    """The answer to a finished call (engine thread, lock held): the vectors as
-    little-endian f32, or 500 DECODE when a decode failed."""
+    """The answer to a finished call (engine thread, lock held): the vectors (a reranker's:
+    the scores) as little-endian f32, or 500 DECODE when a decode failed."""
     if job.withdrawn:
         raise DeviceError(503, Reason.WITHDRAWN)
     if job.error:

@@ -34,6 +34,11 @@ installed package, never by a fixed path.
     embedding_context = 512
 
     [[model]]
+    alias = "reranker"                  # a cross-encoder: /v1/rerank only
+    path = "models/bge-reranker-v2-m3.gguf"
+    kind = "rerank"                     # its GGUF must declare rank pooling
+
+    [[model]]
     alias = "vision"
     path = "models/some-vlm.gguf"
     mmproj = "models/mmproj-some-vlm.gguf"  # llama.cpp multimodal projector
@@ -70,6 +75,9 @@ embedding.py).  A ``kind = "embedding"`` model takes no chat requests; its pooli
 the GGUF's own (``<arch>.pooling_type``), mean where the file declares none.  A vLLM
 model answers ``/v1/embeddings`` only as ``kind = "embedding"`` (vLLM's pooling runner:
 one runner per engine), with vLLM's pooling for the model, or ``pooler_config``'s.
+A ``kind = "rerank"`` model (llama.cpp only) answers ``/v1/rerank`` alone: a query and
+each document joined into one input of at most ``embedding_context`` tokens, scored by
+the classifier head of its GGUF (which must declare rank pooling).
 
 Roles are assigned in order: the default model is role 1, the models file's
 entries follow (2, 3, ...).  A role is the small number the wire protocol uses
@@ -298,6 +306,9 @@ def _engine(state_dir: str, entry: dict[str, object], what: str) -> dict[str, An
         if key in entry:
             raise ModelConfigError(f"{what}: {key} is a llama.cpp setting; vLLM takes its "
                                    "own in [model.vllm] (max_num_seqs, max_model_len)")
+    if entry.get("kind") == "rerank":
+        raise ModelConfigError(f"{what}: kind = \"rerank\" is for llama.cpp models (a GGUF "
+                               "cross-encoder): vLLM's score runner is not served")
     if entry.get("kind") == "embedding":
         if "lora" in entry:
             raise ModelConfigError(f"{what}: [[model.lora]] adapters need a chat model")
@@ -342,17 +353,18 @@ def _folder_in(state_dir: str, value: object, what: str, marker: str = "config.j
 def _template_file(state_dir: str, entry: dict[str, object], what: str) -> str | None:
     if "chat_template" not in entry:
         return None
-    if entry.get("kind") == "embedding":
-        raise ModelConfigError(f"{what}: an embedding model takes no chat_template")
+    if entry.get("kind") in ("embedding", "rerank"):
+        raise ModelConfigError(f"{what}: an {entry['kind']} model takes no chat_template")
     return _file_in(state_dir, entry["chat_template"], f"{what} chat_template")
 
 
 def _kind(entry: dict[str, object], what: str) -> str:
     kind = entry.get("kind", "chat")
-    if kind not in ("chat", "embedding"):
-        raise ModelConfigError(f"{what}: kind must be \"chat\" or \"embedding\", got {kind!r}")
-    if kind == "embedding" and "mmproj" in entry:
-        raise ModelConfigError(f"{what}: an embedding model takes no projector")
+    if kind not in ("chat", "embedding", "rerank"):
+        raise ModelConfigError(f"{what}: kind must be \"chat\", \"embedding\" or \"rerank\", "
+                               f"got {kind!r}")
+    if kind != "chat" and "mmproj" in entry:
+        raise ModelConfigError(f"{what}: an {kind} model takes no projector")
     return str(kind)
 
 

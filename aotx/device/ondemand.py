@@ -144,10 +144,11 @@ def listed(spec: ModelSpec) -> OnDemand:
     template = ChatTemplate(source, bos_token=d.bos_text,
                             eos_token=d.eos_text)
     chat = spec.kind == "chat"
+    rerank = spec.kind == "rerank"  # (a score per document)
     info = wire.ModelInfo(spec.role, spec.alias, bytes(32), wire.MOD_TEXT, 0,
-                          spec.context if chat else 0, embedding_dims=d.n_embd,
+                          spec.context if chat else 0, embedding_dims=1 if rerank else d.n_embd,
                           embedding_tokens=spec.embedding_context,
-                          tool_format=template.tool_format)
+                          tool_format=template.tool_format, rerank=rerank)
     return OnDemand(spec, info, d.memory_bytes, d.vram_bytes, described=file)
 
 
@@ -169,7 +170,7 @@ def describe_all(specs: list[ModelSpec]) -> dict[int, OnDemand]:
         except (EngineError, TemplateError, OSError) as exc:
             log.warning("event=model.undescribed alias=%s error=%s", spec.alias, exc)
             info = wire.ModelInfo(spec.role, spec.alias, bytes(32), wire.MOD_TEXT, 0,
-                                  spec.context)
+                                  spec.context, rerank=spec.kind == "rerank")
             out[spec.role] = OnDemand(spec, info, 0, 0, FAILED, why(spec, exc))
     return out
 

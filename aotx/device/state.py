@@ -189,7 +189,7 @@ class DeviceState:
                                             m.published_at,
                                             m.engine.slot_context if m.chat else 0,
                                             m.automatic_memory, *_embedding_limits(m),
-                                            m.template.tool_format)
+                                            m.template.tool_format, m.spec.kind == "rerank")
                 for m in self.models.values()}
         for role, od in self.on_demand.items():
             rows.setdefault(role, od.info)  # (loaded, the model's own row)

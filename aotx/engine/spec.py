@@ -20,7 +20,8 @@ class ModelSpec:
     threads: int = 0
     poll: int = 50  # ggml thread-pool polling level, 0-100, -1: no pool (EngineConfig.poll)
     mmproj: str | None = None  # multimodal projector (llama.cpp mtmd), None: text only
-    kind: str = "chat"  # "chat", or "embedding": /v1/embeddings only (pooling from the GGUF)
+    kind: str = "chat"  # "chat"; "embedding": /v1/embeddings only (pooling from the GGUF);
+    # "rerank": /v1/rerank only (a cross-encoder whose GGUF declares rank pooling)
     embedding_context: int = 512  # tokens of one embedding input (one decode's)
     chat_template: str | None = None  # a Jinja file used instead of the GGUF's template
     kv_budget: int = 0  # bytes of the KV pool the sequences share; -1: "auto"; 0: no pool

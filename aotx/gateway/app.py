@@ -5,7 +5,7 @@ Routers by surface: ``routes_openai`` (standard ``/v1``), ``routes_completions``
 legacy ``/v1/completions``), ``routes_responses`` (``/v1/responses``), ``routes_native`` (requests, capabilities, telemetry),
 ``routes_media``, ``routes_policy`` (policy and memory), ``routes_models`` (models'
 residency, load and unload), ``routes_tokens`` (token counts and the tokenizer), ``routes_messages``
-(Anthropic's Messages API), ``routes_ops`` (health, readiness, metrics).  The :class:`~aotx.gateway.service.Gateway`
+(Anthropic's Messages API), ``routes_rerank`` (``/v1/rerank``), ``routes_ops`` (health, readiness, metrics).  The :class:`~aotx.gateway.service.Gateway`
 lives on ``app.state.gateway``; routes reach it and the caller through dependencies.
 Every error becomes the standard error object here, in the handlers, or in-band once a
 stream has started.
@@ -43,6 +43,7 @@ from . import (
     routes_openai,
     routes_ops,
     routes_policy,
+    routes_rerank,
     routes_responses,
     routes_tokens,
 )
@@ -89,7 +90,7 @@ def create_app(paths: RuntimePaths, settings: Settings | None = None, loopback_o
     routes: list[BaseRoute] = []
     for module in (routes_ops, routes_native, routes_media, routes_policy, routes_models,
                    routes_openai, routes_completions, routes_embeddings, routes_responses,
-                   routes_tokens, routes_messages):
+                   routes_tokens, routes_messages, routes_rerank):
         _document_errors(module.router.routes)
         app.include_router(module.router)
         routes += module.router.routes

@@ -141,8 +141,10 @@ def chat_model(g: Gateway, alias: str, principal: Principal) -> wire.ModelInfo:
     naming why: the device would refuse it as a model it does not have)."""
     m = g.model_for(alias, principal)
     if not m.context_tokens:
-        raise ApiError(404, f"model {m.alias!r} is an embedding model: it answers "
-                            "/v1/embeddings only", param="model", code="model_not_found")
+        kind, route = ("a reranker", "/v1/rerank") if m.rerank else ("an embedding model",
+                                                                    "/v1/embeddings")
+        raise ApiError(404, f"model {m.alias!r} is {kind}: it answers {route} only",
+                       param="model", code="model_not_found")
     return m
 
 

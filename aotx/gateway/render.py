@@ -195,11 +195,14 @@ def model_status(e: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def capabilities(m: wire.ModelInfo) -> dict[str, Any]:
     """Which standard routes a model answers: chat (an embedding model's context is 0),
-    and embeddings with their dimensions and input limit (null: none); how its chat
-    template writes tools (``fallback``: it knows none, aotx writes them as text)."""
+    embeddings with their dimensions and input limit (null: none), rerank (a reranker
+    answers that alone); how its chat template writes tools (``fallback``: it knows none,
+    aotx writes them as text)."""
+    embeds = m.embedding_dims and not m.rerank
     return {"chat": m.context_tokens > 0, "tool_format": m.tool_format.name.lower(),
             "embeddings": {"dimensions": m.embedding_dims,
-                           "max_input_tokens": m.embedding_tokens} if m.embedding_dims else None}
+                           "max_input_tokens": m.embedding_tokens} if embeds else None,
+            "rerank": m.rerank}
 
 
 # -- /metrics: Prometheus text from the device's METRICS and the broker's BROKER_STATS --------

@@ -71,8 +71,9 @@ async def embeddings(body: EmbeddingRequest, request: Request, principal: Princi
                      g: Gateway = Service) -> Response:
     await g.ensure_ready()
     m = g.model_for(body.model, principal)
-    if not m.embedding_dims:
-        raise ApiError(400, f"model {m.alias!r} does not provide embeddings", param="model")
+    if not m.embedding_dims or m.rerank:
+        raise ApiError(400, f"model {m.alias!r} does not provide embeddings"
+                            + (" (a reranker: /v1/rerank)" if m.rerank else ""), param="model")
     if body.dimensions is not None:
         raise ApiError(400, f"model {m.alias!r} does not support dimensions: its vectors "
                             f"have {m.embedding_dims}", param="dimensions")
@@ -95,8 +96,10 @@ async def embeddings(body: EmbeddingRequest, request: Request, principal: Princi
 
 
 async def _embed_all(g: Gateway, principal: Principal, m: wire.ModelInfo,
-                     inputs: list[str] | list[list[int]]) -> tuple[bytearray, int]:
-    """Every input's vector, packet after packet; and their tokens.
+                     inputs: list[str] | list[list[int]], query: str | None = None
+                     ) -> tuple[bytearray, int]:
+    """Every input's vector, packet after packet; and their tokens.  A reranker's
+    (``query``): every document's score, the query first in each packet.
 
     One call of a principal's at a time goes to the device; its others wait here for
     their turn, up to a packet's deadline (then 429).  The device embeds a principal's
@@ -113,8 +116,8 @@ async def _embed_all(g: Gateway, principal: Principal, m: wire.ModelInfo,
                        code="embedding_calls_in_progress", headers={"Retry-After": "1"}) from None
     try:
         vectors, tokens = bytearray(), 0
-        for start, chunk in _packets(inputs, m):
-            data, used = await _embed(g, principal, m, start, chunk)
+        for start, chunk in _packets(inputs, m, query):
+            data, used = await _embed(g, principal, m, start, chunk, query)
             vectors += data
             tokens += used
         return vectors, tokens
@@ -151,39 +154,47 @@ def _checked(inputs: list[str] | list[list[int]], m: wire.ModelInfo) -> list[str
 
 def _too_long(index: int, tokens: int, m: wire.ModelInfo) -> ApiError:
     # The input is refused, never truncated: a cut vector would not say what was cut.
+    if m.rerank:
+        return ApiError(400, f"documents[{index}] with the query has {tokens} tokens; model "
+                             f"{m.alias} scores at most {m.embedding_tokens} tokens of a "
+                             "query and a document", param="documents",
+                        code="context_length_exceeded")
     return ApiError(400, f"input[{index}] has {tokens} tokens; model {m.alias} embeds at most "
                          f"{m.embedding_tokens} tokens of one input", param="input",
                     code="context_length_exceeded")
 
 
-def _packets(inputs: list[str] | list[list[int]], m: wire.ModelInfo
+def _packets(inputs: list[str] | list[list[int]], m: wire.ModelInfo, query: str | None = None
              ) -> list[tuple[int, list[Any]]]:
-    """(index of the first input, inputs) of each EMBED packet."""
-    per_reply = max(1, wire.MAX_PAYLOAD // (4 * m.embedding_dims))
+    """(index of the first input, inputs) of each EMBED packet (a reranker's: each packet
+    holds the ``query`` too, and each document's input holds the query's tokens)."""
+    per_reply = min(max(1, wire.MAX_PAYLOAD // (4 * m.embedding_dims)),
+                    wire.MAX_EMBED_INPUTS - (query is not None))
     token_room = PACKET_DECODES * m.embedding_tokens
+    lead = 8 + len(query.encode("utf-8")) if query is not None else 0
     out: list[tuple[int, list[Any]]] = []
-    start, size, tokens = 0, 4, 0
+    start, size, tokens = 0, 4 + lead, 0
     for i, x in enumerate(inputs):
         n = len(x.encode("utf-8")) if isinstance(x, str) else 4 * len(x)
         # a text's tokens are at most its bytes (and the model's limit), plus start and end
-        est = min(n + 2 if isinstance(x, str) else len(x), m.embedding_tokens)
+        est = min(n + lead + 2 if isinstance(x, str) else len(x), m.embedding_tokens)
         if i > start and (i - start >= per_reply or size + 8 + n > wire.MAX_PAYLOAD
                           or tokens + est > token_room):
             out.append((start, list(inputs[start:i])))
-            start, size, tokens = i, 4, 0
+            start, size, tokens = i, 4 + lead, 0
         size, tokens = size + 8 + n, tokens + est
     out.append((start, list(inputs[start:])))
     return out
 
 
 async def _embed(g: Gateway, principal: Principal, m: wire.ModelInfo, start: int,
-                 chunk: list[Any]) -> tuple[bytes, int]:
+                 chunk: list[Any], query: str | None = None) -> tuple[bytes, int]:
     """One EMBED packet: its vectors' bytes and tokens, or the refusal as an ApiError.
 
     The packet names itself (a random identity) and says how long it is waited for (the
     deadline less the margin for the reply's way back): the device withdraws it then,
     and at once when this task is cancelled (its client left) by an UNPARK."""
-    payload = wire.encode_embed(chunk)
+    payload = wire.encode_embed(chunk if query is None else [query, *chunk])
     deadline = g.deadlines.of(wire.Header(op=wire.Op.EMBED))
     h = wire.Header.request(wire.Op.EMBED, principal=principal.id, role=m.role, cursor=start,
                             identity=os.urandom(wire.IDENTITY_SIZE),
@@ -201,7 +212,7 @@ async def _embed(g: Gateway, principal: Principal, m: wire.ModelInfo, start: int
                                 f"model {m.alias}'s vocabulary", param="input")
         err = refusal(rh, Call(m.alias, input_bytes=len(payload)))
         if rh.reason == wire.Reason.INPUT_BYTES:
-            err.param = "input"
+            err.param = "documents" if query is not None else "input"
         raise err
     if len(body) != len(chunk) * 4 * m.embedding_dims:
         raise ApiError(502, "the device answered with other vectors than asked")

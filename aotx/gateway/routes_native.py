@@ -52,7 +52,9 @@ async def capabilities(principal: Principal = Caller, g: Gateway = Service) -> R
                      "response_format": ["text", "json_object", "json_schema"],
                      "tool_choice": ["none", "auto", "required", "function"],
                      "top_logprobs": wire.MAX_TOP_LOGPROBS,
-                     "embeddings": any(m.embedding_dims for m in info.models)},
+                     "embeddings": any(m.embedding_dims and not m.rerank
+                                       for m in info.models),
+                     "rerank": any(m.rerank for m in info.models)},
         "lineage": {"kind": "automatic_memory", "path": "memory/"} if memory else None,
     })
 

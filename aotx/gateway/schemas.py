@@ -242,11 +242,13 @@ class ModelEntry(_Doc):
     published_at: str
     context_tokens: Decimal = _DEC
     automatic_memory: bool
-    chat: bool = Field(description="false: an embedding model (no chat requests)")
+    chat: bool = Field(description="false: an embedding model or a reranker (no chat "
+                                   "requests)")
     tool_format: Literal["fallback", "hermes", "llama3"] = Field(
         description="how the model's chat template writes tools (fallback: aotx writes "
                     "them as text)")
     embeddings: EmbeddingsCapability | None
+    rerank: bool = Field(description="a reranker: it answers /v1/rerank alone")
     status: ModelStatus | None
 
 
@@ -266,6 +268,7 @@ class Features(_Doc):
         description="the tool_choice values taken (function: a named function)")
     top_logprobs: int = Field(description="the most alternatives logprobs list per token")
     embeddings: bool
+    rerank: bool
 
 
 class Lineage(_Doc):
@@ -303,11 +306,13 @@ class OpenAIModel(_Doc):
     created: int
     owned_by: str
     automatic_memory: bool
-    chat: bool = Field(description="false: an embedding model (no chat requests)")
+    chat: bool = Field(description="false: an embedding model or a reranker (no chat "
+                                   "requests)")
     tool_format: Literal["fallback", "hermes", "llama3"] = Field(
         description="how the model's chat template writes tools (fallback: aotx writes "
                     "them as text)")
     embeddings: EmbeddingsCapability | None
+    rerank: bool = Field(description="a reranker: it answers /v1/rerank alone")
     status: ModelStatus | None
 
 
@@ -357,6 +362,28 @@ class EmbeddingList(_Doc):
     object: Literal["list"]
     data: list[Embedding]
     model: str
+    usage: EmbeddingUsage
+
+
+class RerankDocument(_Doc):
+    text: str
+
+
+class RerankResult(_Doc):
+    index: int = Field(description="the document's place in the body's documents")
+    relevance_score: float = Field(description="the reranker's score (its classifier head's "
+                                               "output): higher is more relevant")
+    document: RerankDocument | None = Field(default=None,
+                                            description="with return_documents: true")
+
+
+class RerankList(_Doc):
+    """The answer of ``POST /v1/rerank``: the documents' scores, highest first."""
+
+    id: str
+    object: Literal["list"]
+    model: str
+    results: list[RerankResult]
     usage: EmbeddingUsage
 
 

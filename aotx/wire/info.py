@@ -51,6 +51,7 @@ class ModelInfo(NamedTuple):
     embedding_dims: int = 0  # EMBED: floats per vector; 0: the model does not embed
     embedding_tokens: int = 0  # EMBED: the most tokens of one input
     tool_format: ToolFormat = ToolFormat.FALLBACK  # how its chat template writes tool calls
+    rerank: bool = False  # a reranker: its EMBED scores documents against a query
 
 
 class ModelRow(NamedTuple):
@@ -86,7 +87,8 @@ class Info(NamedTuple):
     mailboxes: Annotated[int, F("I", 64, False, "mapped mailboxes")] = 0
     kv_cells: Annotated[int, F("I", 68, False, "KV cells, all models")] = 0
     started_unix_ns: Annotated[int, F("Q", 72, False, "when the epoch started")] = 0
-    reserved_80: Annotated[bytes, F("76s", 80, True, "zero")] = bytes(76)
+    rerank_roles: Annotated[int, F("I", 80, False, "bit r: role r is a reranker")] = 0
+    reserved_84: Annotated[bytes, F("72s", 84, True, "zero")] = bytes(72)
     memory_roles: Annotated[int, F("I", 156, True, "bit r: role r qualified")] = 0
     reserved_160: Annotated[bytes, F("32s", 160, True, "zero")] = bytes(32)
     models: tuple[ModelInfo, ...] = ()
@@ -96,7 +98,7 @@ INFO_HEADER, INFO_ROW = layout(Info, 192), layout(ModelRow, 40)
 
 
 def encode_info(info: Info) -> bytes:
-    strings, table, roles = bytearray(), bytearray(), 0
+    strings, table, roles, rerank = bytearray(), bytearray(), 0, 0
     for m in info.models:
         if not 0 <= m.role < 32:
             raise WireError(f"model role {m.role} outside 0..31")
@@ -109,7 +111,8 @@ def encode_info(info: Info) -> bytes:
         strings += alias + m.sha256
         table += INFO_ROW.pack(*row)
         roles |= int(m.automatic_memory) << m.role
-    head = info._replace(model_count=len(info.models), memory_roles=roles)
+        rerank |= int(m.rerank) << m.role
+    head = info._replace(model_count=len(info.models), memory_roles=roles, rerank_roles=rerank)
     return INFO_HEADER.pack(*head[:-1]) + bytes(table) + bytes(strings)  # all but models
 
 
@@ -120,7 +123,7 @@ def decode_info(data: bytes | memoryview) -> Info:
     info = Info._make((*INFO_HEADER.unpack_from(data), ()))
     if info.schema != 1 or info.abi != 1:
         raise WireError(f"unsupported information schema {info.schema}/{info.abi}")
-    if any(info.reserved_80) or any(info.reserved_160):
+    if any(info.reserved_84) or any(info.reserved_160):
         raise WireError("reserved information header bytes are not zero")
     rows_end = INFO_HEADER.size + info.model_count * INFO_ROW.size
     if rows_end > len(data):
@@ -141,7 +144,8 @@ def decode_info(data: bytes | memoryview) -> Info:
             raise WireError("model alias is not valid UTF-8") from None
         models.append(ModelInfo(r.role, alias, digest, r.modalities, r.published_at,
                                 r.context_tokens, bool(info.memory_roles >> r.role & 1),
-                                r.embedding_dims, r.embedding_tokens, _tool_format(r.tool_format)))
-    if info.memory_roles & ~visible:
-        raise WireError("automatic-memory bits set for roles that are not visible")
+                                r.embedding_dims, r.embedding_tokens, _tool_format(r.tool_format),
+                                bool(info.rerank_roles >> r.role & 1)))
+    if (info.memory_roles | info.rerank_roles) & ~visible:
+        raise WireError("automatic-memory or reranker bits set for roles that are not visible")
     return info._replace(models=tuple(models))

@@ -172,8 +172,14 @@ def test_models_file_kind_and_embedding_context(tmp_path) -> None:
     chat, emb = load_specs(str(tmp_path))
     assert (chat.kind, chat.embedding_context, chat.slots) == ("chat", 256, 16)
     assert (emb.kind, emb.embedding_context, emb.slots) == ("embedding", 512, 1)  # no streams
-    for bad, why in (('kind = "rerank"', "kind must be"), ("embedding_context = 0", "positive"),
-                     ('kind = "embedding"\nmmproj = "m.gguf"', "no projector")):
+    (tmp_path / "models.toml").write_text('[[model]]\nalias = "r"\npath = "m.gguf"\n'
+                                          'kind = "rerank"\nslots = 4\n')
+    assert [(s.kind, s.slots) for s in load_specs(str(tmp_path))][1] == ("rerank", 1)
+    for bad, why in (('kind = "classify"', "kind must be"), ("embedding_context = 0", "positive"),
+                     ('kind = "embedding"\nmmproj = "m.gguf"', "no projector"),
+                     ('kind = "rerank"\nmmproj = "m.gguf"', "no projector"),
+                     ('kind = "rerank"\nchat_template = "m.gguf"', "no chat_template"),
+                     ('kind = "rerank"\nengine = "vllm"', "for llama.cpp models")):
         (tmp_path / "models.toml").write_text(
             f'[default]\nenabled = false\n[[model]]\nalias = "e"\npath = "m.gguf"\n{bad}\n')
         with pytest.raises(ModelConfigError, match=why):

@@ -50,3 +50,14 @@ def test_strip_tokens_take_the_whitespace_of_the_run_beside_them() -> None:
     got = eng.tokenize_pieces([("<|user|>\n", True), ("  hi  ", False), ("<mask>", True),
                                ("<|end|> x", True)], add_special=False)
     assert text(got) == "[1]hi[3][2] x"
+
+
+def test_a_rerank_template_takes_the_query_and_document_as_text() -> None:
+    """A GGUF's ``tokenizer.chat_template.rerank`` (Qwen 3's rerankers): its markup's special
+    texts are tokens, the query's and the document's are text; no BOS is added."""
+    eng = engine()
+    eng.metadata = lambda key: (  # type: ignore[method-assign]
+        "<|user|>q:{query}|d:{document}<|end|>" if key == "tokenizer.chat_template.rerank"
+        else None)
+    got = eng.rank_prompt("<|end|>why", "<mask>")
+    assert text(got) == "[1]q:<|end|>why|d:<mask>[2]"

@@ -250,18 +250,19 @@ def test_truncated_or_flipped_submissions_are_rejected_cleanly(sub: wire.Submiss
 model_infos = st.builds(wire.ModelInfo, role=st.integers(0, 31), alias=st.text(min_size=1, max_size=12),
                         sha256=st.binary(min_size=32, max_size=32), modalities=st.integers(0, 7),
                         published_at=u64, context_tokens=u32, automatic_memory=st.booleans(),
-                        embedding_dims=u32, embedding_tokens=u32)
+                        embedding_dims=u32, embedding_tokens=u32, rerank=st.booleans())
 infos = st.builds(wire.Info, epoch=u64,
                   models=st.lists(model_infos, max_size=5, unique_by=lambda m: m.role).map(tuple),
                   window_bytes=u32, context_tokens=u32, output_tokens=u32, active_requests=u32,
                   slots=u32, media_bytes=u64, retention_seconds=u32, retention_requests=u32,
                   mailboxes=u32, kv_cells=u32, started_unix_ns=u64, schema=st.just(1),
-                  abi=st.just(1), max_packet=u32, max_payload=u32, reserved_80=st.just(bytes(76)),
+                  abi=st.just(1), max_packet=u32, max_payload=u32, reserved_84=st.just(bytes(72)),
                   reserved_160=st.just(bytes(32)), model_count=st.just(0),
-                  memory_roles=st.just(0)).map(
+                  memory_roles=st.just(0), rerank_roles=st.just(0)).map(
     # the payload's count and role bits are the models' (encode_info computes them)
     lambda i: i._replace(model_count=len(i.models), memory_roles=sum(
-        1 << m.role for m in i.models if m.automatic_memory)))
+        1 << m.role for m in i.models if m.automatic_memory), rerank_roles=sum(
+        1 << m.role for m in i.models if m.rerank)))
 
 
 @given(infos)
@@ -270,6 +271,8 @@ def test_info_roundtrip(info: wire.Info) -> None:
     assert len(data) >= 192 + 40 * len(info.models)
     bits = struct.unpack_from("<I", data, 156)[0]
     assert bits == sum(1 << m.role for m in info.models if m.automatic_memory)
+    assert struct.unpack_from("<I", data, 80)[0] == sum(1 << m.role for m in info.models
+                                                        if m.rerank)
 
 
 def test_info_rows_carry_the_embedding_limits() -> None:

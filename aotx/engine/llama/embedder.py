@@ -8,6 +8,11 @@ one decode (``context`` tokens, one unified buffer) and is cleared before each o
 input is embedded in a single ``llama_decode``, which pooling over a whole sequence (and
 a non-causal encoder) needs.  The engine thread's queue (engine/embedding.py) decodes
 through it.
+
+A reranker (a cross-encoder: its GGUF declares rank pooling, and its classifier head
+gives a score) is decoded alike: its "vector" is one float, the score of the input (a
+query and a document joined, ``LlamaEngine.rank_prompt``), as llama-server reports it
+(the head's first output, not normalized).
 """
 
 from __future__ import annotations
@@ -21,15 +26,17 @@ from .engine import LlamaEngine
 
 #: Pooling names (the models file's and the capabilities') -> llama.cpp's pooling types.
 POOLING = {"mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN, "cls": llama_cpp.LLAMA_POOLING_TYPE_CLS,
-           "last": llama_cpp.LLAMA_POOLING_TYPE_LAST}
+           "last": llama_cpp.LLAMA_POOLING_TYPE_LAST, "rank": llama_cpp.LLAMA_POOLING_TYPE_RANK}
 
 
 class Embedder:
     """An embedding context on ``engine``'s model: ``context`` tokens per decode (and so per
     input), ``pooling`` a name of :data:`POOLING`, or None for the pooling the GGUF file
-    declares (mean when it declares none)."""
+    declares (mean when it declares none).  ``rank``: the model is a reranker, and its
+    GGUF must declare rank pooling; else it must not."""
 
-    def __init__(self, engine: LlamaEngine, context: int, pooling: str | None = "mean") -> None:
+    def __init__(self, engine: LlamaEngine, context: int, pooling: str | None = "mean",
+                 rank: bool = False) -> None:
         if llama_cpp.llama_model_has_encoder(engine.model):  # T5: llama_encode, not here
             raise EngineError("encoder-decoder models are not supported for embeddings")
         params = llama_cpp.llama_context_default_params()
@@ -54,20 +61,21 @@ class Embedder:
             self.ctx = llama_cpp.llama_init_from_model(engine.model, params)
             kind = int(llama_cpp.llama_pooling_type(self.ctx))
         names = {v: k for k, v in POOLING.items()}
-        if kind not in names:  # RANK: a reranker's score, not an embedding
+        if kind not in names or rank != (kind == POOLING["rank"]):
             llama_cpp.llama_free(self.ctx)
-            raise EngineError(f"pooling type {kind} does not give embeddings")
+            raise EngineError(_unfit(kind, rank))
         self.pooling = names[kind]
         engine.attach(self.ctx)  # the engine thread's pool: both contexts run on that thread
         self.engine = engine
         self.context = context
-        self.dims = int(llama_cpp.llama_model_n_embd(engine.model))
+        self.rank = rank  # a score per input: the classifier head's first output
+        self.dims = 1 if rank else int(llama_cpp.llama_model_n_embd(engine.model))
         self.memory = llama_cpp.llama_get_memory(self.ctx)  # None for an encoder without KV
         self.batch = llama_cpp.llama_batch_init(context, 0, 1)
 
     def embed(self, inputs: list[list[int]]) -> Vectors:
-        """Unit vectors of ``inputs`` (at most :data:`MAX_SEQS`, ``context`` tokens in all),
-        one decode.  Raises EngineError when the decode fails."""
+        """Unit vectors of ``inputs`` (a reranker: their scores; at most :data:`MAX_SEQS`,
+        ``context`` tokens in all), one decode.  Raises EngineError when the decode fails."""
         b, n = self.batch, 0
         if len(inputs) > MAX_SEQS or sum(map(len, inputs)) > self.context:
             raise EngineError("embedding batch overflow")
@@ -88,6 +96,8 @@ class Embedder:
             if not row:
                 raise EngineError(f"no embedding for sequence {seq}")
             out[seq] = np.ctypeslib.as_array(row, shape=(self.dims,))
+        if self.rank:
+            return out
         norms = np.linalg.norm(out, axis=1, keepdims=True)
         out /= np.where(norms > 0, norms, np.float32(1.0))  # unit length, as OpenAI's
         return out
@@ -97,3 +107,12 @@ class Embedder:
             llama_cpp.llama_batch_free(self.batch)
             llama_cpp.llama_free(self.ctx)
             self.ctx = None
+
+
+def _unfit(kind: int, rank: bool) -> str:
+    """Why a context of pooling ``kind`` cannot serve (``rank``: as a reranker)."""
+    if kind == POOLING["rank"]:
+        return "its GGUF declares rank pooling: a reranker (kind = \"rerank\")"
+    if rank:
+        return "its GGUF does not declare rank pooling (a reranker's classifier head)"
+    return f"pooling type {kind} does not give embeddings"

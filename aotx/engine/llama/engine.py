@@ -35,6 +35,7 @@ from ..interface import BatchEntry, EngineError
 from ..masks import apply_mask
 from .cores import FreeCores
 from .libs import ThreadpoolParams, ggml_libs
+from .rank import rank_prompt
 from .residency import available_bytes, create_uncommitted
 from .sampling import Sampler
 
@@ -309,6 +310,10 @@ class LlamaEngine:
         if add_special and end and self.add_eos:
             out.append(self.eos)
         return out
+
+    def rank_prompt(self, query: str, document: str) -> list[int]:
+        """A reranker's input for ``query`` and ``document`` (rank.py)."""
+        return rank_prompt(self, query, document)
 
     def specials(self, text: str) -> list[int]:
         """The special tokens that special parsing finds in ``text``, in order."""

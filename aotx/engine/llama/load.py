@@ -3,8 +3,8 @@ its engine, projector (``mmproj``), scheduler and embedding context, assembled h
 
 A chat model gets a scheduler over its sequences, mean-pooled embeddings in pieces
 (embed_pieces.py) when its context allows them, and its projector's image and audio
-input; an embedding model (``kind = "embedding"``) one slot of its embedding context
-and the pooling its GGUF declares.
+input; an embedding model (``kind = "embedding"``) or a reranker (``"rerank"``) one slot
+of its embedding context and the pooling its GGUF declares.
 """
 
 from __future__ import annotations
@@ -99,20 +99,21 @@ def _projector(spec: ModelSpec, engine: LlamaEngine) -> tuple[MediaEncoder | Non
 def _embeddings(spec: ModelSpec, engine: LlamaEngine, scheduler: Scheduler,
                 lock: threading.Lock) -> EmbedQueue | None:
     """The model's embedding context and its queue, run by the engine thread between steps:
-    mean pooling for a chat model, the GGUF's own for an embedding model.  A chat model
-    that cannot have one still chats (its capabilities say no embeddings); an embedding
-    model cannot load (EngineError)."""
+    mean pooling for a chat model, the GGUF's own for an embedding model or a reranker
+    (rank pooling).  A chat model that cannot have one still chats (its capabilities say
+    no embeddings); an embedding model or a reranker cannot load (EngineError)."""
     try:
         # A chat model attends causally: its inputs are embedded in pieces, so that a long
         # one never holds the engine thread for a whole decode (embed_pieces.py).
         embedder: Embedder | PieceEmbedder = (
             PieceEmbedder(engine, spec.embedding_context) if spec.kind == "chat"
-            else Embedder(engine, spec.embedding_context, None))
+            else Embedder(engine, spec.embedding_context, None, rank=spec.kind == "rerank"))
     except EngineError as exc:
         if spec.kind == "chat":
             log.warning("event=model.no_embeddings alias=%s error=%s", spec.alias, exc)
             return None
-        raise EngineError(f"no embeddings: {exc}") from None
+        raise EngineError(f"no {'scores' if spec.kind == 'rerank' else 'embeddings'}: "
+                          f"{exc}") from None
     queue = EmbedQueue(embedder, lock, scheduler.cond.notify)
     scheduler.side = queue
     log.info("event=model.embeddings alias=%s pooling=%s dims=%d context=%d", spec.alias,

@@ -88,6 +88,10 @@ class HfVocab:
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.tokenize_pieces([(text, True)], add_special)
 
+    def rank_prompt(self, query: str, document: str) -> list[int]:
+        """Not served: a vLLM model is no reranker here (models.py refuses the kind)."""
+        raise NotImplementedError("kind = \"rerank\" is for llama.cpp models")
+
     def tokenize_pieces(self, pieces: Sequence[tuple[str, bool]], add_special: bool = True,
                         start: bool = True, end: bool = True) -> list[int]:
         """As :meth:`LlamaEngine.tokenize_pieces`: special-token texts are parsed only
