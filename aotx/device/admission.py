@@ -118,7 +118,10 @@ class Admission:
     def _text_or_job(self, p: Prepared, mailbox: int, stub: Request | None = None
                      ) -> list[int] | MediaJob:
         """A text request's tokens, or the media worker's job (its media leased now)."""
-        if not p.leased and (p.submission.constraint is None or _dry(p)):
+        # (a thinking budget is a grammar too: constraints.py)
+        free = p.submission.constraint is None and not (p.header.thought_budget
+                                                        and _thinking(p))
+        if not p.leased and (free or _dry(p)):
             return self._tokens(p)
         if p.leased and p.model.encoder is None:
             raise DeviceError(400, Reason.NO_PROJECTOR)
@@ -302,7 +305,8 @@ class Admission:
         try:
             matcher = None if _dry(p) else constraint_matcher(
                 p.model, p.submission.constraint, _thinking(p),
-                max(1, (p.header.max_tokens or p.model.engine.slot_context) // 2))
+                max(1, (p.header.max_tokens or p.model.engine.slot_context) // 2),
+                p.header.thought_budget)
             try:
                 if p.model.encoder is None or not p.leased:
                     prompt = self._tokens(p)

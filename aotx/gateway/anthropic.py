@@ -141,7 +141,7 @@ class ToolChoice(Body):
 
 class Thinking(Body):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = Field(default=None, ge=0)
+    budget_tokens: int | None = Field(default=None, ge=1, lt=1 << 31)
     display: Literal["summarized", "omitted"] | None = None
 
 
@@ -187,6 +187,8 @@ class CountRequest(Body):
             body["reasoning_effort"] = {"xhigh": "high", "max": "high"}.get(effort, effort)
         if self.thinking is not None and self.thinking.type == "disabled":
             body["chat_template_kwargs"] = {"enable_thinking": False}
+        elif self.thinking is not None and self.thinking.budget_tokens:
+            body["reasoning_budget_tokens"] = self.thinking.budget_tokens
         if self.output_config is not None and self.output_config.format is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "output", "schema": self.output_config.format.schema_}}

@@ -111,7 +111,7 @@ def submission(body: ChatRequest, m: wire.ModelInfo, principal: Principal, allow
         wire.Op.SUBMIT, principal=principal.id, role=m.role, max_tokens=limit,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, submit_flags=flags | keep, seed=seed,
-        **keep_fields)
+        thought_budget=body.thought_budget, **keep_fields)
     field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     return h, payload, Call(m.alias, limit, len(payload), tuple(digests), tuple(kinds),
                             body.tool_names, field)

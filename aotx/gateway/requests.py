@@ -174,6 +174,10 @@ class ChatRequest(Body):
     # A reasoning model's effort: the template's ``reasoning_effort`` (gpt-oss reads it);
     # "none" also turns thinking off (``enable_thinking: false``, Qwen 3's).
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # llama-server's thinking budget (either name): the most tokens of the think block,
+    # which the model must then close (the device's grammar makes it).
+    reasoning_budget_tokens: int | None = Field(default=None, ge=1, lt=1 << 31)
+    thinking_budget_tokens: int | None = Field(default=None, ge=1, lt=1 << 31)
     # The rest of the sampler (wire.Sampling): OpenAI's penalties and logit bias, and the
     # extensions llama.cpp's server and vLLM accept.
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -254,6 +258,12 @@ class ChatRequest(Body):
         # Key order is kept: the output lists properties in the schema's order.
         return None if schema is None else Constraint(GrammarKind.JSON_SCHEMA, json.dumps(
             close_objects(schema), ensure_ascii=False, separators=(",", ":")))
+
+    @property
+    def thought_budget(self) -> int:
+        """The think block's most tokens (0: no budget): the smaller, where both are named."""
+        named = [b for b in (self.reasoning_budget_tokens, self.thinking_budget_tokens) if b]
+        return min(named, default=0)
 
     def template_args(self) -> dict[str, Any] | None:
         """The chat template's more variables: chat_template_kwargs, and reasoning_effort

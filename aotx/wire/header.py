@@ -100,6 +100,8 @@ class Header(_Fields):
                                    "index + 1 (0: none)")
     reasoning_tokens = _View[int]("limit", "a request's state: the tokens sampled in its "
                                            "think block (STATE_FLAG_THINKS)")
+    thought_budget = _View[int]("sampled_tokens", "SUBMIT: the most tokens of its think block, "
+                                                  "then the model must close it (0: none)")
 
     # -- requests and replies ------------------------------------------------------------
     @classmethod
@@ -180,7 +182,7 @@ def decode_packet(data: bytes | memoryview) -> tuple[Header, bytes]:
 REQUEST_FIELDS: dict[Op, tuple[str, ...]] = {
     Op.INFO: (), Op.BROKER_STATS: (), Op.SHARED_SAVE: (), Op.SHARED_LOAD: (),
     Op.SUBMIT: ("principal", "role", "limit", "temperature", "top_p", "flags", "value",
-                "cursor"),
+                "cursor", "sampled_tokens"),
     Op.READ: ("principal", "epoch", "identity", "cursor", "flags"),
     Op.WAIT: ("principal", "epoch", "identity", "cursor", "phase", "cancel_requested", "limit",
               "flags"),

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import anthropic
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -124,7 +125,7 @@ def test_messages_show_thinking_blocks(svc: Service) -> None:
     claude = anthropic.Anthropic(base_url=svc.url, api_key=svc.token, max_retries=0)
     kw: dict[str, Any] = dict(model="qwen3-tmpl", max_tokens=80, messages=ASK,
                               extra_body={"temperature": 0},
-                              thinking={"type": "enabled", "budget_tokens": 1024},
+                              thinking={"type": "enabled", "budget_tokens": 30},
                               output_config={"format": {"type": "json_schema",
                                                         "schema": SCHEMA}})
     m = claude.messages.create(**kw)
@@ -135,6 +136,36 @@ def test_messages_show_thinking_blocks(svc: Service) -> None:
     assert [b.type for b in final.content] == ["thinking", "text"]
     assert final.content[0].thinking == m.content[0].thinking
     assert final.content[1].text == m.content[1].text
+
+
+def test_a_thinking_budget_bounds_the_thought(svc: Service, oai: openai.OpenAI) -> None:
+    """SmolLM2 does not think on its own: without a budget it answers at once.  With one
+    (llama-server's reasoning_budget_tokens; Messages' thinking.budget_tokens) the device's
+    grammar opens the block, closes it within the budget, and the answer follows freely."""
+    assert getattr(chat(oai, "qwen3-tmpl", max_tokens=40).choices[0].message,
+                   "reasoning_content", None) is None
+    tags = len(tokens(svc, "<think>\n")) + len(tokens(svc, "\n</think>\n\n"))
+    for budget in (4, 12):
+        r = chat(oai, "qwen3-tmpl", max_tokens=40,
+                 extra_body={"reasoning_budget_tokens": budget})
+        m = r.choices[0].message
+        # (what follows is SmolLM2's to write: it may end at once)
+        assert isinstance(getattr(m, "reasoning_content", None), str) and m.content is not None
+        spent = r.usage.completion_tokens_details.reasoning_tokens
+        assert 0 < spent <= budget + tags and spent <= r.usage.completion_tokens
+    claude = anthropic.Anthropic(base_url=svc.url, api_key=svc.token, max_retries=0)
+    msg = claude.messages.create(model="qwen3-tmpl", max_tokens=40, messages=ASK,
+                                 extra_body={"temperature": 0},
+                                 thinking={"type": "enabled", "budget_tokens": 4})
+    assert msg.content[0].type == "thinking"  # (then a text block, unless it is empty)
+    assert len(tokens(svc, msg.content[0].thinking)) <= 4 + 1  # (a token may re-split)
+
+
+def tokens(svc: Service, text: str) -> list[int]:
+    r = httpx.post(svc.url + "/tokenize", json={"model": "qwen3-tmpl", "content": text},
+                   headers={"Authorization": f"Bearer {svc.token}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
 
 
 def test_responses_have_a_reasoning_item(oai: openai.OpenAI) -> None:
