@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 
 from .. import ids, wire
-from . import tools
+from . import reasoning, tools
 from .body import keep_alive_header
 from .errors import ApiError, Call, refusal
 from .render import dumps, native_token, state_fields
@@ -307,10 +307,11 @@ async def logprobs_body(g: Gateway, principal: Principal, rid: str, cursor: str 
                                            for x in body.splitlines()]}})
 
 
-async def tool_calls_body(g: Gateway, principal: Principal, rid: str) -> bytes:
-    """The aotx.tool_calls.v1 document for ``rid``: its output so far, parsed as the
-    standard route parses a finished one (gateway/tools.py); 409 for a request that
-    offered no tools (its output is text)."""
+async def message_body(g: Gateway, principal: Principal, rid: str, schema: str) -> bytes:
+    """The parsed view of ``rid``'s output so far, as chat parses a finished one: a thinking
+    model's thinking apart (gateway/reasoning.py), and the tool calls where it offered
+    tools (gateway/tools.py).  ``schema``: aotx.message.v1, any request's; or
+    aotx.tool_calls.v1, 409 for a request that offered no tools (its output is text)."""
     epoch, identity = parse_id(rid)
     out, cursor = bytearray(), 0
     while True:
@@ -319,13 +320,18 @@ async def tool_calls_body(g: Gateway, principal: Principal, rid: str) -> bytes:
         cursor += len(data)
         if not data or cursor >= rh.total:
             break
-    if not rh.submit_flags & wire.SUBMIT_FLAG_TOOLS:
+    offered = bool(rh.submit_flags & wire.SUBMIT_FLAG_TOOLS)
+    if schema == "aotx.tool_calls.v1" and not offered:
         raise ApiError(409, "the request offered no tools: its output is text, read it with "
                             "GET /aotx/v1/requests/{id}", code="no_tools")
-    message, _ = tools.message(out.decode("utf-8", errors="replace"), "stop", "auto", identity,
+    thinks, opened = reasoning.mode(rh.submit_flags)
+    text = out.decode("utf-8", errors="replace")
+    thought, text = reasoning.split(text, opened) if thinks else (None, text)
+    message, _ = tools.message(text, "stop", "auto" if offered else None, identity,
                                wire.submit_tool_format(rh.submit_flags))
-    return dumps({"schema": "aotx.tool_calls.v1", **state_fields(rh, g.by_role),
-                  "message": message})
+    if thought is not None:
+        message["reasoning_content"] = thought
+    return dumps({"schema": schema, **state_fields(rh, g.by_role), "message": message})
 
 
 async def window_body(g: Gateway, principal: Principal, rid: str, cursor: str | None) -> bytes:

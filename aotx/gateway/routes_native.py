@@ -89,7 +89,17 @@ async def get_tool_calls(rid: str, principal: Principal = Caller,
     """The request's output parsed into text and tool calls (it offered ``tools``), as
     ``POST /v1/chat/completions`` answers it, the calls' ids alike; while it runs, the
     calls complete so far."""
-    return Response(await calls.tool_calls_body(g, principal, rid),
+    return Response(await calls.message_body(g, principal, rid, "aotx.tool_calls.v1"),
+                    media_type="application/json")
+
+
+@router.get("/aotx/v1/requests/{rid}/message", response_model=S.RequestMessage)
+async def get_message(rid: str, principal: Principal = Caller,
+                      g: Gateway = Service) -> Response:
+    """The request's output parsed as ``POST /v1/chat/completions`` answers it: a thinking
+    model's thinking as ``reasoning_content``, tool calls where it offered tools, the rest
+    as ``content``; while it runs, what it has written so far."""
+    return Response(await calls.message_body(g, principal, rid, "aotx.message.v1"),
                     media_type="application/json")
 
 

@@ -407,6 +407,8 @@ class ChatMessageOut(_Doc):
     role: Literal["assistant"]
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = Field(default=None, description="a thinking model's "
+                                                                    "thinking (no tags)")
 
 
 class TopLogprob(_Doc):
@@ -477,6 +479,14 @@ class RequestToolCalls(RequestState):
     it: the text before the first call and every complete call."""
 
     schema_: Literal["aotx.tool_calls.v1"] = Field(alias="schema")  # type: ignore[assignment]
+    message: ChatMessageOut
+
+
+class RequestMessage(RequestState):
+    """``aotx.message.v1``: state plus the output parsed as chat parses it: the thinking
+    (``reasoning_content``, a thinking model's), the calls (tools offered) and the text."""
+
+    schema_: Literal["aotx.message.v1"] = Field(alias="schema")  # type: ignore[assignment]
     message: ChatMessageOut
 
 

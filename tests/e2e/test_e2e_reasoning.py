@@ -91,9 +91,20 @@ def test_the_native_route_keeps_the_bytes(svc: Service) -> None:
         while (doc := c.get(f"/aotx/v1/requests/{rid}").json())["state"] != "completed":
             assert time.monotonic() < deadline, doc["state"]
             time.sleep(0.05)
+        # the parsed view beside the bytes: the thinking apart, as chat shows it
+        parsed = c.get(f"/aotx/v1/requests/{rid}/message").json()
+        plain = c.post("/aotx/v1/requests", json={"model": "smollm2", "messages": ASK,
+                                                  "max_tokens": 4}).json()["id"]
+        other = c.get(f"/aotx/v1/requests/{plain}/message").json()
     raw = base64.b64decode(doc["output"]["bytes"]).decode()
     assert raw.startswith("<think>") and "</think>" in raw
     jsonschema.validate(json.loads(raw.split("</think>")[1]), SCHEMA)
+    assert parsed["schema"] == "aotx.message.v1" and parsed["state"] == "completed"
+    thought, answer = raw[len("<think>"):].split("</think>")
+    assert parsed["message"] == {"role": "assistant", "content": answer.lstrip("\n"),
+                                 "reasoning_content": thought.strip("\n")}
+    # a model that does not think: its text (so far) as content, no reasoning_content
+    assert set(other["message"]) == {"role", "content"}
 
 
 def test_enable_thinking_false_gives_no_thinking(oai: openai.OpenAI) -> None:
