@@ -368,6 +368,7 @@ class Admission:
                                                    | wire.SUBMIT_TOOL_FORMAT) | thinking,
                       think=(THINK_NONE if not thinking else THINK_INSIDE
                              if thinking & wire.STATE_FLAG_THINK_OPEN else THINK_UNDECIDED),
+                      think_tags=tuple(t.encode() for t in wire.think_tags(thinking)),
                       segments=segments)
         if p.memory_on and st.policy.enabled:
             req.source_text = "\n".join(f"{m['role'].capitalize()}: {m['content']}"
@@ -487,6 +488,8 @@ def _thinking(p: Prepared) -> int:
     think block, or (the rendering ended with ``<think>``) begins inside one."""
     if p.header.submit_flags & wire.SUBMIT_FLAG_RAW or not p.model.template.thinks:
         return 0
+    if p.model.template.channels:  # gpt-oss: its answer opens a channel, analysis or final
+        return wire.STATE_FLAG_THINKS | wire.STATE_FLAG_CHANNELS
     end = p.prompt.text.rstrip()
     if end.endswith("</think>"):  # the template closed it: no thinking (enable_thinking off)
         return 0

@@ -20,7 +20,15 @@ import threading
 import orjson
 
 from ..engine.grammar import GrammarCompiler, GrammarError, GrammarSpec, Matcher
-from ..wire import STATE_FLAG_THINK_OPEN, STATE_FLAG_THINKS, Constraint, GrammarKind, Reason
+from ..wire import (
+    STATE_FLAG_THINK_OPEN,
+    STATE_FLAG_THINKS,
+    THINK_TAGS,
+    Constraint,
+    GrammarKind,
+    Reason,
+    think_tags,
+)
 from .errors import DeviceError
 from .loading import LoadedModel
 
@@ -50,7 +58,7 @@ def constraint_matcher(model: LoadedModel, constraint: Constraint | None, thinki
     try:
         if thinking & STATE_FLAG_THINKS and constraint.kind is not GrammarKind.REGEX:
             constraint = after_thinking(constraint, bool(thinking & STATE_FLAG_THINK_OPEN),
-                                        budget)
+                                        budget, think_tags(thinking))
         spec = _spec(constraint)
         return compiler_of(model).matcher(spec)
     except GrammarError as exc:
@@ -59,20 +67,23 @@ def constraint_matcher(model: LoadedModel, constraint: Constraint | None, thinki
             {"code": exc.code, "where": exc.where, "detail": exc.detail})) from None
 
 
-def after_thinking(constraint: Constraint, opened: bool, budget: int) -> Constraint:
+def after_thinking(constraint: Constraint, opened: bool, budget: int,
+                   tags: tuple[str, str] = THINK_TAGS) -> Constraint:
     """``constraint`` after a think block: ``<think>`` (unless the prompt opened it), free
     text without ``</think>`` of at most ``budget`` tokens, ``</think>`` (the model
     writes it when it is done, or must once the budget is spent), and the constraint's
-    grammar as the answer."""
+    grammar as the answer.  ``tags``: the block's opening and closing (gpt-oss's: its
+    analysis channel, then the final one)."""
     if constraint.kind is GrammarKind.JSON_SCHEMA:
         answer = f"answer: %json {constraint.text}"
     else:  # a Lark grammar: its start rule becomes the answer
         answer = _START.sub("answer:", constraint.text)
-    head = "" if opened else '"<think>" '
+    head = "" if opened else json.dumps(tags[0]) + " "
+    closing = re.escape(tags[1]).replace("/", "\\/")
     return Constraint(GrammarKind.LARK, (
-        f'start: {head}thought "</think>" GAP answer\n'
+        f"start: {head}thought {json.dumps(tags[1])} GAP answer\n"
         f"thought[max_tokens={budget}]: THOUGHT\n"
-        "THOUGHT: /(.|\\n)*/ & ~/(.|\\n)*<\\/think>(.|\\n)*/\n"
+        f"THOUGHT: /(.|\\n)*/ & ~/(.|\\n)*{closing}(.|\\n)*/\n"
         "GAP: /[ \\t\\n]*/\n") + answer + "\n")
 
 

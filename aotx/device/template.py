@@ -129,10 +129,11 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise TemplateError(f"chat template does not compile: {exc}") from None
         self.source = source
-        # A reasoning model's template (Qwen 3, DeepSeek R1, QwQ): its answers think
-        # between <think> and </think> first (gpt-oss's channels are special tokens,
-        # which the output does not hold as text: not recognized).
-        self.thinks = "<think>" in source and "</think>" in source
+        # A reasoning model's template: its answers think first, between <think> and
+        # </think> (Qwen 3, DeepSeek R1, QwQ), or in the analysis channel before the
+        # final one (gpt-oss's harmony format: ``channels``).
+        self.channels = "<|channel|>" in source and "<|message|>" in source
+        self.thinks = self.channels or ("<think>" in source and "</think>" in source)
         self.bos_token = bos_token
         self.eos_token = eos_token
         # Probe once so a broken template is refused at load, not on the first request.

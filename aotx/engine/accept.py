@@ -73,26 +73,27 @@ def accept(req: Request, token: int, piece: bytes, now: int, stats: EngineStats,
 
 
 #: Where a thinking model's output is (``Request.think``): not known yet (it may open
-#: with <think>), inside the think block, past it or without one.
+#: with its think block's opening, ``Request.think_tags``), inside the block, past it or
+#: without one.
 THINK_UNDECIDED, THINK_INSIDE, THINK_NONE = 0, 1, 2
-_OPEN, _CLOSE = b"<think>", b"</think>"
 
 
 def count_thinking(req: Request, piece: bytes) -> None:
     """Count ``piece``'s token among the request's reasoning tokens while it is in its
     think block (the tags' tokens included): the usage's ``reasoning_tokens``."""
+    opening, closing = req.think_tags
     if req.think == THINK_UNDECIDED:
         req.think_tail += piece
         head = req.think_tail.lstrip()
         req.reasoning_tokens += 1  # (tentative while the opening may still come)
-        if len(head) < len(_OPEN) and _OPEN.startswith(head):
+        if len(head) < len(opening) and opening.startswith(head):
             return
-        if not head.startswith(_OPEN):
+        if not head.startswith(opening):
             req.think, req.reasoning_tokens, req.think_tail = THINK_NONE, 0, b""
             return
-        req.think, req.think_tail = THINK_INSIDE, head[len(_OPEN):]
+        req.think, req.think_tail = THINK_INSIDE, head[len(opening):]
     else:
         req.reasoning_tokens += 1
-        req.think_tail = (req.think_tail + piece)[-(len(_CLOSE) + len(piece)):]
-    if _CLOSE in req.think_tail:
+        req.think_tail = (req.think_tail + piece)[-(len(closing) + len(piece)):]
+    if closing in req.think_tail:
         req.think, req.think_tail = THINK_NONE, b""

@@ -151,8 +151,8 @@ class ChoiceText:
                                          self.rh.identity, 0)
             logprobs = {"content": [token_logprob(n) for n in lines], "refusal": None}
         text = b"".join(chunks).decode("utf-8", errors="replace")
-        thinks, opened = reasoning.mode(self.last.submit_flags)
-        thought, text = reasoning.split(text, opened) if thinks else (None, text)
+        thinks = reasoning.mode(self.last.submit_flags)
+        thought, text = thinks.split(text) if thinks else (None, text)
         message, finish = tools.message(text, finish_reason(self.last), self.mode,
                                         self.rh.identity, self.fmt)
         if thought is not None:
@@ -208,8 +208,8 @@ class ChoiceText:
         split as they come (its held text's logprobs go with the next piece out)."""
         if not self._decided and (pieces or final):
             self._decided = True
-            thinks, opened = reasoning.mode(self.last.submit_flags)
-            self._think = reasoning.ThinkStream(opened) if thinks else None
+            thinks = reasoning.mode(self.last.submit_flags)
+            self._think = thinks.stream() if thinks else None
         if self._think is None:
             return [("answer", text, lps) for text, lps in pieces]
         got: list[tuple[str, str]] = []

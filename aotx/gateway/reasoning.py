@@ -13,26 +13,53 @@ An output cut off while thinking has no answer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .. import wire
 
-OPEN, CLOSE = "<think>", "</think>"
+OPEN, CLOSE = wire.THINK_TAGS
+#: gpt-oss's answer without thinking opens the final channel at once (dropped, as the
+#: channels' markup is).
+BARE_FINAL = "<|channel|>final<|message|>"
 
 
-def mode(flags: int) -> tuple[bool, bool]:
-    """(the model thinks, the prompt opened the block) from a state's flags."""
-    return bool(flags & wire.STATE_FLAG_THINKS), bool(flags & wire.STATE_FLAG_THINK_OPEN)
+@dataclass(frozen=True)
+class Think:
+    """How a thinking request's output holds its thinking: the block's opening and
+    closing texts, and whether the prompt opened the block."""
+
+    opened: bool
+    open: str = OPEN
+    close: str = CLOSE
+
+    @property
+    def bare(self) -> str:
+        """What opens an answer given without thinking (dropped), or ""."""
+        return BARE_FINAL if self.open == wire.CHANNEL_TAGS[0] else ""
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """(the thinking, or None without a think block; the answer) of a whole output."""
+        body = text
+        if not self.opened:
+            stripped = text.lstrip()
+            if not stripped.startswith(self.open):
+                if self.bare and stripped.startswith(self.bare):
+                    return None, stripped[len(self.bare):]
+                return None, text
+            body = stripped[len(self.open):]
+        thought, sep, answer = body.partition(self.close)
+        return thought.strip("\n"), answer.lstrip("\n") if sep else ""
+
+    def stream(self) -> ThinkStream:
+        return ThinkStream(self)
 
 
-def split(text: str, opened: bool) -> tuple[str | None, str]:
-    """(the thinking, or None without a think block; the answer) of a whole output."""
-    body = text
-    if not opened:
-        stripped = text.lstrip()
-        if not stripped.startswith(OPEN):
-            return None, text
-        body = stripped[len(OPEN):]
-    thought, sep, answer = body.partition(CLOSE)
-    return thought.strip("\n"), answer.lstrip("\n") if sep else ""
+def mode(flags: int) -> Think | None:
+    """How a request of these state flags thinks (None: it does not)."""
+    if not flags & wire.STATE_FLAG_THINKS:
+        return None
+    opening, closing = wire.think_tags(flags)
+    return Think(bool(flags & wire.STATE_FLAG_THINK_OPEN), opening, closing)
 
 
 class ThinkStream:
@@ -40,8 +67,9 @@ class ThinkStream:
     still be ``<think>`` at the start, or ``</think>`` at the end of the thinking, waits
     for the next characters; so do the newlines around the block's edges."""
 
-    def __init__(self, opened: bool) -> None:
-        self.state = "thinking" if opened else "start"
+    def __init__(self, think: Think) -> None:
+        self.open, self.close, self.bare = think.open, think.close, think.bare
+        self.state = "thinking" if think.opened else "start"
         self.held = ""
         self.fresh = True  # at the thinking's start: its leading newlines go
 
@@ -50,22 +78,26 @@ class ThinkStream:
         out: list[tuple[str, str]] = []
         if self.state == "start":
             stripped = self.held.lstrip()
-            if len(stripped) < len(OPEN) and OPEN.startswith(stripped):
+            if any(len(stripped) < len(t) and t.startswith(stripped)
+                   for t in (self.open, self.bare) if t):
                 return out  # (maybe the block's opening: wait)
-            if not stripped.startswith(OPEN):
-                self.state = "answer"
+            if stripped.startswith(self.open):
+                self.state, self.held = "thinking", stripped[len(self.open):]
+            elif self.bare and stripped.startswith(self.bare):
+                self.state, self.held = "answer", stripped[len(self.bare):]
             else:
-                self.state, self.held = "thinking", stripped[len(OPEN):]
+                self.state = "answer"
         if self.state == "thinking":
             if self.fresh:
                 self.held = self.held.lstrip("\n")
                 if not self.held:
                     return out
                 self.fresh = False
-            at = self.held.find(CLOSE)
+            at = self.held.find(self.close)
             if at < 0:
                 # (held: what may begin </think>, and the newlines before it)
-                cut = len(self.held[:len(self.held) - _partial(self.held, CLOSE)].rstrip("\n"))
+                cut = len(self.held[:len(self.held) - _partial(self.held, self.close)]
+                          .rstrip("\n"))
                 if cut:
                     out.append(("thinking", self.held[:cut]))
                 self.held = self.held[cut:]
@@ -73,7 +105,7 @@ class ThinkStream:
             thought = self.held[:at].rstrip("\n")
             if thought:
                 out.append(("thinking", thought))
-            self.state, self.held = "after", self.held[at + len(CLOSE):]
+            self.state, self.held = "after", self.held[at + len(self.close):]
         if self.state == "after":
             self.held = self.held.lstrip("\n")
             if not self.held:

@@ -129,8 +129,8 @@ class Events:
     def _piece(self, text: str, flags: int, final: bool = False) -> list[Event]:
         if not self.decided:
             self.decided = True
-            thinks, opened = reasoning.mode(flags)
-            self.think = reasoning.ThinkStream(opened) if thinks else None
+            thinks = reasoning.mode(flags)
+            self.think = thinks.stream() if thinks else None
         if self.think is None:
             return self._delta(text)
         out: list[Event] = []

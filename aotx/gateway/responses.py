@@ -400,10 +400,11 @@ def output_items(h: wire.Header, data: bytes) -> list[dict[str, Any]]:
     and each complete call as a ``function_call`` item."""
     text = data.decode("utf-8", errors="replace")
     state = item_status(h)
-    thinks, opened = reasoning.mode(h.submit_flags)
-    thought, text = reasoning.split(text, opened) if thinks else (None, text)
+    thinks = reasoning.mode(h.submit_flags)
+    thought, text = thinks.split(text) if thinks else (None, text)
     # (a think block that closed is done, whatever became of the answer after it)
-    done = "completed" if reasoning.CLOSE in data.decode("utf-8", errors="replace") else state
+    done = "completed" if thinks and thinks.close in data.decode("utf-8", errors="replace") \
+        else state
     out = [] if thought is None else [reasoning_item(h.identity, thought, done)]
     if not h.submit_flags & wire.SUBMIT_FLAG_TOOLS:
         if h.phase == wire.Phase.QUEUED:

@@ -146,6 +146,17 @@ READ_FLAG_ANNOTATIONS = 1  # READ/WAIT: the request's annotation stream, not its
 #: A request's state reply (``flags``), set by the device beside the SUBMIT flags it keeps:
 STATE_FLAG_THINKS = 1 << 16  # the model's template thinks: the output may open with <think>
 STATE_FLAG_THINK_OPEN = 1 << 17  # the prompt opened the think block: the output starts in it
+STATE_FLAG_CHANNELS = 1 << 18  # with THINKS: the thinking is gpt-oss's analysis channel
+#: What opens and closes a think block in the output's text: the <think> family's tags,
+#: or gpt-oss's channels (llama.cpp renders <|channel|>, <|message|> and <|start|> as
+#: text; the <|end|> between the two channels is a control token, rendered as nothing).
+THINK_TAGS = ("<think>", "</think>")
+CHANNEL_TAGS = ("<|channel|>analysis<|message|>", "<|start|>assistant<|channel|>final<|message|>")
+
+
+def think_tags(flags: int) -> tuple[str, str]:
+    """The think block's opening and closing text for a request of these state flags."""
+    return CHANNEL_TAGS if flags & STATE_FLAG_CHANNELS else THINK_TAGS
 
 
 class Reason(enum.IntEnum):

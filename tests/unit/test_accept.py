@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from aotx import wire
 from aotx.engine.accept import CANCELLED, FAILED_GRAMMAR, LENGTH, STOPPED, accept
 from aotx.engine.interface import EngineStats
 from aotx.engine.llama.scheduler import Scheduler
@@ -154,9 +155,10 @@ def test_an_alternative_the_mask_ruled_out_is_none_on_either_engine() -> None:
 def test_a_thinking_models_reasoning_tokens_are_those_of_its_think_block() -> None:
     from aotx.engine.accept import THINK_INSIDE, THINK_NONE, THINK_UNDECIDED
 
-    def run(think: int, pieces: list[bytes]) -> tuple[int, int]:
+    def run(think: int, pieces: list[bytes], tags: tuple[bytes, ...] = (b"<think>", b"</think>")
+            ) -> tuple[int, int]:
         r = request()
-        r.think = think
+        r.think, r.think_tags = think, tags
         for i, p in enumerate(pieces):
             accept(r, 7 + i, p, 1 + i, EngineStats(), eog=False, held=6 + i, context=64)
         return r.reasoning_tokens, r.think
@@ -172,3 +174,10 @@ def test_a_thinking_models_reasoning_tokens_are_those_of_its_think_block() -> No
     assert run(THINK_UNDECIDED, [b"<think>x</think>y", b"z"]) == (1, THINK_NONE)
     # cut off while thinking
     assert run(THINK_INSIDE, [b"a", b"b"]) == (2, THINK_INSIDE)
+    # gpt-oss: the analysis channel's tokens, to the final channel's markers
+    harmony = tuple(t.encode() for t in wire.CHANNEL_TAGS)
+    assert run(THINK_UNDECIDED, [b"<|channel|>", b"analysis", b"<|message|>", b"hm",
+                                 b"<|start|>", b"assistant", b"<|channel|>", b"final",
+                                 b"<|message|>", b"Hi"], harmony) == (9, THINK_NONE)
+    assert run(THINK_UNDECIDED, [b"<|channel|>", b"final", b"<|message|>", b"Hi"],
+               harmony) == (0, THINK_NONE)
