@@ -155,6 +155,34 @@ def test_messages_show_thinking_blocks(svc: Service) -> None:
     assert final.content[1].text == m.content[1].text
 
 
+def test_the_agents_sdk_reads_the_reasoning_item(svc: Service) -> None:
+    """The OpenAI Agents SDK on the Responses route: a structured output (steering SmolLM2
+    to think first) comes back as the SDK's ReasoningItem, then the parsed answer."""
+    import asyncio
+
+    import pydantic
+    from agents import Agent, OpenAIResponsesModel, Runner, set_tracing_disabled
+    from agents.items import MessageOutputItem, ReasoningItem
+
+    class Colour(pydantic.BaseModel):
+        colour: str = pydantic.Field(max_length=12)
+
+    async def run() -> Any:
+        client = openai.AsyncOpenAI(base_url=svc.url + "/v1", api_key=svc.token,
+                                    max_retries=0, timeout=120)
+        agent = Agent(name="painter", instructions="Answer briefly.", output_type=Colour,
+                      model=OpenAIResponsesModel(model="qwen3-tmpl", openai_client=client))
+        return await Runner.run(agent, "Name a colour.")
+
+    set_tracing_disabled(True)  # (nothing is sent anywhere else)
+    result = asyncio.run(run())
+    items = result.new_items
+    assert [type(i) for i in items] == [ReasoningItem, MessageOutputItem]
+    thought = items[0].raw_item.content[0].text
+    assert thought and "<think>" not in thought
+    assert isinstance(result.final_output, Colour) and result.final_output.colour
+
+
 def test_a_thinking_budget_bounds_the_thought(svc: Service, oai: openai.OpenAI) -> None:
     """SmolLM2 does not think on its own: without a budget it answers at once.  With one
     (llama-server's reasoning_budget_tokens; Messages' thinking.budget_tokens) the device's
