@@ -35,6 +35,7 @@ from .models import ModelConfigError
 log = logging.getLogger("aotx.models")
 
 MAX_ROLE = 31
+FOLDER_SLOTS = 8  # a models folder's chat model's sequences
 ROLES_FILE = "model-roles.json"
 _SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 _NOT_ALIAS = re.compile(r"[^A-Za-z0-9\-_.:/]")
@@ -203,7 +204,8 @@ def settle_roles(state_dir: str, specs: Sequence[ModelSpec],
 
 def folder_specs(models_dir: str, declared: Sequence[ModelSpec]) -> list[ModelSpec]:
     """A spec for each model of ``models_dir`` the models file does not declare (by file
-    or alias), loaded on demand: 8 slots of up to 4096 tokens sharing a KV pool sized to
+    or alias), loaded on demand, of the kind its file declares (decided when it is
+    described: ondemand.listed): 8 slots of up to 4096 tokens sharing a KV pool sized to
     the model's training context (``kv_budget = "auto"``), as llama-server's router gives
     each model its trained context in one unified cache: a model that loads and unloads
     reserves what it uses, and its context is made 4x faster than 8 streams'."""
@@ -220,6 +222,6 @@ def folder_specs(models_dir: str, declared: Sequence[ModelSpec]) -> list[ModelSp
             log.warning("event=models_dir.skipped path=%s reason=the models file declares "
                         "the alias %s for another file", f.path, f.alias)
             continue
-        out.append(ModelSpec(alias=f.alias, path=f.path, role=0, slots=8, context=4096,
-                             kv_budget=-1, mmproj=f.mmproj, on_demand=True))
+        out.append(ModelSpec(alias=f.alias, path=f.path, role=0, slots=FOLDER_SLOTS, context=4096,
+                             kv_budget=-1, mmproj=f.mmproj, on_demand=True, kind="auto"))
     return out

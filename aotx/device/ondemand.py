@@ -19,6 +19,7 @@ thread of its own), or waits; a model idle past its keep-alive is unloaded too.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
@@ -35,7 +36,7 @@ from ..engine.request import Request
 from ..engine.spec import ModelSpec
 from ..wire import Header
 from .fleet import Resident
-from .loading import LoadedModel, read_template
+from .loading import NO_CHAT, LoadedModel, read_template
 from .models import file_sha256
 from .template import ChatTemplate, TemplateError
 
@@ -137,13 +138,18 @@ def why(spec: ModelSpec, exc: BaseException) -> str:
 
 def listed(spec: ModelSpec) -> OnDemand:
     """``spec`` described, as INFO lists it until it is loaded (EngineError, TemplateError
-    when its file or template cannot be read)."""
+    when its file or template cannot be read).  A models folder's model (kind "auto")
+    takes the kind its file declares: an embedding model or a reranker gets one slot."""
     file = file_identity(spec.path)  # (before the read: a change meanwhile shows later)
     d = describe(spec)
-    source = read_template(spec.chat_template) if spec.chat_template else d.chat_template
-    template = ChatTemplate(source, bos_token=d.bos_text,
-                            eos_token=d.eos_text)
+    if spec.kind == "auto":
+        spec = dataclasses.replace(spec, kind=d.kind,
+                                   slots=spec.slots if d.kind == "chat" else 1)
     chat = spec.kind == "chat"
+    source = read_template(spec.chat_template) if spec.chat_template else d.chat_template
+    # (an embedding model or a reranker renders no chat: its file may have no template)
+    template = ChatTemplate(source if chat else NO_CHAT, bos_token=d.bos_text,
+                            eos_token=d.eos_text)
     rerank = spec.kind == "rerank"  # (a score per document)
     info = wire.ModelInfo(spec.role, spec.alias, bytes(32), wire.MOD_TEXT, 0,
                           spec.context if chat else 0, embedding_dims=1 if rerank else d.n_embd,
@@ -169,6 +175,8 @@ def describe_all(specs: list[ModelSpec]) -> dict[int, OnDemand]:
             out[spec.role] = listed(spec)
         except (EngineError, TemplateError, OSError) as exc:
             log.warning("event=model.undescribed alias=%s error=%s", spec.alias, exc)
+            if spec.kind == "auto":  # (described again once its file changes)
+                spec = dataclasses.replace(spec, kind="chat")
             info = wire.ModelInfo(spec.role, spec.alias, bytes(32), wire.MOD_TEXT, 0,
                                   spec.context, rerank=spec.kind == "rerank")
             out[spec.role] = OnDemand(spec, info, 0, 0, FAILED, why(spec, exc))

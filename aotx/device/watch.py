@@ -14,6 +14,7 @@ loaded one keeps its mapping).  Files beyond the roles stay listed as unassigned
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -21,7 +22,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from ..engine.spec import ModelSpec
-from .catalog import folder_specs, settle_roles
+from .catalog import FOLDER_SLOTS, folder_specs, settle_roles
 from .models import ModelConfigError
 from .ondemand import FAILED, Hasher, OnDemand, describe_all, file_identity
 from .state import DeviceState
@@ -116,7 +117,10 @@ class Watch:
         """Describe again the unloaded models whose file was replaced (another pull of
         the same name), once it has settled: their estimate, row and digest were the
         old file's."""
-        changed = [od.spec for od in on_demand.values()
+        declared = {s.alias for s in self.declared}
+        changed = [od.spec if od.spec.alias in declared else  # (a folder's: its kind anew)
+                   dataclasses.replace(od.spec, kind="auto", slots=FOLDER_SLOTS)
+                   for od in on_demand.values()
                    if od.unclaimed() and od.described != (0, 0)
                    and file_identity(od.spec.path) not in ((0, 0), od.described)
                    and self._settled(od.spec)]

@@ -223,7 +223,7 @@ REASONS: dict[Reason, Wording] = {
                                "now; try again later", "model_memory_busy", "model"),
     Reason.MODEL_FIXED: Wording("the model is loaded at start, not on demand: it is not "
                                 "loaded or unloaded", "model_not_on_demand", "model"),
-    Reason.MODEL_UNLOADED: Wording("the model is not loaded; a chat request to it loads it",
+    Reason.MODEL_UNLOADED: Wording("the model is still loading; try again",
                                    "model_not_loaded", "model"),
 }
 

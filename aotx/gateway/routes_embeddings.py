@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import time
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -41,6 +42,9 @@ PACKET_DECODES = 1
 #: Seconds before the gateway's deadline at which the device withdraws a packet: its
 #: 503 then comes back in time, and its mailbox is free when the caller gives up.
 WITHDRAW_MARGIN = 2.0
+#: How long a call waits for its model's load (a model loaded on first use: the device
+#: answers MODEL_UNLOADED and starts the load), as a chat request waits on the device.
+LOAD_WAIT = 120.0
 
 
 class EmbeddingRequest(Body):
@@ -196,14 +200,19 @@ async def _embed(g: Gateway, principal: Principal, m: wire.ModelInfo, start: int
     and at once when this task is cancelled (its client left) by an UNPARK."""
     payload = wire.encode_embed(chunk if query is None else [query, *chunk])
     deadline = g.deadlines.of(wire.Header(op=wire.Op.EMBED))
-    h = wire.Header.request(wire.Op.EMBED, principal=principal.id, role=m.role, cursor=start,
-                            identity=os.urandom(wire.IDENTITY_SIZE),
-                            wait_ms=int(max(1.0, deadline - WITHDRAW_MARGIN) * 1000))
-    try:
-        rh, body = await g.call(h, payload, deadline)
-    except BaseException:
-        g.withdraw(h)
-        raise
+    loaded_by = time.monotonic() + LOAD_WAIT
+    while True:
+        h = wire.Header.request(wire.Op.EMBED, principal=principal.id, role=m.role,
+                                cursor=start, identity=os.urandom(wire.IDENTITY_SIZE),
+                                wait_ms=int(max(1.0, deadline - WITHDRAW_MARGIN) * 1000))
+        try:
+            rh, body = await g.call(h, payload, deadline)
+        except BaseException:
+            g.withdraw(h)
+            raise
+        if rh.reason != wire.Reason.MODEL_UNLOADED or time.monotonic() > loaded_by:
+            break
+        await asyncio.sleep(max(0.2, min(rh.retry_after, 2)))  # (its load has been asked)
     if rh.status != 200:
         if rh.reason == wire.Reason.PROMPT_LENGTH:
             raise _too_long(rh.cursor, rh.prompt_tokens, m)

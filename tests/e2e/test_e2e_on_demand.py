@@ -78,10 +78,7 @@ def chat(svc: Service, model: str, content: str = "Name a colour.") -> str:
 def test_every_model_is_listed_before_it_is_loaded(svc: Service) -> None:
     with svc.client() as c:
         listed = {m["id"] for m in c.get("/v1/models").json()["data"]}
-        embed = c.post("/v1/embeddings", json={"model": "gemma3", "input": "x"})
     assert {"smollm2", "gemma3", "copy", "broken"} <= listed
-    assert embed.status_code == 503 and embed.json()["error"]["code"] == "model_not_loaded"
-    assert embed.headers["retry-after"] == "5"
     assert metric(svc, "aotx_model_state", "gemma3", 'state="unloaded"') == 1.0
     assert metric(svc, "aotx_model_memory_bytes", "gemma3") > 246_000_000  # its weights+
 

@@ -17,6 +17,8 @@ import llama_cpp
 import openai
 import pytest
 
+from aotx.device.models import default_model_path
+
 from ..helpers import SMALL_MODELS, Service, running_service
 from .test_e2e_grants import mint
 from .tiny_reranker import main as build_reranker
@@ -188,3 +190,31 @@ def test_another_principal_gets_the_same_404s(ranked: tuple[Service, Direct]) ->
     assert r.status_code == 400 and "0 rerankers" in r.json()["error"]["message"]
     assert "ranker" not in {m["id"] for m in httpx.get(
         svc.url + "/v1/models", headers={"Authorization": f"Bearer {token}"}).json()["data"]}
+
+
+def test_a_models_folders_reranker_loads_on_its_first_call() -> None:
+    """A reranker put in the models folder is one by its file (its GGUF declares rank
+    pooling), listed unloaded, and loaded by its first /v1/rerank call; a chat model's
+    file there is loaded by its first /v1/embeddings call alike."""
+    def folder(state: str) -> None:
+        models = os.path.join(state, "models")
+        os.makedirs(models)
+        build_reranker([os.path.join(models, "lexical.gguf")])
+        os.link(default_model_path(), os.path.join(models, "copy.gguf"))
+
+    with running_service(folder) as svc:
+        headers = {"Authorization": f"Bearer {svc.token}"}
+        listed = {m["id"]: m for m in httpx.get(svc.url + "/v1/models", headers=headers)
+                  .json()["data"]}
+        assert listed["lexical"]["rerank"] is True and listed["lexical"]["chat"] is False
+        assert listed["lexical"]["status"]["value"] == "unloaded"
+        assert listed["copy"]["chat"] is True and listed["copy"]["rerank"] is False
+        r = post(svc, {"model": "lexical", "query": QUERY, "documents": [IRRELEVANT, RELEVANT]})
+        assert r.status_code == 200, r.text
+        assert [x["index"] for x in r.json()["results"]] == [1, 0]
+        e = httpx.post(svc.url + "/v1/embeddings", json={"model": "copy", "input": "a"},
+                       headers=headers, timeout=120)
+        assert e.status_code == 200 and len(e.json()["data"][0]["embedding"]) == 576, e.text
+        status = {m["id"]: m["status"]["value"] for m in httpx.get(
+            svc.url + "/v1/models", headers=headers).json()["data"]}
+        assert status["lexical"] == status["copy"] == "loaded"

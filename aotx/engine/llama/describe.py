@@ -52,6 +52,7 @@ class Description:
     n_layer: int = 0  # the model's repeating layers (blocks)
     gpu_layers: int = 0  # the layers offloaded: the spec's, "auto" decided when described
     vram_bytes: int = 0  # the part of memory_bytes on the GPU (offload.vram_share)
+    kind: str = "chat"  # the spec's, "auto" decided when described (kind_of)
 
     @property
     def memory_bytes(self) -> int:
@@ -97,6 +98,16 @@ def cell_bytes(model: llama_cpp.llama_model_p, arch: str, kv_type: str) -> float
     return 2 * n_layer * (n_embd // n_head) * n_head_kv * KV_TYPES[kv_type][1]
 
 
+def kind_of(model: llama_cpp.llama_model_p, arch: str) -> str:
+    """What a GGUF is for, by the pooling it declares (``<arch>.pooling_type``): rank, a
+    reranker; mean, CLS or last, an embedding model; none (a chat model's file declares
+    none), a chat model."""
+    pooling = _int(model, f"{arch}.pooling_type", llama_cpp.LLAMA_POOLING_TYPE_NONE)
+    if pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK:
+        return "rerank"
+    return "chat" if pooling == llama_cpp.LLAMA_POOLING_TYPE_NONE else "embedding"
+
+
 def describe(spec: ModelSpec) -> Description:
     """Read ``spec``'s GGUF file's header (EngineError when llama.cpp cannot)."""
     llama_cpp.llama_backend_init()
@@ -111,7 +122,8 @@ def describe(spec: ModelSpec) -> Description:
         n_ctx_train = _int(model, f"{arch}.context_length")
         n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
         per_cell = cell_bytes(model, arch, spec.kv_type)
-        chat = spec.kind == "chat"
+        kind = kind_of(model, arch) if spec.kind == "auto" else spec.kind
+        chat = kind == "chat"
         context = spec.context if chat else spec.embedding_context
         config = EngineConfig(path=spec.path, slots=spec.slots, slot_context=context,
                               kv_budget=max(0, spec.kv_budget) if chat else 0,
@@ -136,7 +148,8 @@ def describe(spec: ModelSpec) -> Description:
             n_ctx_train=n_ctx_train, n_vocab=n_vocab,
             n_embd=_int(model, f"{arch}.embedding_length"), file_bytes=file_bytes(spec),
             weights_bytes=weights, kv_bytes=kv, compute_bytes=compute, n_layer=n_layer,
-            gpu_layers=layers, vram_bytes=vram_share(weights, kv, n_layer, layers))
+            gpu_layers=layers, vram_bytes=vram_share(weights, kv, n_layer, layers),
+            kind=kind)
     finally:
         llama_cpp.llama_model_free(model)
 
