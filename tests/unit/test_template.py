@@ -96,3 +96,17 @@ def test_tools_calls_and_results_are_rendered_as_transformers_renders_them() -> 
     llama = bundled("meta-llama-Llama-3.2-3B-Instruct").render(msgs, tools=[tool])
     assert '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>' in llama
     assert "<|start_header_id|>ipython<|end_header_id|>\n\n\"sunny\"<|eot_id|>" in llama
+
+
+@pytest.mark.parametrize("name,thinks,channels", [
+    ("Qwen-Qwen2.5-7B-Instruct", False, False),
+    ("Qwen-Qwen3-0.6B", True, False),  # <think> ... </think>
+    ("meta-llama-Llama-3.1-8B-Instruct", False, False),
+    ("meta-llama-Llama-3.2-3B-Instruct", False, False),
+    ("mistralai-Mistral-Nemo-Instruct-2407", False, False),
+    ("../think-open", True, False),  # DeepSeek R1's way: the prompt opens the block
+    ("../harmony", True, True),  # gpt-oss's channels
+])
+def test_which_templates_think(name: str, thinks: bool, channels: bool) -> None:
+    t = bundled(name)
+    assert (t.thinks, t.channels) == (thinks, channels)
