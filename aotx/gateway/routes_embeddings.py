@@ -82,7 +82,7 @@ async def embeddings(body: EmbeddingRequest, request: Request, principal: Princi
         raise ApiError(400, f"model {m.alias!r} does not support dimensions: its vectors "
                             f"have {m.embedding_dims}", param="dimensions")
     inputs = _checked(body.inputs(), m)
-    vectors, tokens = await until_disconnected(request, _embed_all(g, principal, m, inputs))
+    vectors, tokens = await until_disconnected(request, embed_all(g, principal, m, inputs))
     row = 4 * m.embedding_dims
     if body.encoding_format == "base64":
         items: list[Any] = [base64.b64encode(vectors[i:i + row]).decode("ascii")
@@ -99,7 +99,7 @@ async def embeddings(body: EmbeddingRequest, request: Request, principal: Princi
     }, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
 
 
-async def _embed_all(g: Gateway, principal: Principal, m: wire.ModelInfo,
+async def embed_all(g: Gateway, principal: Principal, m: wire.ModelInfo,
                      inputs: list[str] | list[list[int]], query: str | None = None
                      ) -> tuple[bytearray, int]:
     """Every input's vector, packet after packet; and their tokens.  A reranker's

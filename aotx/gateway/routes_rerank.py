@@ -25,7 +25,7 @@ from . import schemas as S
 from .body import Body
 from .errors import ApiError
 from .render import json_response
-from .routes_embeddings import _embed_all
+from .routes_embeddings import embed_all
 from .service import Caller, Gateway, Principal, Service, until_disconnected
 
 router = APIRouter(tags=["standard"], redirect_slashes=False)
@@ -61,8 +61,9 @@ def reranker(g: Gateway, alias: str | None, principal: Principal) -> wire.ModelI
         return models[0]
     m = g.model_for(alias, principal)
     if not m.rerank:
-        raise ApiError(400, f"model {m.alias!r} is not a reranker (its models file entry "
-                            "says kind = \"rerank\" for one)", param="model")
+        raise ApiError(400, f"model {m.alias!r} is not a reranker (a models file entry of "
+                            "kind = \"rerank\", or a reranker's GGUF in the models folder)",
+                       param="model")
     return m
 
 
@@ -96,7 +97,7 @@ async def rerank(body: RerankRequest, request: Request, principal: Principal = C
     texts = body.texts()
     _checked(body.query, texts, m)
     data, tokens = await until_disconnected(
-        request, _embed_all(g, principal, m, texts, query=body.query))
+        request, embed_all(g, principal, m, texts, query=body.query))
     scores = np.frombuffer(bytes(data), "<f4").astype(np.float64)
     order = sorted(range(len(texts)), key=lambda i: -scores[i])[:body.top_n]
     results = [{"index": i, "relevance_score": float(scores[i]),
