@@ -208,6 +208,11 @@ class CountRequest(Body):
 class MessagesRequest(CountRequest):
     """``POST /v1/messages``."""
 
+    @property
+    def omits_thinking(self) -> bool:
+        """``thinking.display: "omitted"``: thinking blocks without their text."""
+        return self.thinking is not None and self.thinking.display == "omitted"
+
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = Field(default=None, max_length=MAX_STOP)
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -293,13 +298,15 @@ def stop_reason(finish: str, stop_hit: int, stops: list[str] | None
     return "end_turn", None
 
 
-def content(message: dict[str, Any]) -> list[dict[str, Any]]:
+def content(message: dict[str, Any], omit: bool = False) -> list[dict[str, Any]]:
     """A chat message's thinking, text and calls as content blocks.  A thinking block's
-    ``signature`` is empty: aotx does not sign thinking (it renders none back)."""
+    ``signature`` is empty: aotx does not sign thinking (it renders none back).  ``omit``
+    (``thinking.display: "omitted"``): the thinking block is there, its text empty."""
     calls = message.get("tool_calls") or []
     text = message.get("content") or ""
     thought = message.get("reasoning_content")
-    out = [{"type": "thinking", "thinking": thought, "signature": ""}] if thought else []
+    out = [{"type": "thinking", "thinking": "" if omit else thought, "signature": ""}
+           ] if thought else []
     out += [{"type": "text", "text": text}] if text else []
     return out + [tool_use(c) for c in calls]
 

@@ -54,7 +54,8 @@ async def create_message(body: A.MessagesRequest, request: Request,
             "model": admitted.model.alias}
     headers = {"X-Request-Id": rid}
     if body.stream:
-        return StreamingResponse(_stream(text, head, body.stop_sequences),
+        return StreamingResponse(_stream(text, head, body.stop_sequences,
+                                         body.omits_thinking),
                                  media_type="text/event-stream",
                                  headers={**headers, "Cache-Control": "no-store"})
     done = False
@@ -68,7 +69,8 @@ async def create_message(body: A.MessagesRequest, request: Request,
     if last.phase == wire.Phase.FAILED:
         raise await g.failure(last)
     reason, sequence = A.stop_reason(got["finish_reason"], last.stop_hit, body.stop_sequences)
-    return json_response({**head, "content": A.content(got["message"]), "stop_reason": reason,
+    return json_response({**head, "content": A.content(got["message"], body.omits_thinking),
+                          "stop_reason": reason,
                           "stop_sequence": sequence,
                           "usage": A.usage(last.prompt_tokens, last.sampled_tokens)},
                          headers=headers)
@@ -92,11 +94,12 @@ def _event(kind: str, **data: Any) -> bytes:
 
 class _Blocks:
     """The content blocks of a stream: which is open, and the events that open and
-    close them."""
+    close them.  ``omit``: a thinking block opens and closes without its text."""
 
-    def __init__(self) -> None:
+    def __init__(self, omit: bool = False) -> None:
         self.index = -1
         self.open: str | None = None
+        self.omit = omit
 
     def start(self, kind: str, block: dict[str, Any]) -> list[bytes]:
         out = self.stop()
@@ -118,8 +121,9 @@ class _Blocks:
             if self.open != "thinking":
                 out += self.start("thinking", {"type": "thinking", "thinking": "",
                                                "signature": ""})
-            out.append(_event("content_block_delta", index=self.index, delta={
-                "type": "thinking_delta", "thinking": delta["reasoning_content"]}))
+            if not self.omit:
+                out.append(_event("content_block_delta", index=self.index, delta={
+                    "type": "thinking_delta", "thinking": delta["reasoning_content"]}))
         if delta.get("content"):
             if self.open != "text":
                 out += self.start("text", {"type": "text", "text": ""})
@@ -136,9 +140,9 @@ class _Blocks:
         return out
 
 
-async def _stream(text: choices.ChoiceText, head: dict[str, Any], stops: list[str] | None
-                  ) -> AsyncIterator[bytes]:
-    blocks = _Blocks()
+async def _stream(text: choices.ChoiceText, head: dict[str, Any], stops: list[str] | None,
+                  omit: bool) -> AsyncIterator[bytes]:
+    blocks = _Blocks(omit)
     done = False
     try:
         yield _event("message_start", message={

@@ -152,6 +152,13 @@ def test_messages_show_thinking_blocks(svc: Service) -> None:
         final = s.get_final_message()
     assert [b.type for b in final.content] == ["thinking", "text"]
     assert final.content[0].thinking == m.content[0].thinking
+    # display "omitted": the thinking block is there, without its text
+    kw["thinking"] = {"type": "enabled", "budget_tokens": 30, "display": "omitted"}
+    hidden = claude.messages.create(**kw)
+    assert [(b.type, getattr(b, "thinking", None)) for b in hidden.content[:1]] == [
+        ("thinking", "")] and hidden.content[1].text == m.content[1].text
+    with claude.messages.stream(**kw) as s:
+        assert s.get_final_message().content[0].thinking == ""
     assert final.content[1].text == m.content[1].text
 
 
