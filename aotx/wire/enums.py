@@ -225,7 +225,7 @@ class Reason(enum.IntEnum):
     GRAMMAR_FAILED = 63  #: the constraint's matcher failed while generating (500)
     WITHDRAWN = 64  #: an EMBED call was withdrawn: its ``wait_ms`` ran out, or its caller sent UNPARK (503)
     MODEL_LOAD = 65  #: the model, loaded on demand, could not be loaded (503; the device's log says why)
-    MODEL_UNLOADED = 66  #: the model is loaded on demand and not loaded now: a chat request loads it (503)
+    MODEL_UNLOADED = 66  #: the model is loaded on demand and not loaded now: an EMBED asks its load; send it again (503)
     MODEL_ROOM = 67  #: the model did not fit the memory budget within the load wait: the others are in use (503)
     MODEL_FIXED = 68  #: the model is loaded at start, not on demand: it is not loaded or unloaded (409)
     TOKEN_ID = 70  #: an EMBED input (its index at offset 64) holds a token id outside the vocabulary; detail: the id
