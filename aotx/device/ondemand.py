@@ -34,7 +34,8 @@ from ..engine.interface import EngineError
 from ..engine.load import describe
 from ..engine.request import Request
 from ..engine.spec import ModelSpec
-from ..wire import Header
+from ..wire import Header, Reason
+from .errors import DeviceError
 from .fleet import Resident
 from .loading import NO_CHAT, LoadedModel, read_template
 from .models import file_sha256
@@ -119,6 +120,15 @@ class OnDemand:
             return False
         self.state, self.reason = UNLOADED, ""
         return True
+
+    def ask_load(self, principal: int, now: float, force: bool = False) -> None:
+        """Ask for its load, as an admin does (``force``: a failed one too, its file
+        unchanged) or an EMBED does: it loads once there is room, and again once
+        unloaded; 503 MODEL_LOAD for a failed one that may not load again."""
+        if self.state == FAILED and not self.retry(force):
+            raise DeviceError(503, Reason.MODEL_LOAD, retry_after=60)
+        if self.state in (UNLOADED, UNLOADING) and not self.asked:
+            self.asked, self.asked_by = now, principal
 
 
 #: An absolute path in a message: the folders before its last part.

@@ -27,7 +27,7 @@ import orjson
 from ..wire import Reason
 from .catalog import MAX_ROLE
 from .errors import DeviceError
-from .ondemand import FAILED, LOADED, LOADING, UNLOADED, UNLOADING, OnDemand
+from .ondemand import FAILED, LOADED, LOADING, UNLOADED, OnDemand
 from .state import DeviceState
 
 ACTIONS = ("load", "unload")
@@ -114,10 +114,7 @@ def control(st: DeviceState, alias: str, action: str, cancel: bool, principal: i
     cancelled: list[bytes] = []
     if action == "load":
         od.unload_asked = False
-        if od.state == FAILED and not od.retry(force=True):
-            raise DeviceError(503, Reason.MODEL_LOAD, retry_after=60)  # (its file is gone)
-        if od.state in (UNLOADED, UNLOADING) and not od.asked:
-            od.asked, od.asked_by = now, principal  # (once unloaded, it loads again)
+        od.ask_load(principal, now, force=True)  # (503 only when its file is gone)
         return od, cancelled
     od.asked, od.asked_by = 0.0, 0
     if od.state in (LOADING, LOADED):

@@ -29,7 +29,7 @@ from ..wire import Header, Reason
 from .errors import DeviceError
 from .loading import LoadedModel
 from .media import MediaTable
-from .ondemand import FAILED, LOADED, UNLOADED, UNLOADING, Deferred, OnDemand
+from .ondemand import LOADED, Deferred, OnDemand
 from .policy import Policy
 
 log = logging.getLogger("aotx.device")
@@ -130,24 +130,14 @@ class DeviceState:
         waiting = self.on_demand.get(h.role) if m is None else None
         if waiting is not None and (grant.model_mask >> h.role) & 1:
             if embed:  # (no embedding context until it is loaded: the call asks its load)
-                self._ask_load(waiting, h.principal)
+                waiting.ask_load(h.principal, time.monotonic())
+                raise DeviceError(503, Reason.MODEL_UNLOADED, retry_after=1)
             if waiting.spec.kind == "chat":
                 return grant
         if (m is None or not (grant.model_mask >> h.role) & 1
                 or not (m.embeddings is not None if embed else m.chat)):
             raise DeviceError(404, Reason.NO_MODEL)
         return grant
-
-    @staticmethod
-    def _ask_load(od: OnDemand, principal: int) -> None:
-        """An EMBED for a model loaded on first use, not loaded: its load is asked, as an
-        admin asks one, and the caller is told to come back (503 MODEL_UNLOADED, after a
-        second), or that its load failed and its file has not changed (MODEL_LOAD)."""
-        if od.state == FAILED and not od.retry():
-            raise DeviceError(503, Reason.MODEL_LOAD, retry_after=60)
-        if od.state in (UNLOADED, UNLOADING) and not od.asked:
-            od.asked, od.asked_by = time.monotonic(), principal
-        raise DeviceError(503, Reason.MODEL_UNLOADED, retry_after=1)
 
     def lookup(self, h: Header, action: int) -> Request:
         """The request ``h`` names, if the caller may act on it (the module's access rule)."""
