@@ -324,9 +324,7 @@ async def message_body(g: Gateway, principal: Principal, rid: str, schema: str) 
     if schema == "aotx.tool_calls.v1" and not offered:
         raise ApiError(409, "the request offered no tools: its output is text, read it with "
                             "GET /aotx/v1/requests/{id}", code="no_tools")
-    thinks = reasoning.mode(rh.submit_flags)
-    text = out.decode("utf-8", errors="replace")
-    thought, text = thinks.split(text) if thinks else (None, text)
+    thought, text = reasoning.split(rh.submit_flags, out.decode("utf-8", errors="replace"))
     message, _ = tools.message(text, "stop", "auto" if offered else None, identity,
                                wire.submit_tool_format(rh.submit_flags))
     if thought is not None:

@@ -151,8 +151,7 @@ class ChoiceText:
                                          self.rh.identity, 0)
             logprobs = {"content": [token_logprob(n) for n in lines], "refusal": None}
         text = b"".join(chunks).decode("utf-8", errors="replace")
-        thinks = reasoning.mode(self.last.submit_flags)
-        thought, text = thinks.split(text) if thinks else (None, text)
+        thought, text = reasoning.split(self.last.submit_flags, text)
         message, finish = tools.message(text, finish_reason(self.last), self.mode,
                                         self.rh.identity, self.fmt)
         if thought is not None:
@@ -208,8 +207,7 @@ class ChoiceText:
         split as they come (its held text's logprobs go with the next piece out)."""
         if not self._decided and (pieces or final):
             self._decided = True
-            thinks = reasoning.mode(self.last.submit_flags)
-            self._think = thinks.stream() if thinks else None
+            self._think = reasoning.stream(self.last.submit_flags)
         if self._think is None:
             return [("answer", text, lps) for text, lps in pieces]
         got: list[tuple[str, str]] = []

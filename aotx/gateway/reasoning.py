@@ -50,16 +50,26 @@ class Think:
         thought, sep, answer = body.partition(self.close)
         return thought.strip("\n"), answer.lstrip("\n") if sep else ""
 
-    def stream(self) -> ThinkStream:
-        return ThinkStream(self)
-
-
 def mode(flags: int) -> Think | None:
     """How a request of these state flags thinks (None: it does not)."""
     if not flags & wire.STATE_FLAG_THINKS:
         return None
     opening, closing = wire.think_tags(flags)
     return Think(bool(flags & wire.STATE_FLAG_THINK_OPEN), opening, closing)
+
+
+def split(flags: int, text: str) -> tuple[str | None, str]:
+    """(the thinking, or None; the answer) of a whole output of a request of these state
+    flags: the whole text is the answer of one that does not think."""
+    thinks = mode(flags)
+    return thinks.split(text) if thinks else (None, text)
+
+
+def stream(flags: int) -> ThinkStream | None:
+    """The splitter of a stream of a request of these state flags (None: it does not
+    think, its text is all answer)."""
+    thinks = mode(flags)
+    return ThinkStream(thinks) if thinks else None
 
 
 class ThinkStream:

@@ -129,8 +129,7 @@ class Events:
     def _piece(self, text: str, flags: int, final: bool = False) -> list[Event]:
         if not self.decided:
             self.decided = True
-            thinks = reasoning.mode(flags)
-            self.think = thinks.stream() if thinks else None
+            self.think = reasoning.stream(flags)
         if self.think is None:
             return self._delta(text)
         out: list[Event] = []

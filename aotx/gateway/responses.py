@@ -398,13 +398,12 @@ def output_items(h: wire.Header, data: bytes) -> list[dict[str, Any]]:
     as a ``reasoning`` item first; then a text request's one message (none while it is
     queued); with tools, the text before the first call as a message (none when empty)
     and each complete call as a ``function_call`` item."""
-    text = data.decode("utf-8", errors="replace")
+    raw = data.decode("utf-8", errors="replace")
     state = item_status(h)
     thinks = reasoning.mode(h.submit_flags)
-    thought, text = thinks.split(text) if thinks else (None, text)
+    thought, text = thinks.split(raw) if thinks else (None, raw)
     # (a think block that closed is done, whatever became of the answer after it)
-    done = "completed" if thinks and thinks.close in data.decode("utf-8", errors="replace") \
-        else state
+    done = "completed" if thinks and thinks.close in raw else state
     out = [] if thought is None else [reasoning_item(h.identity, thought, done)]
     if not h.submit_flags & wire.SUBMIT_FLAG_TOOLS:
         if h.phase == wire.Phase.QUEUED:

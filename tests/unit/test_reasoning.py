@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aotx import wire
-from aotx.gateway.reasoning import Think, mode
+from aotx.gateway.reasoning import Think, ThinkStream, mode, split, stream
 
 PIECES = st.lists(st.sampled_from(["<think>", "</think>", "<", "</", "think", ">", "\n",
                                    "\n\n", " ", "a", "b c", "<th", "ink>"]), max_size=12)
@@ -19,7 +19,7 @@ HARMONY = mode(wire.STATE_FLAG_THINKS | wire.STATE_FLAG_CHANNELS)
 
 
 def streamed(text: str, cuts: list[int], think: Think) -> tuple[str | None, str]:
-    s = think.stream()
+    s = ThinkStream(think)
     got: list[tuple[str, str]] = []
     at = 0
     for c in sorted(cuts):
@@ -59,6 +59,8 @@ def test_the_shapes() -> None:
     assert closed.split("  <think>cut off") == ("cut off", "")
     assert opened.split("") == ("", "")
     assert mode(0) is None and mode(wire.STATE_FLAG_THINKS) == closed
+    assert split(0, "<think>a</think>b") == (None, "<think>a</think>b") and stream(0) is None
+    assert split(wire.STATE_FLAG_THINKS, "<think>a</think>b") == ("a", "b")
     # gpt-oss: the analysis channel, then the final one (llama.cpp renders the markers;
     # <|end|> between them is a control token, rendered as nothing)
     assert HARMONY is not None and not HARMONY.opened
