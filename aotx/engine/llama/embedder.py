@@ -68,7 +68,6 @@ class Embedder:
         engine.attach(self.ctx)  # the engine thread's pool: both contexts run on that thread
         self.engine = engine
         self.context = context
-        self.rank = rank  # a score per input: the classifier head's first output
         self.dims = 1 if rank else int(llama_cpp.llama_model_n_embd(engine.model))
         self.memory = llama_cpp.llama_get_memory(self.ctx)  # None for an encoder without KV
         self.batch = llama_cpp.llama_batch_init(context, 0, 1)
@@ -96,7 +95,7 @@ class Embedder:
             if not row:
                 raise EngineError(f"no embedding for sequence {seq}")
             out[seq] = np.ctypeslib.as_array(row, shape=(self.dims,))
-        if self.rank:
+        if self.pooling == "rank":  # a score per input: the classifier head's first output
             return out
         norms = np.linalg.norm(out, axis=1, keepdims=True)
         out /= np.where(norms > 0, norms, np.float32(1.0))  # unit length, as OpenAI's
