@@ -75,9 +75,12 @@ embedding.py).  A ``kind = "embedding"`` model takes no chat requests; its pooli
 the GGUF's own (``<arch>.pooling_type``), mean where the file declares none.  A vLLM
 model answers ``/v1/embeddings`` only as ``kind = "embedding"`` (vLLM's pooling runner:
 one runner per engine), with vLLM's pooling for the model, or ``pooler_config``'s.
-A ``kind = "rerank"`` model (llama.cpp only) answers ``/v1/rerank`` alone: a query and
-each document joined into one input of at most ``embedding_context`` tokens, scored by
-the classifier head of its GGUF (which must declare rank pooling).
+A ``kind = "rerank"`` model answers ``/v1/rerank`` alone: a query and each document
+joined into one input, scored by the model's classifier head.  On llama.cpp the input
+is at most ``embedding_context`` tokens and the GGUF must declare rank pooling; on vLLM
+it is a sequence-classification folder of one label (a cross-encoder such as
+``BertForSequenceClassification``) on vLLM's pooling runner, the input joined by its
+tokenizer as a pair, at most ``max_model_len`` tokens.
 
 Roles are assigned in order: the default model is role 1, the models file's
 entries follow (2, 3, ...).  A role is the small number the wire protocol uses
@@ -306,16 +309,15 @@ def _engine(state_dir: str, entry: dict[str, object], what: str) -> dict[str, An
         if key in entry:
             raise ModelConfigError(f"{what}: {key} is a llama.cpp setting; vLLM takes its "
                                    "own in [model.vllm] (max_num_seqs, max_model_len)")
-    if entry.get("kind") == "rerank":
-        raise ModelConfigError(f"{what}: kind = \"rerank\" is for llama.cpp models (a GGUF "
-                               "cross-encoder): vLLM's score runner is not served")
-    if entry.get("kind") == "embedding":
+    if entry.get("kind") in ("embedding", "rerank"):
         if "lora" in entry:
             raise ModelConfigError(f"{what}: [[model.lora]] adapters need a chat model")
-        # vLLM's pooling runner (its own pooling and normalization, or pooler_config's)
+        # vLLM's pooling runner (its own pooling and normalization, or pooler_config's;
+        # a reranker's classifier head)
         settings = {"runner": "pooling", **settings}
     elif "pooler_config" in settings:
-        raise ModelConfigError(f"{what}: pooler_config is for kind = \"embedding\"")
+        raise ModelConfigError(f"{what}: pooler_config is for kind = \"embedding\" "
+                               "or \"rerank\"")
     if adapters := _adapters(state_dir, entry, what):
         settings = {"enable_lora": True, "max_loras": len(adapters), **settings}
     return {"path": _folder_in(state_dir, entry.get("path"), what), "engine": "vllm",

@@ -10,6 +10,7 @@ through the whole path: the models file's ``kind = "rerank"``, llama.cpp's RANK 
 and ``/v1/rerank``.
 
     python tiny_reranker.py OUT.gguf
+    python tiny_reranker.py --hf FOLDER    # the same model for vLLM (build_hf)
 
 The residual stream is one-hot: a dimension per word of the vocabulary, one for the
 other special tokens, one marking ``[CLS]``, one per position, and three more (A, B, R).
@@ -24,7 +25,8 @@ the stream goes through them (almost) unchanged.
 * Rank pooling on the ``[CLS]`` row: score = tanh(K * (R - C)) (``cls``, then
   ``cls.output`` picks it).
 
-Only numpy and the `gguf` package are needed.  Output is deterministic.
+The GGUF needs only numpy and the `gguf` package; the Hugging Face copy, torch,
+transformers and tokenizers.  Output is deterministic.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ import numpy as np
 
 try:
     import gguf
-except ImportError:  # pragma: no cover
-    sys.exit("the `gguf` package is required: pip install gguf")
+except ImportError:  # pragma: no cover (the --hf copy is built without it)
+    gguf = None
 
 #: The vocabulary's words (WordPiece, lower case); any other word is [UNK].
 WORDS = """
@@ -52,23 +54,28 @@ python code program language computer software bug test tests server model model
 """.split()
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 CONTEXT = 512  # positions (the default embedding context of a models file entry)
+TYPE_A = 0.1  # the Hugging Face copy's token type 1 in A (build_hf)
+HF_CONTEXT = 128  # the Hugging Face copy's: one head of 256 (vLLM's CPU attention: <= 512)
 BETA = 24.0  # the attention's sharpness: e^(beta/2) against the input's length
 K, C = 4.0, 0.25  # score = tanh(K * (R - C))
 EPS = 1e-12
 
 
-def layout() -> dict[str, int]:
-    """Where each kind of dimension starts, and the model's width."""
+def layout(context: int = CONTEXT) -> dict[str, int]:
+    """Where each kind of dimension starts, and the model's width, for ``context``
+    positions."""
     w = len(WORDS)
-    at = {"special": w, "cls": w + 1, "pos": w + 2}
-    at["A"], at["B"], at["R"], at["sink"] = (w + 2 + CONTEXT + i for i in range(4))
+    at = {"special": w, "cls": w + 1, "pos": w + 2, "context": context}
+    at["A"], at["B"], at["R"], at["sink"] = (w + 2 + context + i for i in range(4))
     at["width"] = -(-(at["sink"] + 1) // 32) * 32
     return at
 
 
-def tensors() -> dict[str, np.ndarray]:
-    """The model's tensors (numpy shapes: rows are a matrix's outputs)."""
-    at = layout()
+def tensors(context: int = CONTEXT) -> dict[str, np.ndarray]:
+    """The model's tensors in llama.cpp's names (numpy shapes: rows are a matrix's
+    outputs)."""
+    at = layout(context)
+    n = at["context"]
     d, w = at["width"], len(WORDS)
     s = math.sqrt(d)  # llama.cpp scales scores by 1/sqrt(head width); one head of d
 
@@ -80,8 +87,8 @@ def tensors() -> dict[str, np.ndarray]:
         emb[i, at["cls"] if SPECIALS[i] == "[CLS]" else at["special"]] = 1
     for t in range(w):
         emb[len(SPECIALS) + t, t] = 1
-    pos = zeros(CONTEXT, d)
-    pos[np.arange(CONTEXT), at["pos"] + np.arange(CONTEXT)] = 1
+    pos = zeros(n, d)
+    pos[np.arange(n), at["pos"] + np.arange(n)] = 1
 
     def norm(ones: float) -> dict[str, np.ndarray]:
         # undo the norm of a vector of d values, ``ones`` of them 1 and the rest 0
@@ -113,7 +120,7 @@ def _match_layer(at: dict[str, int], s: float) -> dict[str, np.ndarray]:
     d, w = at["width"], len(WORDS)
     q, k, v, o = (np.zeros((d, d), np.float32) for _ in range(4))
     qb = np.zeros(d, np.float32)
-    words, places = np.arange(w), at["pos"] + np.arange(CONTEXT)
+    words, places = np.arange(w), at["pos"] + np.arange(at["context"])
     q[words, words], k[words, words] = BETA * s, 1.0  # the same word elsewhere: beta
     q[places, places], k[places, places] = -BETA * s, 1.0  # its own place: minus beta
     qb[at["sink"]], k[at["sink"], at["cls"]] = BETA / 2 * s, 1.0  # [CLS]: beta / 2
@@ -132,10 +139,77 @@ def _mean_layer(at: dict[str, int]) -> dict[str, np.ndarray]:
             "attn_output.weight": o}
 
 
+#: llama.cpp's tensor names (tensors()) and Hugging Face's BertForSequenceClassification's
+HF_NAMES = (("token_embd.", "bert.embeddings.word_embeddings."),
+            ("position_embd.", "bert.embeddings.position_embeddings."),
+            ("token_types.", "bert.embeddings.token_type_embeddings."),
+            ("token_embd_norm.", "bert.embeddings.LayerNorm."),
+            ("attn_q.", "attention.self.query."), ("attn_k.", "attention.self.key."),
+            ("attn_v.", "attention.self.value."),
+            ("attn_output_norm.", "attention.output.LayerNorm."),
+            ("attn_output.", "attention.output.dense."), ("ffn_up.", "intermediate.dense."),
+            ("ffn_down.", "output.dense."), ("layer_output_norm.", "output.LayerNorm."),
+            ("cls.output.", "classifier."), ("cls.", "bert.pooler.dense."))
+
+
+def hf_name(name: str) -> str:
+    layer = ""
+    if name.startswith("blk."):
+        _, n, name = name.split(".", 2)
+        layer = f"bert.encoder.layer.{n}."
+    for ours, theirs in HF_NAMES:
+        if name.startswith(ours):
+            return layer + theirs + name[len(ours):]
+    raise KeyError(name)
+
+
+def build_hf(folder: str) -> None:
+    """The same model, of :data:`HF_CONTEXT` positions, as a Hugging Face
+    ``BertForSequenceClassification`` folder with its WordPiece tokenizer (a query and a
+    document: ``[CLS] query [SEP] document [SEP]``), for vLLM.  Needs torch, transformers
+    and tokenizers (the vLLM venv)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+    tok.decoder = decoders.WordPiece()
+    BertTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", sep_token="[SEP]",
+                      pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]",
+                      model_max_length=HF_CONTEXT).save_pretrained(folder)
+    at = layout(HF_CONTEXT)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=at["width"], num_hidden_layers=2,
+                        num_attention_heads=1, intermediate_size=4,
+                        max_position_embeddings=HF_CONTEXT, type_vocab_size=2,
+                        layer_norm_eps=EPS, num_labels=1, hidden_act="gelu")
+    model = BertForSequenceClassification(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()  # (the biases llama.cpp's file leaves out)
+        own = model.state_dict()
+        for name, value in tensors(HF_CONTEXT).items():
+            own[hf_name(name)].copy_(torch.from_numpy(value))
+        # A document's tokens (token type 1) carry TYPE_A in A: this copy reads token
+        # types (llama.cpp's BERT adds type 0's row alone), so a test sees them arrive.
+        own["bert.embeddings.token_type_embeddings.weight"][1, at["A"]] = TYPE_A
+    model.save_pretrained(folder)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
+    if len(args) == 2 and args[0] == "--hf":
+        build_hf(args[1])
+        return
     if len(args) != 1:
-        sys.exit(f"usage: {sys.argv[0]} OUT.gguf")
+        sys.exit(f"usage: {sys.argv[0]} OUT.gguf | --hf FOLDER")
+    if gguf is None:
+        sys.exit("the `gguf` package is required: pip install gguf")
     at = layout()
     writer = gguf.GGUFWriter(args[0], arch="bert")
     writer.add_string("general.name", "tiny-lexical-reranker")

@@ -179,11 +179,17 @@ def test_models_file_kind_and_embedding_context(tmp_path) -> None:
                      ('kind = "embedding"\nmmproj = "m.gguf"', "no projector"),
                      ('kind = "rerank"\nmmproj = "m.gguf"', "no projector"),
                      ('kind = "rerank"\nchat_template = "m.gguf"', "no chat_template"),
-                     ('kind = "rerank"\nengine = "vllm"', "for llama.cpp models")):
+                     ('engine = "vllm"\n[model.vllm]\npooler_config = {}', "is for kind")):
         (tmp_path / "models.toml").write_text(
             f'[default]\nenabled = false\n[[model]]\nalias = "e"\npath = "m.gguf"\n{bad}\n')
         with pytest.raises(ModelConfigError, match=why):
             load_specs(str(tmp_path))
+    (tmp_path / "rr").mkdir()  # a vLLM reranker: vLLM's pooling runner
+    (tmp_path / "rr" / "config.json").write_text("{}")
+    (tmp_path / "models.toml").write_text('[default]\nenabled = false\n[[model]]\nalias = "r"\n'
+                                          'path = "rr"\nengine = "vllm"\nkind = "rerank"\n')
+    (spec,) = load_specs(str(tmp_path))
+    assert (spec.kind, spec.engine, dict(spec.vllm)) == ("rerank", "vllm", {"runner": "pooling"})
 
 
 def test_forget_drops_a_principals_unprocessed_sources_and_its_running_extraction() -> None:

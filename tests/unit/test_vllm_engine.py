@@ -49,6 +49,23 @@ def test_markup_alone_is_parsed_for_special_tokens() -> None:
     assert v.metadata("tokenizer.chat_template") == "{{ messages }}"
 
 
+def test_a_rerankers_pair_and_where_its_document_starts() -> None:
+    """A reranker's input is the tokenizer's pair; the document's tokens (type 1) start
+    after the first separator, where the tokenizer gives token types at all."""
+    import dataclasses
+
+    with pytest.raises(NotImplementedError):
+        vocab().rank_prompt("q", "d")  # a tokenizer that joins no pair
+    joined = dataclasses.replace(vocab().vocab, second_after=B, pair=lambda q, d: [
+        A, *tokens(q.encode()), B, *tokens(d.encode()), B])
+    v = HfVocab(joined, context=64)
+    ids = v.rank_prompt("q", "d")
+    assert ids == [A, *tokens(b"q"), B, *tokens(b"d"), B] and v.second_segment(ids) == 3
+    assert v.second_segment([A, *tokens(b"q")]) is None  # (no separator)
+    untyped = HfVocab(dataclasses.replace(joined, second_after=-1), context=64)
+    assert untyped.second_segment(ids) is None
+
+
 def out(ids: list[int], reason: str | None = None) -> Any:
     return SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, finish_reason=reason,
                                                     logprobs=None)],
@@ -420,12 +437,14 @@ class EncodingClient(ScriptedClient):
         super().__init__([])
         self.pause, self.bad, self.dims = pause, bad, dims
         self.encoded: list[list[int]] = []
+        self.params: list[Any] = []  # each input's pooling parameters
         self.running = self.peak = 0  # encode calls in flight, and the most at once
 
     async def encode(self, prompt: Any, pooling_params: Any,
                      request_id: str) -> AsyncIterator[Any]:
         ids = prompt["prompt_token_ids"]
         self.encoded.append(ids)
+        self.params.append(pooling_params)
         self.running += 1
         self.peak = max(self.peak, self.running)
         await asyncio.sleep(self.pause)
@@ -436,7 +455,8 @@ class EncodingClient(ScriptedClient):
         yield SimpleNamespace(outputs=SimpleNamespace(data=row), finished=True)
 
 
-def embed_all(client: EncodingClient, inputs: list[list[int]]) -> Any:
+def embed_all(client: EncodingClient, inputs: list[list[int]], pooling: str = "mean",
+              dims: int = 0) -> Any:
     import numpy as np
 
     from aotx.engine.embedding import EmbedJob
@@ -444,7 +464,10 @@ def embed_all(client: EncodingClient, inputs: list[list[int]]) -> Any:
 
     run = Running(client)
     try:
-        emb = VllmEmbeddings(run.runner, client, 3, 64, "mean", lambda: None)
+        # (the parameters say where an input's second segment starts: after token 3)
+        emb = VllmEmbeddings(run.runner, client, dims or client.dims, 64, pooling,
+                             lambda second: ("params", second),
+                             lambda tokens: tokens.index(3) + 1 if 3 in tokens else None)
         done: list[EmbedJob] = []
         job = EmbedJob(inputs, done.append)
         with run.lock:
@@ -466,10 +489,19 @@ def test_embeddings_go_to_vllms_encode_together_and_come_back_unit_length() -> N
         assert np.allclose(row, np.array([total, count, 0]) / np.hypot(total, count))
 
 
+def test_a_rerankers_scores_come_back_as_the_head_gives_them_with_token_types() -> None:
+    """A reranker (pooling "rank") on vLLM: one score an input, not normalized (a score
+    of 7 stays 7, not 1), each input's parameters told where its document starts."""
+    client = EncodingClient(dims=1)
+    job, np = embed_all(client, [[2, 5, 3, 2], [2, 9]], pooling="rank")
+    assert job.error == "" and np.array_equal(job.vectors, [[12.0], [11.0]])
+    assert sorted(client.params, key=str) == [("params", 3), ("params", None)]
+
+
 def test_a_failed_embedding_input_fails_the_call_not_the_runner() -> None:
     job, _ = embed_all(EncodingClient(bad=9), [[1], [9]])
     assert job.error == "the engine failed"
-    job, _ = embed_all(EncodingClient(dims=2), [[1]])  # vLLM's width is not the model's
+    job, _ = embed_all(EncodingClient(dims=2), [[1]], dims=3)  # vLLM's width is not the model's
     assert "2 floats, not 3" in job.error
 
 

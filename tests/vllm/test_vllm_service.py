@@ -1,8 +1,8 @@
 """A model served by vLLM (engine = "vllm") through the whole service, on the CPU build of
 vLLM (``scripts/setup-vllm``) and a tiny random Llama built here: the standard and native
 routes, cancel, SSE resume, a grant's model mask, the refusals of what the engine lacks,
-an embedding model on vLLM's pooling runner, images on a tiny Idefics3 and audio on a
-tiny Qwen2-Audio.
+an embedding model and a reranker on vLLM's pooling runner, images on a tiny Idefics3
+and audio on a tiny Qwen2-Audio.
 
 The service runs from the vLLM Python (PYTHONPATH names this checkout, whichever one its
 editable aotx came from); the test itself, its HTTP clients and the official ``openai`` package run from .venv.  Skipped
@@ -71,6 +71,16 @@ dtype = "float32"
 pooler_config = {pooling_type = "MEAN"}
 
 [[model]]
+alias = "tiny-rank"
+engine = "vllm"
+path = "tiny-rank"
+kind = "rerank"
+[model.vllm]
+enforce_eager = true
+max_model_len = 128
+dtype = "float32"
+
+[[model]]
 alias = "tiny-vl"
 engine = "vllm"
 path = "tiny-vl"
@@ -98,6 +108,10 @@ def vsvc() -> Iterator[Service]:
     state = short_tmpdir()
     built = subprocess.run([VENV, str(pathlib.Path(__file__).with_name("tiny_model.py")),
                             *(os.path.join(state, d) for d in ("tiny", "lora-a", "lora-b"))],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-4000:]
+    built = subprocess.run([VENV, str(ROOT / "tests" / "e2e" / "tiny_reranker.py"), "--hf",
+                            os.path.join(state, "tiny-rank")],
                            capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-4000:]
     for kind in ("vision", "audio"):
@@ -441,6 +455,63 @@ def test_an_embedding_model_on_vllms_pooling_runner(vsvc: Service) -> None:
         c.chat.completions.create(model="tiny-embed", messages=HELLO, max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="does not provide embeddings"):
         c.embeddings.create(model="tiny", input="Hello")
+
+
+RANK_REFERENCE = """
+import json, sys, torch
+from transformers import AutoTokenizer, BertForSequenceClassification
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+model = BertForSequenceClassification.from_pretrained(sys.argv[1]).eval()
+query, documents, types = json.loads(sys.argv[2])
+out = []
+with torch.no_grad():
+    for d in documents:
+        pair = tok(query, d, return_tensors="pt", split_special_tokens=True)
+        if not types:
+            pair["token_type_ids"].zero_()
+        out.append((model(**pair).logits[0, 0].item(), pair["input_ids"].shape[1]))
+print(json.dumps(out))
+"""
+
+
+def test_a_reranker_on_vllms_pooling_runner(vsvc: Service) -> None:
+    """/v1/rerank on kind = "rerank": the hand-set cross-encoder of tiny_reranker.py as a
+    BertForSequenceClassification folder.  The relevant document ranks first; every
+    score is the classifier head's own output (no sigmoid) that transformers computes on
+    the tokenizer's pair, token types included (the copy reads them: without them the
+    scores differ), special-token text staying text; usage counts the pairs' tokens."""
+    from ..e2e.test_e2e_rerank import IRRELEVANT, NEAR, QUERY, RELEVANT
+
+    docs = [IRRELEVANT, RELEVANT, NEAR, "[SEP] the capital"]
+    with vsvc.client() as h:
+        r = h.post("/v1/rerank", json={"model": "tiny-rank", "query": QUERY,
+                                       "documents": docs})
+        caps = {m["alias"]: m for m in h.get("/aotx/v1/capabilities").json()["models"]}
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [x["index"] for x in body["results"]] == [1, 2, 3, 0]
+    scores = {x["index"]: x["relevance_score"] for x in body["results"]}
+
+    def reference(types: bool) -> list[tuple[float, int]]:
+        ref = subprocess.run([VENV, "-c", RANK_REFERENCE, os.path.join(vsvc.state_dir,
+                                                                        "tiny-rank"),
+                              json.dumps([QUERY, docs, types])],
+                             capture_output=True, text=True, timeout=300)
+        assert ref.returncode == 0, ref.stderr[-3000:]
+        return [tuple(x) for x in json.loads(ref.stdout)]
+
+    typed, untyped = reference(True), reference(False)
+    assert [scores[i] for i in range(4)] == pytest.approx([s for s, _ in typed], abs=1e-4)
+    assert max(abs(scores[i] - untyped[i][0]) for i in range(4)) > 0.01
+    assert min(scores.values()) < 0 < max(scores.values())  # the head's output: no sigmoid
+    assert body["usage"]["prompt_tokens"] == sum(n for _, n in typed)
+    assert caps["tiny-rank"]["chat"] is False
+    with vsvc.client() as h:
+        assert h.post("/v1/embeddings", json={"model": "tiny-rank", "input": "a"}
+                      ).status_code == 400
+        long = h.post("/v1/rerank", json={"model": "tiny-rank", "query": QUERY,
+                                          "documents": ["paris " * 200]})
+    assert long.status_code == 400 and "128" in long.text
 
 
 def test_an_image_reaches_a_vllm_multimodal_model(vsvc: Service) -> None:

@@ -36,6 +36,8 @@ class Vocab:
     encode: Callable[[str], list[int]]
     token_bytes: Callable[[int], bytes]
     grammar_tokenizer: Any = None  # llguidance's LLTokenizer (constraints: grammar.py)
+    pair: Callable[[str, str], list[int]] | None = None  # a query and a document joined
+    second_after: int = -1  # the token whose first place ends a pair's first segment
 
 
 class HfVocab:
@@ -89,8 +91,22 @@ class HfVocab:
         return self.tokenize_pieces([(text, True)], add_special)
 
     def rank_prompt(self, query: str, document: str) -> list[int]:
-        """Not served: a vLLM model is no reranker here (models.py refuses the kind)."""
-        raise NotImplementedError("kind = \"rerank\" is for llama.cpp models")
+        """A reranker's input: ``query`` and ``document`` joined as the tokenizer joins a
+        pair (BERT's ``[CLS] query [SEP] document [SEP]``), as vLLM's own scoring does.
+        Special-token texts in either stay text."""
+        if self.vocab.pair is None:
+            raise NotImplementedError("this tokenizer joins no pair")
+        return self.vocab.pair(query, document)
+
+    def second_segment(self, tokens: Sequence[int]) -> int | None:
+        """Where a pair's second segment starts in ``tokens`` (its token type 1, as the
+        tokenizer marks it), or None when the tokenizer gives no token types."""
+        if self.vocab.second_after < 0:
+            return None
+        try:
+            return list(tokens).index(self.vocab.second_after) + 1
+        except ValueError:
+            return None
 
     def tokenize_pieces(self, pieces: Sequence[tuple[str, bool]], add_special: bool = True,
                         start: bool = True, end: bool = True) -> list[int]:
@@ -128,25 +144,38 @@ class HfVocab:
         return [p for p in out if p != ""]
 
 
-def from_hf(tokenizer: Any) -> Vocab:
+def from_hf(tokenizer: Any, grammar: bool = True) -> Vocab:
     """The :class:`Vocab` of a Hugging Face tokenizer (as vLLM loads it).  Token bytes
     come from llguidance's reading of the same tokenizer, which knows byte-level BPE,
-    SentencePiece byte fallback and the rest."""
+    SentencePiece byte fallback and the rest.  A model that needs no ``grammar`` (a
+    pooling model) may have a tokenizer llguidance cannot read (BERT's WordPiece): its
+    token bytes are then the tokenizer's decoding of each token."""
     from llguidance.hf import from_tokenizer
 
-    ll = from_tokenizer(tokenizer)
+    try:
+        ll = from_tokenizer(tokenizer)
+    except ValueError:  # ("can't determine decoder type: WordPiece")
+        if grammar:
+            raise
+        ll = None
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     specials = tuple((tok.content, int(i)) for i, tok in added.items()
                      if getattr(tok, "special", False) and tok.content)
-    eog = {int(t) for t in ll.eos_tokens} | (
+    eog = {int(t) for t in (ll.eos_tokens if ll is not None else ())} | (
         {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set())
     bos = tokenizer.bos_token_id
     probe = tokenizer("a").input_ids  # whether the tokenizer itself starts with BOS
+    types = tokenizer("a", "b").get("token_type_ids") or []
+    sep = tokenizer.sep_token_id
     return Vocab(
-        n_vocab=int(ll.vocab_size), specials=specials, eog=frozenset(eog),
-        bos=int(bos) if bos is not None else -1,
+        n_vocab=int(ll.vocab_size) if ll is not None else len(tokenizer), specials=specials,
+        eog=frozenset(eog), bos=int(bos) if bos is not None else -1,
         add_bos=bos is not None and bool(probe) and probe[0] == bos,
         chat_template=getattr(tokenizer, "chat_template", None),
         encode=lambda text: list(tokenizer(text, add_special_tokens=False,
                                            split_special_tokens=True).input_ids),
-        token_bytes=lambda t: bytes(ll.decode_bytes([t])), grammar_tokenizer=ll)
+        token_bytes=((lambda t: bytes(ll.decode_bytes([t]))) if ll is not None
+                     else (lambda t: tokenizer.decode([t]).encode("utf-8"))),
+        grammar_tokenizer=ll,
+        pair=lambda q, d: list(tokenizer(q, d, split_special_tokens=True).input_ids),
+        second_after=int(sep) if 1 in types and sep is not None else -1)

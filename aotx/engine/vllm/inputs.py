@@ -28,14 +28,19 @@ def reason(exc: BaseException) -> str:
 
 
 class VllmEmbeddings:
-    """``/v1/embeddings`` on a vLLM pooling model (``kind = "embedding"``): each EMBED
-    call's inputs go to vLLM's ``encode`` together, on the runner's loop, and vLLM batches
-    them with whatever else runs; the vectors come back unit length, as llama.cpp's.  It
-    stands where :class:`~aotx.engine.embedding.EmbedQueue` stands for llama.cpp (the
-    device reads ``embedder.dims`` and ``embedder.context``)."""
+    """``/v1/embeddings`` on a vLLM pooling model (``kind = "embedding"``) and
+    ``/v1/rerank`` on a cross-encoder (``kind = "rerank"``): each EMBED call's inputs go
+    to vLLM's ``encode`` together, on the runner's loop, and vLLM batches them with
+    whatever else runs.  Vectors come back unit length, as llama.cpp's; a reranker's
+    score (``pooling`` "rank") as its classifier head gives it.  It stands where
+    :class:`~aotx.engine.embedding.EmbedQueue` stands for llama.cpp (the device reads
+    ``embedder.dims`` and ``embedder.context``).  ``make_params`` gives an input's
+    ``PoolingParams``, told where a reranker's input starts its second segment
+    (``segments``: the document's token type, where the tokenizer gives types)."""
 
     def __init__(self, runner: Loop, client: EngineClient, dims: int, context: int,
-                 pooling: str, make_params: Callable[[], Any]) -> None:
+                 pooling: str, make_params: Callable[[int | None], Any],
+                 segments: Callable[[list[int]], int | None]) -> None:
         self.runner = runner
         self.client = client
         self.embedder = self  # (one object: no context of its own to close)
@@ -43,6 +48,7 @@ class VllmEmbeddings:
         self.context = context
         self.pooling = pooling
         self.make_params = make_params
+        self.segments = segments
         self.calls = self.inputs = self.tokens = 0
 
     def submit(self, job: EmbedJob) -> None:
@@ -72,7 +78,7 @@ class VllmEmbeddings:
                 if row.shape != (self.dims,):
                     error = f"vLLM gave {row.shape[0]} floats, not {self.dims}"
                     break
-                norm = float(np.linalg.norm(row))
+                norm = float(np.linalg.norm(row)) if self.pooling != "rank" else 0.0
                 job.vectors[i] = row / norm if norm > 0 else row
             job.error, job.next = error, len(job.inputs)
             self.calls += 1
@@ -83,8 +89,8 @@ class VllmEmbeddings:
     async def _one(self, tokens: list[int]) -> Vectors:
         rid = "embed-" + os.urandom(16).hex()
         last = None
-        async for out in self.client.encode({"prompt_token_ids": tokens}, self.make_params(),
-                                            rid):
+        params = self.make_params(self.segments(tokens))
+        async for out in self.client.encode({"prompt_token_ids": tokens}, params, rid):
             last = out
         if last is None:
             raise EngineError("vLLM ended an embedding without output")
@@ -154,8 +160,18 @@ def multi_modal_data(segments: Sequence[MediaSegment]) -> dict[str, list[Any]]:
     return data
 
 
-def pooling_params() -> Any:
+def pooling_params(second: int | None = None) -> Any:
     """vLLM's ``PoolingParams`` for one embedding input."""
     from vllm import PoolingParams
 
     return PoolingParams(task="embed")
+
+
+def rank_params(second: int | None) -> Any:
+    """vLLM's ``PoolingParams`` for one reranker input whose second segment (token type
+    1) starts at ``second``: its classifier head's raw output, as llama.cpp's rank
+    pooling gives it (vLLM's own scoring would squash it with a sigmoid)."""
+    from vllm import PoolingParams
+
+    extra = {"compressed_token_type_ids": second} if second is not None else None
+    return PoolingParams(task="classify", use_activation=False, extra_kwargs=extra)

@@ -1,6 +1,6 @@
 """A model folder loaded on vLLM (engine/load.py's factory for ``engine = "vllm"``): its
-tokenizer and template here, its batching and KV there; an embedding model is vLLM's
-pooling runner, image and audio parts are decoded here (inputs.py).  vLLM settles the
+tokenizer and template here, its batching and KV there; an embedding model or a
+reranker is vLLM's pooling runner, image and audio parts are decoded here (inputs.py).  vLLM settles the
 context (``max_model_len``) and the sequences (``max_num_seqs``) itself."""
 
 from __future__ import annotations
@@ -14,19 +14,19 @@ from ..interface import EngineError
 from ..load import Loaded, modality_bits
 from ..request import Request
 from ..spec import ModelSpec
-from .inputs import VllmEmbeddings, VllmMedia, pooling_params
+from .inputs import VllmEmbeddings, VllmMedia, pooling_params, rank_params
 from .model import VllmModel, start
 from .runner import VllmRunner, sampling_params
 
 
 def load(spec: ModelSpec, lock: threading.Lock, on_step: Callable[[], None],
          on_terminal: Callable[[Request], None]) -> Loaded:
-    engine = start(spec.path, dict(spec.vllm))
+    engine = start(spec.path, dict(spec.vllm), spec.kind)
     chat = spec.kind == "chat"
     runner = VllmRunner(engine.client, engine, lock, sampling_params, on_step, on_terminal)
     embeddings = None if chat else VllmEmbeddings(
         runner, engine.client, engine.embedding_dims, engine.slot_context, engine.pooling,
-        pooling_params)
+        rank_params if spec.kind == "rerank" else pooling_params, engine.second_segment)
     media, mods = _media(spec, engine) if chat else (None, MOD_TEXT)
     # (an embedding model decodes no stream: one slot, as on llama.cpp)
     spec = dataclasses.replace(spec, context=engine.slot_context,

@@ -52,8 +52,8 @@ class VllmModel(HfVocab):
     threads = 0
     max_sequences = 0  # vLLM's max_num_seqs (the capabilities' slots)
     sampling_rate = 16000  # an audio model's (its feature extractor's)
-    embedding_dims = 0  # a pooling model's: floats per vector (else 0)
-    pooling = ""  # a pooling model's sequence pooling ("mean", "last", "cls")
+    embedding_dims = 0  # a pooling model's: floats per vector (a reranker's: 1; else 0)
+    pooling = ""  # a pooling model's sequence pooling ("mean", "last", "cls"; "rank")
 
     def __init__(self, vocab: Any, context: int, client: EngineClient,
                  figures: SchedulerFigures | None = None) -> None:
@@ -77,9 +77,10 @@ class VllmModel(HfVocab):
             self.client.shutdown()
 
 
-def start(path: str, settings: dict[str, Any]) -> VllmModel:
+def start(path: str, settings: dict[str, Any], kind: str = "chat") -> VllmModel:
     """Start vLLM's ``AsyncLLM`` on the model folder ``path`` with the models file's
-    settings; its engine core is a process of its own (spawned)."""
+    settings, for a model of ``kind`` (models.py); its engine core is a process of its
+    own (spawned)."""
     try:
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -104,13 +105,16 @@ def start(path: str, settings: dict[str, Any]) -> VllmModel:
         AsyncEngineArgs(model=path, disable_log_stats=True, **settings),
         stat_loggers=[_recorder(figures)])
     context = int(client.model_config.max_model_len)
-    model = VllmModel(from_hf(AutoTokenizer.from_pretrained(path)), context, client, figures)
+    model = VllmModel(from_hf(AutoTokenizer.from_pretrained(path), grammar=not pooling),
+                      context, client, figures)
     cache = client.vllm_config.cache_config  # (its blocks, counted by the engine core at start)
     model.kv_cells = int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0)
     model.max_sequences = int(client.vllm_config.scheduler_config.max_num_seqs)
     if client.model_config.is_multimodal_model:
         _media_tokens(model, path)
-    if pooling:
+    if kind == "rerank":  # a score an input: the classifier head's one label
+        model.embedding_dims, model.pooling = 1, "rank"
+    elif pooling:
         model.embedding_dims = int(client.model_config.embedding_size)
         pooler = client.model_config.pooler_config
         model.pooling = str(getattr(pooler, "seq_pooling_type", None) or "").lower()
