@@ -70,21 +70,27 @@ def constraint_matcher(model: LoadedModel, constraint: Constraint | None, thinki
 def after_thinking(constraint: Constraint, opened: bool, budget: int,
                    tags: tuple[str, str] = THINK_TAGS) -> Constraint:
     """``constraint`` after a think block: ``<think>`` (unless the prompt opened it), free
-    text without ``</think>`` of at most ``budget`` tokens, ``</think>`` (the model
-    writes it when it is done, or must once the budget is spent), and the constraint's
-    grammar as the answer.  ``tags``: the block's opening and closing (gpt-oss's: its
-    analysis channel, then the final one)."""
+    text of at most ``budget`` tokens, ``</think>`` (the model writes it when it is done,
+    or must once the budget is spent), at most four blanks, and the constraint's grammar
+    as the answer.  ``tags``: the block's opening and closing (gpt-oss's: its analysis
+    channel, then the final one).
+
+    The thought is a lazy lexeme that ``</think>`` stops (``stop``, then the tag again
+    outside it, which llguidance matches without backtracking): a greedy one that
+    merely excludes the tag cannot end where the tag begins, since llguidance's lexer
+    does not go back over the tag's first bytes, and the model could close the block
+    only once the budget forced it.  The blanks are bounded because a model may write
+    newline after newline there (SmolLM2 after gpt-oss's final channel) until
+    ``max_tokens``, with no answer."""
     if constraint.kind is GrammarKind.JSON_SCHEMA:
         answer = f"answer: %json {constraint.text}"
     else:  # a Lark grammar: its start rule becomes the answer
         answer = _START.sub("answer:", constraint.text)
     head = "" if opened else json.dumps(tags[0]) + " "
-    closing = re.escape(tags[1]).replace("/", "\\/")
     return Constraint(GrammarKind.LARK, (
         f"start: {head}thought {json.dumps(tags[1])} GAP answer\n"
-        f"thought[max_tokens={budget}]: THOUGHT\n"
-        f"THOUGHT: /(.|\\n)*/ & ~/(.|\\n)*{closing}(.|\\n)*/\n"
-        "GAP: /[ \\t\\n]*/\n") + answer + "\n")
+        f"thought[stop={json.dumps(tags[1])}, max_tokens={budget}]: /(.|\\n)*/\n"
+        "GAP: /[ \\t\\n]{0,4}/\n") + answer + "\n")
 
 
 _START = re.compile(r"^start\s*:", re.MULTILINE)

@@ -406,6 +406,44 @@ def test_lark_json_schemas_are_checked_and_compact(compiler: GrammarCompiler) ->
         JSON_OPTIONS, separators=(",", ":")) + "}")
 
 
+def test_a_think_block_closes_when_the_model_closes_it_or_its_budget_ends(
+        compiler: GrammarCompiler) -> None:
+    """The schema after thinking (device/constraints.py).  The model may close the block
+    whenever it likes, after text that holds the tag's first bytes too (before, only
+    the budget could close it); once the budget is spent the tag is forced.  At most
+    four blanks come before the answer: a model that would write newline after newline
+    there (SmolLM2 after gpt-oss's final channel, greedy, on an Intel CPU) must start
+    its answer instead of spending max_tokens on blanks."""
+    from aotx.device.constraints import after_thinking
+    from aotx.wire import Constraint, GrammarKind
+
+    schema = Constraint(GrammarKind.JSON_SCHEMA, '{"type": "integer"}')
+    spec = GrammarSpec.lark(after_thinking(schema, False, 40).text)
+
+    def run(text: str) -> bool:
+        m = compiler.matcher(spec)
+        return all(m.consume(t) for t in tok(text)) and m.can_stop
+
+    assert run("<think>hm</think>\n\n7") and run("<think>hm</think>7")
+    assert run("<think>a</b </thin</think>7")  # the tag's first bytes, then the tag
+    assert run("<think>hm</think> \n\t\n7") and not run("<think>hm</think>\n\n\n\n\n7")
+    assert not run("<think>hm</think>\n\n")  # an answer is due
+    m = compiler.matcher(GrammarSpec.lark(after_thinking(schema, False, 12).text))
+    assert all(m.consume(t) for t in tok("<think>" + "a" * 12))  # the budget, spent
+    row = np.zeros(mask_words(compiler.n_vocab), dtype=np.int32)
+
+    def choices() -> set[int]:
+        m.fill(row)
+        return allowed(row, compiler.n_vocab)
+
+    forced = b""
+    while len(only := choices()) == 1:  # (one token allowed: the grammar's)
+        token = only.pop()
+        forced += bytes([token - 1])
+        assert m.consume(token)
+    assert forced == b"</think>"
+
+
 def test_a_pattern_whose_repetitions_outgrow_the_lexer_is_refused_at_once() -> None:
     """Issue 39, finding 3: ^(x{1000}){1000}$ compiled, then failed mid-generation (a
     state per x written); now refused before admission, wherever the pattern stands."""
