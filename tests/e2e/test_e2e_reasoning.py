@@ -1,9 +1,10 @@
 """Reasoning models (issue 43) on the embedded SmolLM2 with thinking templates: Qwen 3's
 own (the model opens ``<think>`` itself; ``enable_thinking: false`` closes the block in
-the prompt) and one in DeepSeek R1's way (tests/data/think-open.jinja: the prompt opens
-the block).  SmolLM2 never thinks on its own, so a JSON schema steers it: the device puts
-the schema after a think block of at most half of max_tokens, which the grammar makes
-the model write and close.  The thinking and the answer are told apart on chat (whole
+the prompt), one in DeepSeek R1's way (tests/data/think-open.jinja: the prompt opens
+the block) and gpt-oss's channels; and on Gemma 3 270M (another vocabulary) with Qwen
+3's.  Neither model thinks on its own, so a JSON schema steers it: the device puts the
+schema after a think block of at most half of max_tokens, which the grammar makes the
+model write and close.  The thinking and the answer are told apart on chat (whole
 and streamed: ``reasoning_content``) and on Messages (``thinking`` blocks); the native
 route keeps the bytes as the model wrote them."""
 
@@ -22,7 +23,7 @@ import jsonschema
 import openai
 import pytest
 
-from ..helpers import Service, running_service, with_templates
+from ..helpers import Service, gemma_path, running_service, with_templates
 
 pytestmark = pytest.mark.e2e
 
@@ -41,6 +42,9 @@ ASK = [{"role": "user", "content": "Name a colour."}]
 def svc() -> Iterator[Service]:
     models = with_templates((("qwen3-tmpl", QWEN3), ("open-tmpl", OPEN),
                              ("harmony-tmpl", HARMONY)))
+    # a second real model, of another vocabulary (Gemma's), with Qwen 3's template
+    models += (f'\n[[model]]\nalias = "gemma-qwen3-tmpl"\npath = "{gemma_path()}"\n'
+               f'chat_template = "{QWEN3}"\nslots = 2\ncontext = 2048\n')
     with running_service(models=models) as s:
         yield s
 
@@ -67,7 +71,8 @@ def streamed(oai: openai.OpenAI, model: str, **kw: Any) -> tuple[str, str, str |
     return thought, content, finish
 
 
-@pytest.mark.parametrize("model", ["qwen3-tmpl", "open-tmpl", "harmony-tmpl"])
+@pytest.mark.parametrize("model", ["qwen3-tmpl", "open-tmpl", "harmony-tmpl",
+                                   "gemma-qwen3-tmpl"])
 def test_a_schema_answer_comes_after_the_thinking(oai: openai.OpenAI, model: str) -> None:
     r = chat(oai, model, response_format=FORMAT)
     m = r.choices[0].message
