@@ -149,7 +149,8 @@ def openai_client(svc: Service, token: str | None = None) -> openai.OpenAI:
 def test_chat_whole_and_streamed_are_the_same_bytes(vsvc: Service) -> None:
     c = openai_client(vsvc)
     assert {m.id for m in c.models.list().data} == {"smollm2", "tiny", "tiny-a", "tiny-b",
-                                                    "tiny-embed", "tiny-vl", "tiny-audio"}
+                                                    "tiny-embed", "tiny-rank", "tiny-vl",
+                                                    "tiny-audio"}
     whole = c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=16,
                                       temperature=0)
     assert whole.choices[0].finish_reason == "length"
@@ -619,7 +620,7 @@ def test_zz_a_dead_vllm_engine_restarts_the_device(vsvc: Service) -> None:
         assert vsvc.proc is not None
         (device,) = children(vsvc.proc.pid, "device")
         cores = children(device, "VLLM::EngineCore")
-        assert len(cores) == 4, cores  # tiny (and its adapters), -embed, -vl, -audio
+        assert len(cores) == 5, cores  # tiny (and its adapters), -embed, -rank, -vl, -audio
         os.kill(cores[0], 9)
         deadline = time.monotonic() + 240
         while True:
