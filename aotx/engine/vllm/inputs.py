@@ -161,7 +161,8 @@ def multi_modal_data(segments: Sequence[MediaSegment]) -> dict[str, list[Any]]:
 
 
 def pooling_params(second: int | None = None) -> Any:
-    """vLLM's ``PoolingParams`` for one embedding input."""
+    """vLLM's ``PoolingParams`` for one embedding input (``second``, a reranker's
+    second segment, means nothing here)."""
     from vllm import PoolingParams
 
     return PoolingParams(task="embed")

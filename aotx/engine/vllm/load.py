@@ -1,7 +1,8 @@
 """A model folder loaded on vLLM (engine/load.py's factory for ``engine = "vllm"``): its
 tokenizer and template here, its batching and KV there; an embedding model or a
-reranker is vLLM's pooling runner, image and audio parts are decoded here (inputs.py).  vLLM settles the
-context (``max_model_len``) and the sequences (``max_num_seqs``) itself."""
+reranker is vLLM's pooling runner, image and audio parts are decoded here (inputs.py).
+vLLM settles the context (``max_model_len``) and the sequences (``max_num_seqs``)
+itself."""
 
 from __future__ import annotations
 
