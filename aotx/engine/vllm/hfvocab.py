@@ -104,7 +104,7 @@ class HfVocab:
         if self.vocab.second_after < 0:
             return None
         try:
-            return list(tokens).index(self.vocab.second_after) + 1
+            return tokens.index(self.vocab.second_after) + 1
         except ValueError:
             return None
 

@@ -49,6 +49,7 @@ class VllmEmbeddings:
         self.pooling = pooling
         self.make_params = make_params
         self.segments = segments
+        self.rank = pooling == "rank"  # a reranker: scores, and its inputs' token types
         self.calls = self.inputs = self.tokens = 0
 
     def submit(self, job: EmbedJob) -> None:
@@ -78,7 +79,7 @@ class VllmEmbeddings:
                 if row.shape != (self.dims,):
                     error = f"vLLM gave {row.shape[0]} floats, not {self.dims}"
                     break
-                norm = float(np.linalg.norm(row)) if self.pooling != "rank" else 0.0
+                norm = 0.0 if self.rank else float(np.linalg.norm(row))
                 job.vectors[i] = row / norm if norm > 0 else row
             job.error, job.next = error, len(job.inputs)
             self.calls += 1
@@ -89,7 +90,7 @@ class VllmEmbeddings:
     async def _one(self, tokens: list[int]) -> Vectors:
         rid = "embed-" + os.urandom(16).hex()
         last = None
-        params = self.make_params(self.segments(tokens))
+        params = self.make_params(self.segments(tokens) if self.rank else None)
         async for out in self.client.encode({"prompt_token_ids": tokens}, params, rid):
             last = out
         if last is None:

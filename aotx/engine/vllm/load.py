@@ -27,7 +27,7 @@ def load(spec: ModelSpec, lock: threading.Lock, on_step: Callable[[], None],
     runner = VllmRunner(engine.client, engine, lock, sampling_params, on_step, on_terminal)
     embeddings = None if chat else VllmEmbeddings(
         runner, engine.client, engine.embedding_dims, engine.slot_context, engine.pooling,
-        rank_params if spec.kind == "rerank" else pooling_params, engine.second_segment)
+        rank_params if engine.pooling == "rank" else pooling_params, engine.second_segment)
     media, mods = _media(spec, engine) if chat else (None, MOD_TEXT)
     # (an embedding model decodes no stream: one slot, as on llama.cpp)
     spec = dataclasses.replace(spec, context=engine.slot_context,
