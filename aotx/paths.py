@@ -14,14 +14,16 @@
         mailboxes             the mapped mailbox region (0600)
         device.bell           doorbell FIFO read by the device
         broker.bell           doorbell FIFO read by the broker
+        vllm/                 vLLM's engine cores' ZMQ sockets (vllm_sockets)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
-_SUN_PATH_MAX = 107
+SUN_PATH_MAX = 107
 
 
 class PathError(Exception):
@@ -58,6 +60,10 @@ class RuntimePaths:
         return os.path.join(self.run_dir, "broker.bell")
 
     @property
+    def vllm_dir(self) -> str:
+        return os.path.join(self.run_dir, "vllm")
+
+    @property
     def epoch_file(self) -> str:
         return os.path.join(self.state_dir, "epoch")
 
@@ -70,9 +76,9 @@ class RuntimePaths:
         return os.path.join(self.state_dir, "admin.token")
 
     def ensure(self) -> None:
-        if len(os.fsencode(self.socket)) > _SUN_PATH_MAX:
+        if len(os.fsencode(self.socket)) > SUN_PATH_MAX:
             raise PathError(
-                f"socket path {self.socket!r} is longer than {_SUN_PATH_MAX} bytes; "
+                f"socket path {self.socket!r} is longer than {SUN_PATH_MAX} bytes; "
                 "choose a shorter --state-dir")
         ensure_private_dir(self.state_dir)
         ensure_private_dir(self.run_dir)
@@ -80,3 +86,27 @@ class RuntimePaths:
 
 def for_state_dir(state_dir: str) -> RuntimePaths:
     return RuntimePaths(os.path.abspath(state_dir))
+
+
+def vllm_sockets(paths: RuntimePaths) -> None:
+    """Have vLLM name its ZMQ sockets in ``run/vllm``, unless ``VLLM_RPC_BASE_PATH``
+    says where: for the device's process, which it inherits from this environment.
+
+    vLLM names a model's sockets in the temporary folder (``/tmp/<uuid>``), several an
+    engine core, and leaves them there when its processes end: about 70 a run of
+    tests/vllm.  In the run folder they are private to the service and in one place,
+    and the device removes what earlier ones left (:func:`clear_vllm_sockets`)."""
+    where = paths.vllm_dir
+    if "VLLM_RPC_BASE_PATH" in os.environ or len(os.fsencode(where)) + 37 > SUN_PATH_MAX:
+        return  # (37: "/" and a uuid; a longer path would not bind)
+    ensure_private_dir(where)
+    os.environ["VLLM_RPC_BASE_PATH"] = where
+
+
+def clear_vllm_sockets(paths: RuntimePaths) -> None:
+    """Remove what earlier devices' vLLM processes left in ``run/vllm``: only for the
+    device that holds the folder's lock (no other uses them), before it starts a model."""
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(paths.vllm_dir):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(paths.vllm_dir, name))

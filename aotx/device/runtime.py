@@ -43,7 +43,7 @@ from ..engine.embedding import EmbedJob
 from ..engine.request import Request
 from ..engine.spec import ModelSpec
 from ..mailbox import REQUEST, SCAN_ALL, WAKE, Bell, Region
-from ..paths import RuntimePaths
+from ..paths import RuntimePaths, clear_vllm_sockets, vllm_sockets
 from ..wire import Header, Op, Reason, WireError
 from . import fleet
 from .admission import Admission, MediaJob
@@ -120,6 +120,7 @@ class Device:
             fcntl.flock(self._lockfile, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise SystemExit(f"another device is running on {paths.state_dir}") from None
+        clear_vllm_sockets(paths)  # (under the lock)
         limits = limits or DeviceLimits()
         self.state = st = DeviceState(next_epoch(paths, limits.device_id), limits,
                                       Policy(os.path.join(paths.state_dir, "memory"), False),
@@ -567,6 +568,7 @@ def run(paths: RuntimePaths, mailboxes: int, models_file: str | None = None,
         models_dir: str | None = None) -> None:
     settings = settings or Settings()
     paths.ensure()
+    vllm_sockets(paths)
     declared = load_specs(paths.state_dir, models_file)
     models_dir = models_dir or os.path.join(paths.state_dir, "models")
     found = folder_specs(models_dir, declared)

@@ -17,8 +17,10 @@ import math
 import os
 import pathlib
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -124,6 +126,7 @@ def vsvc() -> Iterator[Service]:
         f.write(MODELS)
     svc = Service(state_dir=state, port=free_port(), python=VENV,
                   env={"PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"})
+    TMP_SOCKETS.update(tmp_sockets())
     try:
         svc.start(timeout=300)
         yield svc
@@ -140,6 +143,23 @@ def vsvc() -> Iterator[Service]:
                     os.kill(c, 9)
                 pytest.fail(f"vLLM engine cores outlived the service: {left}")
             time.sleep(0.2)
+
+
+#: vLLM-named sockets (a uuid) in the temporary folder before the service started
+TMP_SOCKETS: set[str] = set()
+
+
+def tmp_sockets() -> set[str]:
+    return {e.name for e in os.scandir(tempfile.gettempdir())
+            if stat.S_ISSOCK(e.stat().st_mode) and len(e.name) == 36 and e.name.count("-") == 4}
+
+
+def test_vllms_sockets_are_in_the_run_folder(vsvc: Service) -> None:
+    """vLLM's engine cores' ZMQ sockets are named in the state folder's run/vllm, not in
+    the temporary folder, where vLLM leaves them (paths.vllm_sockets)."""
+    run = os.path.join(vsvc.state_dir, "run", "vllm")
+    assert any(stat.S_ISSOCK(e.stat().st_mode) for e in os.scandir(run)), os.listdir(run)
+    assert tmp_sockets() - TMP_SOCKETS == set()
 
 
 def openai_client(svc: Service, token: str | None = None) -> openai.OpenAI:
