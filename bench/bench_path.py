@@ -3,7 +3,7 @@ device, per streamed token, while N streaming chat completions decode (aotx at i
 defaults, no models file).
 
     .venv/bin/python -m bench.bench_path [--clients 1,4,8] [--requests 2] [--max-tokens 128]
-        [--py-spy /path/to/py-spy]
+        [--py-spy /path/to/py-spy] [--client httpx|raw]
 
 For each N, N clients each stream ``--requests`` chat completions one after another
 (temperature 0, distinct prompts, a fresh connection per request); the CPU time
@@ -11,9 +11,9 @@ For each N, N clients each stream ``--requests`` chat completions one after anot
 is divided by the tokens streamed.  The device's two busiest threads are ggml's: the
 engine thread (the scheduler's Python and the decode's share) and ggml's worker (the
 decode only), so the worker's figure is the decode's own cost per token per thread.
-The client (this process: httpx and the SSE parsing, as in ``bench_serve``) and the
-machine's interrupt time (loopback TCP's softirq) are what any server's clients on the
-same machine would cost.  A row ``machine idle`` is the CPU time nobody used: on 2
+The client (this process: httpx, or with ``--client raw`` asyncio's streams, and the
+SSE parsing, as in ``bench_serve``) and the machine's interrupt time (loopback TCP's
+softirq) are what any server's clients on the same machine would cost.  A row ``machine idle`` is the CPU time nobody used: on 2
 cores, wall time × 2 minus aotx's processes and the client.
 
 With ``--py-spy`` (a py-spy binary: ``pip download py-spy``, not a dependency) the
@@ -38,7 +38,7 @@ import time
 
 from bench import common
 from bench.bench_memory import tree
-from bench.bench_serve import run_load
+from bench.bench_serve import CLIENT, run_load
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -146,7 +146,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--py-spy", help="a py-spy binary: profile the processes by function")
+    ap.add_argument("--client", choices=("httpx", "raw"), default="httpx",
+                    help="the streaming clients' library (bench_serve.raw_lines)")
     args = ap.parse_args()
+    CLIENT["library"] = args.client
     with common.serving("") as svc:
         assert svc.proc is not None
         asyncio.run(run_load(svc.url, svc.headers, "smollm2", 1, 1, 16, 900))  # warm
@@ -176,7 +179,7 @@ def main() -> None:
                 print(f"    {label:36s} {1e3 * used[k] / tokens:7.3f}")
             rest = sum(used[k] for k in threads[2:])
             print(f"    {'other device threads':36s} {1e3 * rest / tokens:7.3f}")
-            print(f"  {'client (this process: httpx, SSE parsing)':10s} "
+            print(f"  {f'client (this process: {args.client}, SSE parsing)':10s} "
                   f"{1e3 * client / tokens:7.3f}")
             print(f"  {'interrupts (irq + softirq, whole machine)':10s} "
                   f"{1e3 * (irq1 - irq0) / tokens:7.3f}")

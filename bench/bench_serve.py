@@ -1,7 +1,7 @@
 """Serving benchmark: aotx against the raw engine limit (and a peer server, if given).
 
     .venv/bin/python -m bench.bench_serve [--clients 1,4,8,16] [--max-tokens 128]
-        [--requests 2] [--rounds 2] [--seconds 5] [--defaults] [--thin]
+        [--requests 2] [--rounds 2] [--seconds 5] [--defaults] [--thin] [--client raw]
     LLAMA_SERVER=/path/to/llama-server .venv/bin/python -m bench.bench_serve  # A B A B vs a peer
     LLAMA_SERVER=http://127.0.0.1:8080 ...                                      # a running peer
 
@@ -9,7 +9,8 @@ For each N it runs rounds (``--rounds``, 2 by default); each round measures the
 raw-engine limit (N sequences in one llama_decode batch, in a separate process that
 stays loaded for the whole run), then N concurrent streaming
 ``/v1/chat/completions`` clients against aotx (temperature 0, distinct prompts, a
-fresh connection per request), then the same load against the peer if one is given
+fresh connection per request; httpx, or with ``--client raw`` asyncio's streams and a
+chunked decoder, ``raw_lines``, which cost the client less a token), then the same load against the peer if one is given
 (one server at a time: A B A B), and with ``--thin`` the same load against
 ``thin_server.py`` (the same engine behind the thinnest server: what any server loses
 here to its clients and their arrivals).  It prints per N the aggregate completion tok/s,
@@ -36,7 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -179,6 +180,10 @@ def fresh_conn_client(base: str) -> httpx.AsyncClient:
     return c
 
 
+#: the streaming clients' library: "httpx" (what applications use) or "raw" (raw_lines)
+CLIENT = {"library": "httpx"}
+
+
 async def stream_chat(base: str, headers: dict[str, str], model: str, i: int,
                       max_tokens: int, extra: dict[str, object] | None = None
                       ) -> dict[str, float]:
@@ -187,20 +192,60 @@ async def stream_chat(base: str, headers: dict[str, str], model: str, i: int,
     t0 = time.perf_counter()
     stamps: list[float] = []
     tokens = 0
-    c = fresh_conn_client(base)
-    if True:
-        async with c.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
-            r.raise_for_status()
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                obj = json.loads(line[6:])
-                if obj.get("usage"):
-                    tokens = obj["usage"]["completion_tokens"]
-                for ch in obj.get("choices") or []:
-                    if ch["delta"].get("content"):
-                        stamps.append(time.perf_counter())
+    async for line in (raw_lines if CLIENT["library"] == "raw" else httpx_lines)(
+            base, "/v1/chat/completions", json.dumps(body).encode(), headers):
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        obj = json.loads(line[6:])
+        if obj.get("usage"):
+            tokens = obj["usage"]["completion_tokens"]
+        for ch in obj.get("choices") or []:
+            if ch["delta"].get("content"):
+                stamps.append(time.perf_counter())
     return {"t0": t0, "end": time.perf_counter(), "stamps": stamps, "tokens": tokens}  # type: ignore[dict-item]
+
+
+async def httpx_lines(base: str, path: str, body: bytes, headers: dict[str, str]
+                      ) -> AsyncIterator[str]:
+    c = fresh_conn_client(base)
+    async with c.stream("POST", path, content=body, headers={
+            **headers, "Content-Type": "application/json"}) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            yield line
+
+
+async def raw_lines(base: str, path: str, body: bytes, headers: dict[str, str]
+                    ) -> AsyncIterator[str]:
+    """A response's lines through the least client: asyncio's streams and a chunked
+    decoder, a fresh connection a request as with httpx.  It shows how much of a
+    server's figure is the client's own work on these two cores (httpx's per-chunk
+    parsing), which every server here pays alike."""
+    host, port = base.split("//")[1].split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n")
+        writer.write(head.encode() + body)
+        got = await reader.readuntil(b"\r\n\r\n")
+        if got[9:12] != b"200":
+            raise RuntimeError(f"{path}: {got!r}")
+        chunked = b"transfer-encoding: chunked" in got.lower()
+        buf = b""
+        while True:
+            if chunked:
+                size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                data = (await reader.readexactly(size + 2))[:-2]
+            else:
+                data = await reader.read(65536)
+            if not data:
+                break
+            *lines, buf = (buf + data).split(b"\n")
+            for line in lines:
+                yield line.rstrip(b"\r").decode()
+    finally:
+        writer.close()
 
 
 async def run_load(base: str, headers: dict[str, str], model: str, n: int, per_client: int,
@@ -376,7 +421,11 @@ def main() -> None:
     ap.add_argument("--thin", action="store_true",
                     help="each round also serves the load from thin_server.py: the same "
                          "engine behind the thinnest server, the ceiling for any server here")
+    ap.add_argument("--client", choices=("httpx", "raw"), default="httpx",
+                    help="the streaming clients' library: httpx, or raw (raw_lines: what "
+                         "the client's own parsing costs every server)")
     args = ap.parse_args()
+    CLIENT["library"] = args.client
     ns = [int(x) for x in args.clients.split(",")]
     slots = max(16, max(ns))
 
