@@ -7,24 +7,23 @@
 
 For each N it runs rounds (``--rounds``, 2 by default); each round measures the
 raw-engine limit (N sequences in one llama_decode batch, in a separate process that
-stays loaded for the whole run), then N concurrent streaming
-``/v1/chat/completions`` clients against aotx (temperature 0, distinct prompts, a
-fresh connection per request; httpx, or with ``--client raw`` asyncio's streams and a
-chunked decoder, ``raw_lines``, which cost the client less a token), then the same load against the peer if one is given
+stays loaded for the whole run), then N concurrent streaming ``/v1/chat/completions``
+clients against aotx (temperature 0, distinct prompts, a fresh connection per request;
+httpx, or with ``--client raw`` asyncio's streams and a chunked decoder, ``raw_lines``,
+which cost the client less a token), then the same load against the peer if one is given
 (one server at a time: A B A B), and with ``--thin`` the same load against
 ``thin_server.py`` (the same engine behind the thinnest server: what any server loses
-here to its clients and their arrivals).  It prints per N the aggregate completion tok/s,
-TTFT p50/p95, inter-token p50/p95, the limit and the ratio aotx/limit, and beside it
-the engine alone doing the same requests (each client's first prompt after the
-cached template prefix, all in one batch, then the decode steps: the prompt work
-the limit leaves out) with the ratio against that.  A ratio is the median of the
-rounds' ratios (each round's are printed in brackets): this VM's speed drifts, so
-each ratio compares figures measured within minutes of each other.  Then
-the native path (admission -> SSE until terminal), admission latency while 8
-streams decode, and window-read throughput on 2 keep-alive connections.  The
-admissions and the window reads use a minimal keep-alive HTTP/1.1 client
-(``RawHttp``) so that the client library's own cost is not what is measured;
-admission latency is also printed with httpx as the client.
+here to its clients and their arrivals). It prints per N the aggregate completion tok/s,
+TTFT p50/p95, inter-token p50/p95, the limit and the ratio aotx/limit, and beside it the
+engine alone doing the same requests (each client's first prompt after the cached
+template prefix, all in one batch, then the decode steps: the prompt work the limit
+leaves out) with the ratio against that. A ratio is the median of the rounds' ratios
+(each round's are printed in brackets): this VM's speed drifts, so each ratio compares
+figures measured within minutes of each other. Then the native path (admission -> SSE
+until terminal), admission latency while 8 streams decode, and window-read throughput on
+2 keep-alive connections. The admissions and the window reads use a minimal keep-alive
+HTTP/1.1 client (``RawHttp``) so that the client library's own cost is not what is
+measured; admission latency is also printed with httpx as the client.
 """
 
 from __future__ import annotations
