@@ -13,7 +13,10 @@ from aotx.paths import RuntimePaths, clear_vllm_sockets, vllm_sockets
 
 def test_vllms_sockets_go_to_the_run_folder_and_are_cleared(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    # set, then removed: monkeypatch then restores the variable's absence afterwards, so
+    # that what vllm_sockets sets does not reach the services later tests start
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "")
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH")
     paths = RuntimePaths(str(tmp_path))
     paths.ensure()
     vllm_sockets(paths)
