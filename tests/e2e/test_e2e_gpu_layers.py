@@ -20,6 +20,7 @@ from aotx.engine.llama.sampling import Sampler
 
 pytestmark = pytest.mark.skipif(os.environ.get("AOTX_SKIP_MODEL") == "1",
                                 reason="model tests disabled")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def greedy(layers: int) -> tuple[list[int], int]:
@@ -51,7 +52,7 @@ def fresh(layers: int) -> tuple[list[int], int]:
                           "test_e2e_gpu_layers import greedy; "
                           f"print(json.dumps(greedy({layers})))"],
                          capture_output=True, text=True, timeout=120, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+                         cwd=ROOT)
     tokens, released = json.loads(out.stdout.splitlines()[-1])
     return tokens, released
 
