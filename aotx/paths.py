@@ -90,7 +90,8 @@ def for_state_dir(state_dir: str) -> RuntimePaths:
 
 def vllm_sockets(paths: RuntimePaths) -> None:
     """Have vLLM name its ZMQ sockets in ``run/vllm``, unless ``VLLM_RPC_BASE_PATH``
-    says where: for the device's process, which it inherits from this environment.
+    says where: called in the device's process, before vLLM starts; the engine cores it
+    starts inherit the variable.
 
     vLLM names a model's sockets in the temporary folder (``/tmp/<uuid>``), several an
     engine core, and leaves them there when its processes end: about 70 a run of
