@@ -1,10 +1,11 @@
 """Test helpers shared by every layer: a real ``aotx serve`` on a free port with a temporary
-state folder (``Service``, ``running_service``), waiting, free ports, short folders, and
-small real media files."""
+state folder (``Service``, ``running_service``), waiting, free ports, short folders,
+small real media files, and code run in a fresh process (``in_fresh_process``)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -17,11 +18,12 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 
 T = TypeVar("T")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
 SMALL_MODELS = """
 [default]
@@ -197,3 +199,12 @@ def wav(n: int) -> bytes:
     return (b"RIFF" + struct.pack("<I", 36 + len(data)) + b"WAVEfmt "
             + struct.pack("<IHHIIHH", 16, 1, 1, 8000, 8000, 1, 8) + b"data"
             + struct.pack("<I", len(data)) + data)
+
+
+def in_fresh_process(script: str, timeout: float = 120) -> Any:
+    """What ``script`` prints as JSON on its last line, run by this Python in a process of
+    its own from the repository's root (``tests`` importable): what must not depend on
+    the tests that ran before in this one, such as the heap it leaves behind."""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=timeout, check=True, cwd=ROOT)
+    return json.loads(out.stdout.splitlines()[-1])

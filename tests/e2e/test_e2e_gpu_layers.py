@@ -4,10 +4,7 @@ A CUDA build's offload itself is not run by these tests (no GPU here)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import llama_cpp
 import pytest
@@ -18,9 +15,10 @@ from aotx.engine.llama.engine import EngineConfig, LlamaEngine
 from aotx.engine.llama.offload import ALL_LAYERS
 from aotx.engine.llama.sampling import Sampler
 
+from ..helpers import in_fresh_process
+
 pytestmark = pytest.mark.skipif(os.environ.get("AOTX_SKIP_MODEL") == "1",
                                 reason="model tests disabled")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def greedy(layers: int) -> tuple[list[int], int]:
@@ -48,12 +46,8 @@ def fresh(layers: int) -> tuple[list[int], int]:
     one, freed heap memory of earlier tests may hold the KV buffer (glibc serves a large
     block from freed memory before it maps a new one), and only new mappings are handed
     back, so what is released would depend on the tests before."""
-    out = subprocess.run([sys.executable, "-c", "import json; from tests.e2e."
-                          "test_e2e_gpu_layers import greedy; "
-                          f"print(json.dumps(greedy({layers})))"],
-                         capture_output=True, text=True, timeout=120, check=True,
-                         cwd=ROOT)
-    tokens, released = json.loads(out.stdout.splitlines()[-1])
+    tokens, released = in_fresh_process("import json; from tests.e2e.test_e2e_gpu_layers "
+                                        f"import greedy; print(json.dumps(greedy({layers})))")
     return tokens, released
 
 

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import llama_cpp
@@ -18,9 +15,10 @@ from aotx.engine.llama.engine import EngineConfig, LlamaEngine
 from aotx.engine.llama.sampling import Sampler
 from aotx.seeds import fold
 
+from ..helpers import in_fresh_process
+
 pytestmark = pytest.mark.skipif(os.environ.get("AOTX_SKIP_MODEL") == "1",
                                 reason="model tests disabled")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +122,7 @@ def test_a_kv_cache_committed_as_it_is_written_gives_the_same_tokens(
               "slot_context=256, batch=128)); "
               f"print(json.dumps([e.kv_released, e.kv_bytes(), "
               f"greedy_continuation(e, {text!r}, 160)]))")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120, check=True, cwd=ROOT)
-    released, reservation, tokens = json.loads(out.stdout.splitlines()[-1])
+    released, reservation, tokens = in_fresh_process(script)
     assert released >= reservation > 0
     monkeypatch.setattr("aotx.engine.llama.engine.create_uncommitted",
                         lambda create, least, alone=True: (create(), 0))
@@ -150,10 +146,8 @@ def test_creating_the_context_never_holds_the_whole_reservation() -> None:
         "slot_context=4096, batch=512))\n"
         "hwm = next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') "
         "if l.startswith('VmHWM:'))\n"
-        "print(hwm, e.kv_bytes())\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120, check=True).stdout.split()
-    peak, reservation = int(out[-2]), int(out[-1])
+        "print([hwm, e.kv_bytes()])\n")
+    peak, reservation = in_fresh_process(script)
     assert reservation > 1 << 30 and peak < reservation // 2, (peak, reservation)
 
 
