@@ -13,8 +13,9 @@ engine thread (the scheduler's Python and the decode's share) and ggml's worker 
 decode only), so the worker's figure is the decode's own cost per token per thread.
 The client (this process: httpx, or with ``--client raw`` asyncio's streams, and the
 SSE parsing, as in ``bench_serve``) and the machine's interrupt time (loopback TCP's
-softirq) are what any server's clients on the same machine would cost.  A row ``machine idle`` is the CPU time nobody used: on 2
-cores, wall time × 2 minus aotx's processes and the client.
+softirq) are what any server's clients on the same machine would cost.  A row
+``machine idle`` is the CPU time nobody used: on 2 cores, wall time × 2 minus aotx's
+processes and the client.
 
 With ``--py-spy`` (a py-spy binary: ``pip download py-spy``, not a dependency) the
 gateway, the broker and the device are sampled during each load (``py-spy record
