@@ -3,7 +3,7 @@ device, per streamed token, while N streaming chat completions decode (aotx at i
 defaults, no models file).
 
     .venv/bin/python -m bench.bench_path [--clients 1,4,8] [--requests 2] [--max-tokens 128]
-        [--py-spy /path/to/py-spy] [--client httpx|raw]
+        [--py-spy /path/to/py-spy] [--client httpx|raw] [--thin]
 
 For each N, N clients each stream ``--requests`` chat completions one after another
 (temperature 0, distinct prompts, a fresh connection per request); the CPU time
@@ -15,7 +15,9 @@ The client (this process: httpx, or with ``--client raw`` asyncio's streams, and
 SSE parsing, as in ``bench_serve``) and the machine's interrupt time (loopback TCP's
 softirq) are what any server's clients on the same machine would cost.  A row
 ``machine idle`` is the CPU time nobody used: on 2 cores, wall time × 2 minus aotx's
-processes and the client.
+processes and the client.  With ``--thin`` the same is measured for
+``bench/thin_server.py`` (one process: its engine thread, ggml's worker and the event
+loop's thread, the least a server's path can cost here) with aotx's default slots.
 
 With ``--py-spy`` (a py-spy binary: ``pip download py-spy``, not a dependency) the
 gateway, the broker and the device are sampled during each load (``py-spy record
@@ -31,17 +33,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import os
 import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 
 from bench import common
 from bench.bench_memory import tree
 from bench.bench_serve import CLIENT, run_load
 
 TICK = os.sysconf("SC_CLK_TCK")
+ENGINES = ("device", "thin")  # the processes that decode: their threads are shown apart
 
 
 def cpu(path: str) -> float:
@@ -79,12 +84,13 @@ def name(pid: int) -> str:
     for role in ("gateway", "broker", "device", "supervise", "serve"):
         if role in args:
             return role
-    return " ".join(args)[:40]
+    return "thin" if "bench.thin_server" in args else " ".join(args)[:40]
 
 
 def snapshot(root: int) -> tuple[dict[str, float], dict[str, tuple[int, int]]]:
-    """CPU seconds by process role and by device thread id ('device/TID'); the context
-    switches of every thread, summed by role and by device thread the same way."""
+    """CPU seconds by process role and by engine-process thread id ('device/TID' or
+    'thin/TID'); the context switches of every thread, summed by role and by
+    engine-process thread the same way."""
     out: dict[str, float] = {}
     ctx: dict[str, tuple[int, int]] = {}
     for pid in tree(root):
@@ -96,12 +102,12 @@ def snapshot(root: int) -> tuple[dict[str, float], dict[str, tuple[int, int]]]:
             continue
         for tid in tids:
             v, i = switches(f"/proc/{pid}/task/{tid}/status")
-            keys = [role] + ([f"device/{tid}"] if role == "device" else [])
+            keys = [role] + ([f"{role}/{tid}"] if role in ENGINES else [])
             for key in keys:
                 v0, i0 = ctx.get(key, (0, 0))
                 ctx[key] = (v0 + v, i0 + i)
-            if role == "device":
-                out[f"device/{tid}"] = cpu(f"/proc/{pid}/task/{tid}/stat")
+            if role in ENGINES:
+                out[f"{role}/{tid}"] = cpu(f"/proc/{pid}/task/{tid}/stat")
     return out, ctx
 
 
@@ -109,11 +115,12 @@ RATE = 200  # py-spy samples a second
 
 
 def spy(binary: str, root: int, folder: str) -> list[tuple[str, subprocess.Popen[bytes]]]:
-    """py-spy recording the gateway, the broker and the device into ``folder``."""
+    """py-spy recording the gateway, the broker and the device (or the thin server)
+    into ``folder``."""
     out = []
     for pid in tree(root):
         role = name(pid)
-        if role in ("gateway", "broker", "device"):
+        if role in ("gateway", "broker", *ENGINES):
             cmd = [binary, "record", "--pid", str(pid), "--rate", str(RATE), "--format",
                    "raw", "--nonblocking", "-o", os.path.join(folder, role)]
             out.append((role, subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
@@ -141,6 +148,20 @@ def spied(folder: str, role: str, tokens: int, top: int = 8) -> list[str]:
     return [f"    {1e3 * n / RATE / tokens:7.3f}  {leaf}" for leaf, n in own.most_common(top)]
 
 
+@contextlib.contextmanager
+def serving(thin: bool) -> Iterator[common.Server]:
+    """aotx at its defaults, or the thin server with aotx's default slots (16 of 4,096)."""
+    if not thin:
+        with common.serving("") as svc:
+            yield svc
+        return
+    svc = common.thin(16, 4096)
+    try:
+        yield svc
+    finally:
+        svc.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--clients", default="1,4,8")
@@ -149,9 +170,11 @@ def main() -> None:
     ap.add_argument("--py-spy", help="a py-spy binary: profile the processes by function")
     ap.add_argument("--client", choices=("httpx", "raw"), default="httpx",
                     help="the streaming clients' library (bench_serve.raw_lines)")
+    ap.add_argument("--thin", action="store_true",
+                    help="measure bench/thin_server.py (one process) instead of aotx")
     args = ap.parse_args()
     CLIENT["library"] = args.client
-    with common.serving("") as svc:
+    with serving(args.thin) as svc:
         assert svc.proc is not None
         asyncio.run(run_load(svc.url, svc.headers, "smollm2", 1, 1, 16, 900))  # warm
         for n in (int(x) for x in args.clients.split(",")):
@@ -172,14 +195,14 @@ def main() -> None:
             threads = sorted((k for k in used if "/" in k), key=lambda k: -used[k])
             print(f"N={n}: {tokens} tokens in {wall:.1f} s ({tokens / wall:.1f} tok/s); "
                   "CPU ms per streamed token:")
-            for role in ("gateway", "broker", "supervise", "serve", "device"):
+            for role in ("gateway", "broker", "supervise", "serve", *ENGINES):
                 if role in used:
                     print(f"  {role:10s} {1e3 * used[role] / tokens:7.3f}")
             for k, label in zip(threads, ["engine thread (decode + scheduler)",
                                           "ggml worker (decode only)"], strict=False):
                 print(f"    {label:36s} {1e3 * used[k] / tokens:7.3f}")
             rest = sum(used[k] for k in threads[2:])
-            print(f"    {'other device threads':36s} {1e3 * rest / tokens:7.3f}")
+            print(f"    {'its other threads':36s} {1e3 * rest / tokens:7.3f}")
             print(f"  {f'client (this process: {args.client}, SSE parsing)':10s} "
                   f"{1e3 * client / tokens:7.3f}")
             print(f"  {'interrupts (irq + softirq, whole machine)':10s} "
@@ -187,7 +210,7 @@ def main() -> None:
             woke = {k: tuple(b - a for a, b in zip(ctx0.get(k, (0, 0)), v, strict=True))
                     for k, v in ctx1.items()}
             print("  wake-ups (voluntary) / preemptions (involuntary) per streamed token:")
-            for role in ("gateway", "broker", "device"):
+            for role in ("gateway", "broker", *ENGINES):
                 if role in woke:
                     print(f"    {role:36s} {woke[role][0] / tokens:6.2f} / "
                           f"{woke[role][1] / tokens:5.2f}")
