@@ -6,9 +6,10 @@ defaults, no models file).
         [--py-spy /path/to/py-spy] [--client httpx|raw] [--thin]
 
 For each N, N clients each stream ``--requests`` chat completions one after another
-(temperature 0, distinct prompts, a fresh connection per request); the CPU time
-(user + system, from /proc) each process and each device thread spent during the load
-is divided by the tokens streamed.  The device's two busiest threads are ggml's: the
+(temperature 0, distinct prompts, a fresh connection per request); the CPU time each
+process and each device thread spent during the load (each thread's time on a CPU, from
+/proc's schedstat, in nanoseconds; a thread that ends during the load is left out) is
+divided by the tokens streamed.  The device's two busiest threads are ggml's: the
 engine thread (the scheduler's Python and the decode's share) and ggml's worker (the
 decode only), so the worker's figure is the decode's own cost per token per thread.
 The client (this process: httpx, or with ``--client raw`` asyncio's streams, and the
@@ -50,11 +51,12 @@ ENGINES = ("device", "thin")  # the processes that decode: their threads are sho
 
 
 def cpu(path: str) -> float:
-    """utime + stime of /proc/.../stat, in seconds (0 once the process is gone)."""
+    """A thread's time on a CPU, from /proc/.../task/TID/schedstat, in seconds (0 once
+    it is gone): nanoseconds, where /proc/.../stat counts 10 ms ticks, too coarse for a
+    process that runs 0.2 ms a token."""
     try:
         with open(path) as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / TICK
+            return int(f.read().split()[0]) / 1e9
     except (OSError, IndexError, ValueError):
         return 0.0
 
@@ -95,7 +97,7 @@ def snapshot(root: int) -> tuple[dict[str, float], dict[str, tuple[int, int]]]:
     ctx: dict[str, tuple[int, int]] = {}
     for pid in tree(root):
         role = name(pid)
-        out[role] = out.get(role, 0.0) + cpu(f"/proc/{pid}/stat")
+        out.setdefault(role, 0.0)
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:
@@ -106,8 +108,10 @@ def snapshot(root: int) -> tuple[dict[str, float], dict[str, tuple[int, int]]]:
             for key in keys:
                 v0, i0 = ctx.get(key, (0, 0))
                 ctx[key] = (v0 + v, i0 + i)
+            used = cpu(f"/proc/{pid}/task/{tid}/schedstat")
+            out[role] += used
             if role in ENGINES:
-                out[f"{role}/{tid}"] = cpu(f"/proc/{pid}/task/{tid}/stat")
+                out[f"{role}/{tid}"] = used
     return out, ctx
 
 
@@ -181,15 +185,15 @@ def main() -> None:
             folder = tempfile.mkdtemp(prefix="aotx-spy-") if args.py_spy else ""
             spies = spy(args.py_spy, svc.proc.pid, folder) if args.py_spy else []
             (before, ctx0), t0 = snapshot(svc.proc.pid), time.perf_counter()
-            me0, irq0 = os.times(), softirq()
+            me0, irq0 = time.process_time(), softirq()
             load = asyncio.run(run_load(svc.url, svc.headers, "smollm2", n, args.requests,
                                         args.max_tokens, 100 * n))
             wall, (after, ctx1) = time.perf_counter() - t0, snapshot(svc.proc.pid)
             for _, proc in spies:  # py-spy writes its file when interrupted
                 proc.send_signal(2)
                 proc.wait(60)
-            me1, irq1 = os.times(), softirq()
-            client = (me1.user - me0.user) + (me1.system - me0.system)
+            me1, irq1 = time.process_time(), softirq()
+            client = me1 - me0
             tokens = load["tokens"]
             used = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
             threads = sorted((k for k in used if "/" in k), key=lambda k: -used[k])
