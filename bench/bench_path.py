@@ -3,7 +3,7 @@ device, per streamed token, while N streaming chat completions decode (aotx at i
 defaults, no models file).
 
     .venv/bin/python -m bench.bench_path [--clients 1,4,8] [--requests 2] [--max-tokens 128]
-        [--py-spy /path/to/py-spy] [--client httpx|raw] [--thin]
+        [--py-spy /path/to/py-spy] [--client httpx|raw] [--thin] [--threads N]
 
 For each N, N clients each stream ``--requests`` chat completions one after another
 (temperature 0, distinct prompts, a fresh connection per request); the CPU time each
@@ -19,6 +19,8 @@ softirq) are what any server's clients on the same machine would cost.  A row
 processes and the client.  With ``--thin`` the same is measured for
 ``bench/thin_server.py`` (one process: its engine thread, ggml's worker and the event
 loop's thread, the least a server's path can cost here) with aotx's default slots.
+``--threads 1`` leaves aotx's decode one thread, and so a core free for the rest: what
+the path costs when it need not take a core from ggml.
 
 With ``--py-spy`` (a py-spy binary: ``pip download py-spy``, not a dependency) the
 gateway, the broker and the device are sampled during each load (``py-spy record
@@ -153,10 +155,11 @@ def spied(folder: str, role: str, tokens: int, top: int = 8) -> list[str]:
 
 
 @contextlib.contextmanager
-def serving(thin: bool) -> Iterator[common.Server]:
-    """aotx at its defaults, or the thin server with aotx's default slots (16 of 4,096)."""
+def serving(thin: bool, threads: int) -> Iterator[common.Server]:
+    """aotx at its defaults (but ``threads``, when given), or the thin server with aotx's
+    default slots (16 of 4,096)."""
     if not thin:
-        with common.serving("") as svc:
+        with common.serving(f"[default]\nthreads = {threads}\n" if threads else "") as svc:
             yield svc
         return
     svc = common.thin(16, 4096)
@@ -176,9 +179,12 @@ def main() -> None:
                     help="the streaming clients' library (bench_serve.raw_lines)")
     ap.add_argument("--thin", action="store_true",
                     help="measure bench/thin_server.py (one process) instead of aotx")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="aotx's decode threads (the models file's threads; 0: its default)")
     args = ap.parse_args()
     CLIENT["library"] = args.client
-    with serving(args.thin) as svc:
+    ggml = 1 if args.threads == 1 and not args.thin else 2  # ggml's threads: the busiest
+    with serving(args.thin, args.threads) as svc:
         assert svc.proc is not None
         asyncio.run(run_load(svc.url, svc.headers, "smollm2", 1, 1, 16, 900))  # warm
         for n in (int(x) for x in args.clients.split(",")):
@@ -202,10 +208,10 @@ def main() -> None:
             for role in ("gateway", "broker", "supervise", "serve", *ENGINES):
                 if role in used:
                     print(f"  {role:10s} {1e3 * used[role] / tokens:7.3f}")
-            for k, label in zip(threads, ["engine thread (decode + scheduler)",
-                                          "ggml worker (decode only)"], strict=False):
+            for k, label in zip(threads[:ggml], ["engine thread (decode + scheduler)",
+                                                 "ggml worker (decode only)"], strict=False):
                 print(f"    {label:36s} {1e3 * used[k] / tokens:7.3f}")
-            rest = sum(used[k] for k in threads[2:])
+            rest = sum(used[k] for k in threads[ggml:])
             print(f"    {'its other threads':36s} {1e3 * rest / tokens:7.3f}")
             print(f"  {f'client (this process: {args.client}, SSE parsing)':10s} "
                   f"{1e3 * client / tokens:7.3f}")
@@ -218,7 +224,7 @@ def main() -> None:
                 if role in woke:
                     print(f"    {role:36s} {woke[role][0] / tokens:6.2f} / "
                           f"{woke[role][1] / tokens:5.2f}")
-            for k, label in zip(threads, ["engine thread", "ggml worker"], strict=False):
+            for k, label in zip(threads[:ggml], ["engine thread", "ggml worker"], strict=False):
                 print(f"      {label:34s} {woke[k][0] / tokens:6.2f} / {woke[k][1] / tokens:5.2f}")
             idle = 2 * wall - sum(v for k, v in used.items() if "/" not in k) - client
             print(f"  {'machine idle':10s} {1e3 * idle / tokens:7.3f}", flush=True)
