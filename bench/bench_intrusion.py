@@ -52,37 +52,41 @@ while True:
 
 
 class Chain:
-    """``hops`` helper processes, each burning ``cost_us / hops`` of CPU a byte."""
+    """``hops`` helper processes, each burning ``cost_us / hops`` of CPU a byte (``cost_us``:
+    a step's); with ``wait`` the last one passes the byte back, for ``ring`` to wait on."""
 
-    def __init__(self, cost_us: float, hops: int) -> None:  # (cost_us: a step's)
-        pipes = [os.pipe() for _ in range(hops + 1)]
-        self.head, self.tail = pipes[0][1], pipes[hops][0]
+    def __init__(self, cost_us: float, hops: int, wait: bool) -> None:
+        pipes = [os.pipe() for _ in range(hops + wait)]
+        self.head = pipes[0][1]
+        self.tail = pipes[hops][0] if wait else -1
         self.procs = []
         for k in range(hops):
-            src, dst = pipes[k][0], pipes[k + 1][1]
+            src = pipes[k][0]
+            dst = pipes[k + 1][1] if k + 1 < len(pipes) else -1  # (-1: the chain's end)
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-c", HELPER, str(cost_us / hops), str(src), str(dst)],
-                pass_fds=(src, dst)))
+                pass_fds=tuple(fd for fd in (src, dst) if fd >= 0)))
         for r, w in pipes:  # the helpers hold their own ends now
             if r != self.tail:
                 os.close(r)
             if w != self.head:
                 os.close(w)
 
-    def ring(self, wait: bool) -> None:
+    def ring(self) -> None:
         os.write(self.head, b"t")
-        if wait:
+        if self.tail >= 0:
             os.read(self.tail, 1)
 
     def close(self) -> None:
-        os.close(self.head)
+        os.close(self.head)  # each helper reads the end of its pipe and exits
         for p in self.procs:
             p.wait(30)
-        os.close(self.tail)
+        if self.tail >= 0:
+            os.close(self.tail)
 
 
-def decode(e: LlamaEngine, prompt: list[int], streams: int, steps: int, chain: Chain | None,
-           wait: bool) -> float:
+def decode(e: LlamaEngine, prompt: list[int], streams: int, steps: int,
+           chain: Chain | None) -> float:
     """tok/s of ``steps`` greedy decode steps of ``streams`` sequences, the chain rung
     after each."""
     n = len(prompt)
@@ -97,7 +101,7 @@ def decode(e: LlamaEngine, prompt: list[int], streams: int, steps: int, chain: C
         assert e.decode([BatchEntry(cur[q], n + k, q, True) for q in range(streams)]) == 0
         cur = [e.sample(samplers[q], q) for q in range(streams)]
         if chain is not None:
-            chain.ring(wait)
+            chain.ring()
     return streams * steps / (time.perf_counter() - t0)
 
 
@@ -116,14 +120,13 @@ def main() -> None:
     e = common.engine(slots=args.streams, slot_context=1024, batch=512, threads=2)
     prompt = e.tokenize("<|im_start|>user\nWrite a short story about the sea.<|im_end|>\n"
                         "<|im_start|>assistant\n", False)
-    decode(e, prompt, args.streams, 32, None, False)  # warm
-    chains = {c: Chain(c * args.streams, args.hops) for c in costs if c}
+    decode(e, prompt, args.streams, 32, None)  # warm
+    chains = {c: Chain(c * args.streams, args.hops, args.wait) for c in costs if c}
     speeds: dict[float, list[float]] = {c: [] for c in costs}
     try:
         for _ in range(args.rounds):
             for c in costs:
-                speeds[c].append(decode(e, prompt, args.streams, args.steps, chains.get(c),
-                                        args.wait))
+                speeds[c].append(decode(e, prompt, args.streams, args.steps, chains.get(c)))
     finally:
         for chain in chains.values():
             chain.close()
