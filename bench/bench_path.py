@@ -1,26 +1,27 @@
 """Where a streamed token's CPU time goes: every aotx process and every thread of the
 device, per streamed token, while N streaming chat completions decode (aotx at its
-defaults, no models file).
+defaults, no models file, or with ``--threads N`` decode threads).
 
     .venv/bin/python -m bench.bench_path [--clients 1,4,8] [--requests 2] [--max-tokens 128]
-        [--py-spy /path/to/py-spy] [--client httpx|raw] [--thin] [--threads N]
+        [--py-spy /path/to/py-spy] [--client httpx|raw] [--thin | --threads N]
 
 For each N, N clients each stream ``--requests`` chat completions one after another
 (temperature 0, distinct prompts, a fresh connection per request); the CPU time each
 process and each device thread spent during the load (each thread's time on a CPU, from
-/proc's schedstat, in nanoseconds; a thread that ends during the load is left out) is
-divided by the tokens streamed.  The device's two busiest threads are ggml's: the
-engine thread (the scheduler's Python and the decode's share) and ggml's worker (the
-decode only), so the worker's figure is the decode's own cost per token per thread.
-The client (this process: httpx, or with ``--client raw`` asyncio's streams, and the
-SSE parsing, as in ``bench_serve``) and the machine's interrupt time (loopback TCP's
-softirq) are what any server's clients on the same machine would cost.  A row
-``machine idle`` is the CPU time nobody used: on 2 cores, wall time × 2 minus aotx's
-processes and the client.  With ``--thin`` the same is measured for
-``bench/thin_server.py`` (one process: its engine thread, ggml's worker and the event
-loop's thread, the least a server's path can cost here) with aotx's default slots.
-``--threads 1`` leaves aotx's decode one thread, and so a core free for the rest: what
-the path costs when it need not take a core from ggml.
+/proc's schedstat, in nanoseconds, taken thread by thread: a thread that ends during the
+load drops out, one that starts counts from zero) is divided by the tokens streamed.
+The device's busiest threads are ggml's (two, or ``--threads``): the engine thread (the
+scheduler's Python and the decode's share) and ggml's workers (the decode only), so a
+worker's figure is the decode's own cost per token per thread.  The client (this
+process: httpx, or with ``--client raw`` asyncio's streams, and the SSE parsing, as in
+``bench_serve``) and the machine's interrupt time (loopback TCP's softirq) are what any
+server's clients on the same machine would cost.  A row ``machine idle`` is the CPU
+time nobody used: on 2 cores, wall time × 2 minus aotx's processes and the client (with
+``--py-spy``, py-spy's own CPU is counted there too).  With ``--thin`` the same is
+measured for ``bench/thin_server.py`` (one process: its engine thread, ggml's worker and
+the event loop's thread, the least a server's path can cost here) with aotx's default
+slots.  ``--threads 1`` leaves aotx's decode one thread, and so a core free for the
+rest: what the path costs when it need not take a core from ggml.
 
 With ``--py-spy`` (a py-spy binary: ``pip download py-spy``, not a dependency) the
 gateway, the broker and the device are sampled during each load (``py-spy record
@@ -92,29 +93,31 @@ def name(pid: int) -> str:
 
 
 def snapshot(root: int) -> tuple[dict[str, float], dict[str, tuple[int, int]]]:
-    """CPU seconds by process role and by engine-process thread id ('device/TID' or
-    'thin/TID'); the context switches of every thread, summed by role and by
-    engine-process thread the same way."""
-    out: dict[str, float] = {}
+    """CPU seconds and (voluntary, involuntary) context switches of every thread of the
+    tree, keyed 'ROLE/TID'.  Kept by thread, so that a thread that ends between two
+    snapshots drops out of their difference instead of taking its whole life's CPU off
+    its process's."""
+    used: dict[str, float] = {}
     ctx: dict[str, tuple[int, int]] = {}
     for pid in tree(root):
         role = name(pid)
-        out.setdefault(role, 0.0)
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:
             continue
         for tid in tids:
-            v, i = switches(f"/proc/{pid}/task/{tid}/status")
-            keys = [role] + ([f"{role}/{tid}"] if role in ENGINES else [])
-            for key in keys:
-                v0, i0 = ctx.get(key, (0, 0))
-                ctx[key] = (v0 + v, i0 + i)
-            used = cpu(f"/proc/{pid}/task/{tid}/schedstat")
-            out[role] += used
-            if role in ENGINES:
-                out[f"{role}/{tid}"] = used
-    return out, ctx
+            used[f"{role}/{tid}"] = cpu(f"/proc/{pid}/task/{tid}/schedstat")
+            ctx[f"{role}/{tid}"] = switches(f"/proc/{pid}/task/{tid}/status")
+    return used, ctx
+
+
+def with_roles(per_thread: dict[str, float]) -> dict[str, float]:
+    """``per_thread`` ('ROLE/TID' keys) with each role's sum added under 'ROLE'."""
+    out = dict(per_thread)
+    for key, value in per_thread.items():
+        role = key.split("/", 1)[0]
+        out[role] = out.get(role, 0.0) + value
+    return out
 
 
 RATE = 200  # py-spy samples a second
@@ -182,8 +185,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0,
                     help="aotx's decode threads (the models file's threads; 0: its default)")
     args = ap.parse_args()
+    if args.thin and args.threads:
+        ap.error("--threads sets aotx's decode threads; the thin server follows the cores")
     CLIENT["library"] = args.client
-    ggml = 1 if args.threads == 1 and not args.thin else 2  # ggml's threads: the busiest
+    ggml = 2 if args.thin else args.threads or 2  # ggml's threads: the process's busiest
+    labels = ["engine thread (decode + scheduler)"] + ["ggml worker (decode only)"] * (ggml - 1)
     with serving(args.thin, args.threads) as svc:
         assert svc.proc is not None
         asyncio.run(run_load(svc.url, svc.headers, "smollm2", 1, 1, 16, 900))  # warm
@@ -191,6 +197,8 @@ def main() -> None:
             folder = tempfile.mkdtemp(prefix="aotx-spy-") if args.py_spy else ""
             spies = spy(args.py_spy, svc.proc.pid, folder) if args.py_spy else []
             (before, ctx0), t0 = snapshot(svc.proc.pid), time.perf_counter()
+            if not any(before.values()):
+                print("no CPU times in /proc/*/task/*/schedstat: every figure reads 0")
             me0, irq0 = time.process_time(), softirq()
             load = asyncio.run(run_load(svc.url, svc.headers, "smollm2", n, args.requests,
                                         args.max_tokens, 100 * n))
@@ -201,31 +209,28 @@ def main() -> None:
             me1, irq1 = time.process_time(), softirq()
             client = me1 - me0
             tokens = load["tokens"]
-            used = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-            threads = sorted((k for k in used if "/" in k), key=lambda k: -used[k])
+            used = with_roles({k: v - before.get(k, 0.0) for k, v in after.items()})
+            woke = with_roles({k: v[0] - ctx0.get(k, (0, 0))[0] for k, v in ctx1.items()})
+            preempted = with_roles({k: v[1] - ctx0.get(k, (0, 0))[1] for k, v in ctx1.items()})
+            threads = sorted((k for k in used if k.split("/")[0] in ENGINES and "/" in k),
+                             key=lambda k: -used[k])
             print(f"N={n}: {tokens} tokens in {wall:.1f} s ({tokens / wall:.1f} tok/s); "
                   "CPU ms per streamed token:")
             for role in ("gateway", "broker", "supervise", "serve", *ENGINES):
                 if role in used:
                     print(f"  {role:10s} {1e3 * used[role] / tokens:7.3f}")
-            for k, label in zip(threads[:ggml], ["engine thread (decode + scheduler)",
-                                                 "ggml worker (decode only)"], strict=False):
+            for k, label in zip(threads, labels, strict=False):
                 print(f"    {label:36s} {1e3 * used[k] / tokens:7.3f}")
-            rest = sum(used[k] for k in threads[ggml:])
+            rest = sum(used[k] for k in threads[len(labels):])
             print(f"    {'its other threads':36s} {1e3 * rest / tokens:7.3f}")
             print(f"  {f'client (this process: {args.client}, SSE parsing)':10s} "
                   f"{1e3 * client / tokens:7.3f}")
             print(f"  {'interrupts (irq + softirq, whole machine)':10s} "
                   f"{1e3 * (irq1 - irq0) / tokens:7.3f}")
-            woke = {k: tuple(b - a for a, b in zip(ctx0.get(k, (0, 0)), v, strict=True))
-                    for k, v in ctx1.items()}
             print("  wake-ups (voluntary) / preemptions (involuntary) per streamed token:")
-            for role in ("gateway", "broker", *ENGINES):
-                if role in woke:
-                    print(f"    {role:36s} {woke[role][0] / tokens:6.2f} / "
-                          f"{woke[role][1] / tokens:5.2f}")
-            for k, label in zip(threads[:ggml], ["engine thread", "ggml worker"], strict=False):
-                print(f"      {label:34s} {woke[k][0] / tokens:6.2f} / {woke[k][1] / tokens:5.2f}")
+            for k, label in [(r, r) for r in ("gateway", "broker", *ENGINES) if r in woke] + [
+                    (k, "  " + label) for k, label in zip(threads, labels, strict=False)]:
+                print(f"    {label:36s} {woke[k] / tokens:6.2f} / {preempted[k] / tokens:5.2f}")
             idle = 2 * wall - sum(v for k, v in used.items() if "/" not in k) - client
             print(f"  {'machine idle':10s} {1e3 * idle / tokens:7.3f}", flush=True)
             for role, _ in spies:
