@@ -9,19 +9,19 @@ For each N, N clients each stream ``--requests`` chat completions one after anot
 (temperature 0, distinct prompts, a fresh connection per request); the CPU time each
 process and each device thread spent during the load (each thread's time on a CPU, from
 /proc's schedstat, in nanoseconds, taken thread by thread: a thread that ends during the
-load drops out, one that starts counts from zero) is divided by the tokens streamed.
-The device's busiest threads are ggml's (two, or ``--threads``): the engine thread (the
-scheduler's Python and the decode's share) and ggml's workers (the decode only), so a
-worker's figure is the decode's own cost per token per thread.  The client (this
+load drops out, one that starts counts from zero) is divided by the tokens streamed. The
+device's busiest threads are ggml's (one a core, or ``--threads``): the engine thread
+(the scheduler's Python and the decode's share) and ggml's workers (the decode only), so
+a worker's figure is the decode's own cost per token per thread. The client (this
 process: httpx, or with ``--client raw`` asyncio's streams, and the SSE parsing, as in
 ``bench_serve``) and the machine's interrupt time (loopback TCP's softirq) are what any
-server's clients on the same machine would cost.  A row ``machine idle`` is the CPU
-time nobody used: on 2 cores, wall time × 2 minus aotx's processes and the client (with
-``--py-spy``, py-spy's own CPU is counted there too).  With ``--thin`` the same is
+server's clients on the same machine would cost. A row ``machine idle`` is the CPU time
+nobody used: wall time × the cores minus aotx's processes and the client (with
+``--py-spy``, py-spy's own CPU is counted there too). With ``--thin`` the same is
 measured for ``bench/thin_server.py`` (one process: its engine thread, ggml's worker and
 the event loop's thread, the least a server's path can cost here) with aotx's default
-slots.  ``--threads 1`` leaves aotx's decode one thread, and so a core free for the
-rest: what the path costs when it need not take a core from ggml.
+slots. ``--threads 1`` leaves aotx's decode one thread, and so a core free for the rest:
+what the path costs when it need not take a core from ggml.
 
 With ``--py-spy`` (a py-spy binary: ``pip download py-spy``, not a dependency) the
 gateway, the broker and the device are sampled during each load (``py-spy record
@@ -53,26 +53,26 @@ TICK = os.sysconf("SC_CLK_TCK")
 ENGINES = ("device", "thin")  # the processes that decode: their threads are shown apart
 
 
-def cpu(path: str) -> float:
-    """A thread's time on a CPU, from /proc/.../task/TID/schedstat, in seconds (0 once
+def cpu(path: str) -> float | None:
+    """A thread's time on a CPU, from /proc/.../task/TID/schedstat, in seconds (None once
     it is gone): nanoseconds, where /proc/.../stat counts 10 ms ticks, too coarse for a
     process that runs 0.2 ms a token."""
     try:
         with open(path) as f:
             return int(f.read().split()[0]) / 1e9
     except (OSError, IndexError, ValueError):
-        return 0.0
+        return None
 
 
-def switches(path: str) -> tuple[int, int]:
-    """(voluntary, involuntary) context switches of /proc/.../status: a voluntary one is
-    a wake-up after a wait; an involuntary one a preemption."""
+def switches(path: str) -> tuple[int, int] | None:
+    """(voluntary, involuntary) context switches of /proc/.../status (None once it is
+    gone): a voluntary one is a wake-up after a wait; an involuntary one a preemption."""
     try:
         with open(path) as f:
             rows = dict(line.split(":", 1) for line in f if "ctxt_switches" in line)
         return int(rows["voluntary_ctxt_switches"]), int(rows["nonvoluntary_ctxt_switches"])
     except (OSError, KeyError, ValueError):
-        return 0, 0
+        return None
 
 
 def softirq() -> float:
@@ -105,9 +105,11 @@ def snapshot(root: int) -> tuple[dict[str, float], dict[str, tuple[int, int]]]:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:
             continue
-        for tid in tids:
-            used[f"{role}/{tid}"] = cpu(f"/proc/{pid}/task/{tid}/schedstat")
-            ctx[f"{role}/{tid}"] = switches(f"/proc/{pid}/task/{tid}/status")
+        for tid in tids:  # (one that ends meanwhile is left out, as one that ended before)
+            ran = cpu(f"/proc/{pid}/task/{tid}/schedstat")
+            woke = switches(f"/proc/{pid}/task/{tid}/status")
+            if ran is not None and woke is not None:
+                used[f"{role}/{tid}"], ctx[f"{role}/{tid}"] = ran, woke
     return used, ctx
 
 
@@ -188,7 +190,8 @@ def main() -> None:
     if args.thin and args.threads:
         ap.error("--threads sets aotx's decode threads; the thin server follows the cores")
     CLIENT["library"] = args.client
-    ggml = 2 if args.thin else args.threads or 2  # ggml's threads: the process's busiest
+    cores = len(os.sched_getaffinity(0))
+    ggml = args.threads or cores  # ggml's threads (the thin server's: every core): the busiest
     labels = ["engine thread (decode + scheduler)"] + ["ggml worker (decode only)"] * (ggml - 1)
     with serving(args.thin, args.threads) as svc:
         assert svc.proc is not None
@@ -231,7 +234,7 @@ def main() -> None:
             for k, label in [(r, r) for r in ("gateway", "broker", *ENGINES) if r in woke] + [
                     (k, "  " + label) for k, label in zip(threads, labels, strict=False)]:
                 print(f"    {label:36s} {woke[k] / tokens:6.2f} / {preempted[k] / tokens:5.2f}")
-            idle = 2 * wall - sum(v for k, v in used.items() if "/" not in k) - client
+            idle = cores * wall - sum(v for k, v in used.items() if "/" not in k) - client
             print(f"  {'machine idle':10s} {1e3 * idle / tokens:7.3f}", flush=True)
             for role, _ in spies:
                 print(f"  py-spy, {role}: active ms per streamed token by function")
