@@ -18,10 +18,10 @@ The decode keeps two threads throughout (``threads = 2``; aotx's default follows
 free cores, docs/engine.md, and would keep two here: the chain stays under half a core).
 
 Each round runs every cost once (A B A B); per cost it prints the CPU the helpers used
-a token (schedstat: the burn, their wake-ups and their Python), tok/s, the ratio against
-cost 0 (the median of the rounds' ratios, each round's in brackets) and ``T / (T + c)``,
-the ratio a path costing c of CPU a token would leave if each of its µs cost the decode
-one µs (T: cost 0's time a token).  The ratio that a path of a given cost allows is what
+a token (schedstat: the burn, their wake-ups and their Python; the median of the
+rounds), tok/s, the ratio against cost 0 (the median of the rounds' ratios, each
+round's in brackets) and ``T / (T + used)``, the ratio that CPU would leave if each of
+its µs cost the decode one µs (T: cost 0's time a token).  The ratio that a path of a given cost allows is what
 an "of the engine alone" goal asks of it: aotx's path is measured by ``bench_path``.
 """
 
@@ -166,9 +166,10 @@ def main() -> None:
     for c in costs:
         rs = [a / b for a, b in zip(speeds[c], speeds[0.0], strict=True)]
         shown = "/".join(f"{r:.2f}" for r in rs)
-        print(f"  cost {c:6.0f} µs (the helpers used {statistics.median(burnt[c]):6.0f})  "
+        used = statistics.median(burnt[c])
+        print(f"  cost {c:6.0f} µs (the helpers used {used:6.0f})  "
               f"{statistics.median(speeds[c]):6.1f} tok/s  ratio {statistics.median(rs):.3f} "
-              f"[{shown}]  T/(T+c) {t / (t + c):.3f}")
+              f"[{shown}]  T/(T+used) {t / (t + used):.3f}")
 
 
 if __name__ == "__main__":
