@@ -38,6 +38,7 @@ from aotx.engine.interface import BatchEntry
 from aotx.engine.llama.engine import LlamaEngine
 from aotx.engine.llama.sampling import Sampler
 from bench import common
+from bench.bench_path import cpu
 
 PIPE_ROOM = 4096  # bytes left in the chain's last pipe before ``ring`` reads them back
 
@@ -90,12 +91,8 @@ class Chain:
             self.unread -= len(os.read(self.tail, self.unread))
 
     def cpu(self) -> float:
-        """The helpers' CPU time so far, in seconds (schedstat: nanoseconds)."""
-        total = 0
-        for p in self.procs:
-            with open(f"/proc/{p.pid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        return total / 1e9
+        """The helpers' CPU time so far, in seconds (their one thread's schedstat)."""
+        return sum(cpu(f"/proc/{p.pid}/schedstat") or 0.0 for p in self.procs)
 
     def close(self) -> None:
         os.close(self.head)  # each helper reads the end of its pipe and exits
