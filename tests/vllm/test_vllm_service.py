@@ -248,10 +248,11 @@ def test_cancel_stops_a_long_request(vsvc: Service) -> None:
     waits for the first bytes, so that it always meets a running request)."""
     with vsvc.client() as c:
         for _ in range(3):
-            # the random model could sample its end token early: forbid it (token 1)
+            # the random model could sample an end token early (its EOS, or <|im_end|>,
+            # which ends a ChatML turn): forbid them all, as the tests that need a length
             r = c.post("/aotx/v1/requests", json={"model": "tiny", "messages": HELLO,
                                                    "max_tokens": 900, "temperature": 1.0,
-                                                   "logit_bias": {"1": -100}})
+                                                   "logit_bias": NO_END})
             assert r.status_code == 202, r.text
             rid = r.json()["id"]
             while (state := c.get(f"/aotx/v1/requests/{rid}").json())["state"] == "queued":
