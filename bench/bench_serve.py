@@ -17,7 +17,10 @@ here to its clients and their arrivals). It prints per N the aggregate completio
 TTFT p50/p95, inter-token p50/p95, the limit and the ratio aotx/limit, and beside it the
 engine alone doing the same requests (each client's first prompt after the cached
 template prefix, all in one batch, then the decode steps: the prompt work the limit
-leaves out) with the ratio against that. A ratio is the median of the rounds' ratios
+leaves out) with the ratio against that, and a line splitting each one's time into its time a
+token within a stream (first streamed token to last; the engine alone: a decode step of
+the same requests) and its time a request outside that (connection, prompt, first token;
+the engine alone: the prompts' batch). A ratio is the median of the rounds' ratios
 (each round's are printed in brackets): this VM's speed drifts, so each ratio compares
 figures measured within minutes of each other. Then the native path (admission -> SSE
 until terminal), admission latency while 8 streams decode, and window-read throughput on
@@ -105,11 +108,12 @@ for line in sys.stdin:
     assert e.decode(entries) == 0
     last = [i for i, x in enumerate(entries) if x.logits]
     cur = [e.sample(ss[q], last[q]) for q in range(n)]
+    prompt_s = time.perf_counter() - t0
     pos = [len(p) for p in prompts]
     for s in range(steps - 1):
         assert e.decode([BatchEntry(cur[q], pos[q] + s, q, True) for q in range(n)]) == 0
         cur = [e.sample(ss[q], q) for q in range(n)]
-    print(json.dumps([decode_only, n * steps / (time.perf_counter() - t0)]), flush=True)
+    print(json.dumps([decode_only, n * steps / (time.perf_counter() - t0), prompt_s]), flush=True)
 """
 
 
@@ -154,13 +158,14 @@ class RawEngine(JsonProcess):
     def __init__(self, slots: int) -> None:
         super().__init__(["-c", RAW, str(slots)], "raw engine")
 
-    def measure(self, n: int, steps: int, per_client: int = 1) -> tuple[float, float]:
+    def measure(self, n: int, steps: int, per_client: int = 1) -> tuple[float, float, float]:
         """(the limit: n sequences decoding together, tok/s; the engine alone doing
         the clients' first requests: their prompts after the cached template prefix
-        in one batch, then the decode steps, completion tok/s)."""
+        in one batch, then the decode steps, completion tok/s; the seconds of that
+        prompt batch, up to the first tokens)."""
         chats = [prompt(k * per_client) for k in range(n)]  # each client's first request
-        decode_only, same_work = self.ask({"n": n, "steps": steps, "chats": chats})
-        return float(decode_only), float(same_work)
+        decode_only, same_work, prompt_s = self.ask({"n": n, "steps": steps, "chats": chats})
+        return float(decode_only), float(same_work), float(prompt_s)
 
 
 _CLIENTS: dict[str, httpx.AsyncClient] = {}
@@ -263,7 +268,14 @@ async def run_load(base: str, headers: dict[str, str], model: str, n: int, per_c
     ttft = [r["stamps"][0] - r["t0"] for r in results if r["stamps"]]
     itl = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:], strict=False)]
     tokens = sum(r["tokens"] or len(r["stamps"]) for r in results)
-    return {"tok_s": tokens / wall, "ttft": ttft, "itl": itl, "tokens": tokens}
+    # Each request's time from its first streamed token to its last (the decode steps a
+    # client sees), and the rest of the clients' time (connection, prompt, first token,
+    # the end of the response): what splits a server's tok/s into its steps and its
+    # requests' turnover (``split``).
+    span = sum(r["stamps"][-1] - r["stamps"][0] for r in results if r["stamps"])
+    return {"tok_s": tokens / wall, "ttft": ttft, "itl": itl, "tokens": tokens,
+            "inside": span / max(1, len(itl)),
+            "outside": (n * wall - span) / max(1, len(results))}
 
 
 async def native_load(base: str, headers: dict[str, str], n: int, max_tokens: int) -> float:
@@ -398,6 +410,22 @@ def summary(rounds: list[dict], key: str) -> dict[str, float]:
             "itl_p50": pct(itl, 50), "itl_p95": pct(itl, 95)}
 
 
+def split(rounds: list[dict], key: str) -> str:
+    """A server's time a token within a stream (first token to last) and its time a
+    request outside that, medians over the rounds, in ms; for ``same_work`` (the
+    engine alone) the decode step and the rest of its time a request."""
+    inside = statistics.median(r[key]["inside"] for r in rounds)
+    outside = statistics.median(r[key]["outside"] for r in rounds)
+    return f"{key} {inside * 1e3:.2f} ms a token + {outside * 1e3:.1f} ms a request"
+
+
+def engine_split(n: int, steps: int, same_work: float, prompt_s: float) -> dict[str, float]:
+    """The engine alone's ``inside`` (a decode step of the same requests' n sequences)
+    and ``outside`` (their prompts' batch, up to the first tokens) in seconds."""
+    whole = n * steps / same_work
+    return {"inside": (whole - prompt_s) / (steps - 1), "outside": prompt_s}
+
+
 def ratios(rounds: list[dict], num: str, den: str) -> str:
     """The median of the rounds' ratios num/den (each round's figures were measured
     minutes apart at most), and each round's ratio."""
@@ -445,10 +473,12 @@ def main() -> None:
             rounds: list[dict] = []
             for _ in range(args.rounds):
                 # The limit right before the load, in the same minute of this VM's speed.
-                decode_only, same_work = raw.measure(n, args.max_tokens, args.requests)
+                decode_only, same_work, prompt_s = raw.measure(n, args.max_tokens, args.requests)
                 if srv is None:
                     srv = common.aotx(models)
-                rnd = {"limit": {"tok_s": decode_only}, "same_work": {"tok_s": same_work},
+                rnd = {"limit": {"tok_s": decode_only},
+                       "same_work": {"tok_s": same_work, **engine_split(
+                           n, args.max_tokens, same_work, prompt_s)},
                        "aotx": asyncio.run(run_load(srv.url, srv.headers, "smollm2", n,
                                                     args.requests, args.max_tokens, 0))}
                 for key, start in others:  # one server at a time: A B A B
@@ -484,6 +514,9 @@ def main() -> None:
                          f"peer TTFT p50 {b['ttft_p50'] * 1e3:6.1f} ms "
                          f"ITL p50 {b['itl_p50'] * 1e3:5.1f} ms")
             print(line, flush=True)
+            print(f"       time split: {split(rounds, 'same_work')}; "
+                  + "; ".join(split(rounds, key) for key in ("aotx", *(k for k, _ in others))),
+                  flush=True)
         raw.close()
         if srv is None:
             srv = common.aotx(models)
