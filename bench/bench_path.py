@@ -3,7 +3,7 @@ device, per streamed token, while N streaming chat completions decode (aotx at i
 defaults, no models file, or with ``--threads N`` decode threads).
 
     .venv/bin/python -m bench.bench_path [--clients 1,4,8] [--requests 2] [--max-tokens 128]
-        [--py-spy /path/to/py-spy] [--client httpx|raw] [--thin | --threads N]
+        [--py-spy /path/to/py-spy] [--cprofile] [--client httpx|raw] [--thin | --threads N]
 
 For each N, N clients each stream ``--requests`` chat completions one after another
 (temperature 0, distinct prompts, a fresh connection per request); the CPU time each
@@ -30,6 +30,14 @@ which includes a thread inside a system call) and the time is printed per proces
 ms per streamed token by the Python function that was running (its own time; a call
 into a C library counts as the function that made it, so ``engine.py:decode_batch`` is
 the engine thread's share of ``llama_decode``).  Where the time is, not its exact CPU.
+
+With ``--cprofile`` each process's main thread (the gateway's and the broker's event
+loop, the device's control thread; the thin server's event loop) runs under cProfile
+with the thread's CPU clock as its timer (``bench/cprofile_site``, put first on their
+``PYTHONPATH``), and the functions that used the most CPU of it during each load are
+printed per streamed token, by their own time.  cProfile about doubles those threads'
+time, and so slows the decode beside them: take the shares from such a run, the CPU
+and the speed from one without it.
 """
 
 from __future__ import annotations
@@ -39,7 +47,9 @@ import asyncio
 import collections
 import contextlib
 import os
+import pstats
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -159,15 +169,52 @@ def spied(folder: str, role: str, tokens: int, top: int = 8) -> list[str]:
     return [f"    {1e3 * n / RATE / tokens:7.3f}  {leaf}" for leaf, n in own.most_common(top)]
 
 
+SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cprofile_site")
+PROFILED = ("gateway", "broker", *ENGINES)
+
+
+def profile_all(root: int, folder: str) -> None:
+    """Have every profiled process (``cprofile_site``) write its profile so far to
+    ``folder`` and start afresh; return once every one has."""
+    roles = {}
+    for pid in tree(root):
+        if name(pid) in PROFILED:
+            roles[name(pid)] = pid
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(folder, f"{name(pid)}.pstats"))
+            os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 30
+    while not all(os.path.exists(os.path.join(folder, f"{r}.pstats")) for r in roles):
+        if time.monotonic() > deadline:
+            raise SystemExit("a profiled process wrote no profile in 30 s")
+        time.sleep(0.05)
+
+
+def profiled(folder: str, role: str, tokens: int, top: int = 10) -> list[str]:
+    """The lines to print for one process's profile (its main thread): CPU ms per
+    streamed token by function (its own time), and its share of the thread's."""
+    st = pstats.Stats(os.path.join(folder, f"{role}.pstats"))
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])  # type: ignore[attr-defined]
+    total = st.total_tt  # type: ignore[attr-defined]
+    out = [f"  cProfile, {role} (main thread): {1e3 * total / tokens:.3f} ms per streamed "
+           f"token profiled, {st.total_calls / tokens:.0f} calls"]  # type: ignore[attr-defined]
+    for (path, line, func), (_, calls, own, _, _) in rows[:top]:
+        where = f"{os.path.basename(path)}:{line}:{func}" if line else func
+        out.append(f"    {1e3 * own / tokens:7.3f}  {own / total:4.0%}  {calls / tokens:5.2f} "
+                   f"calls  {where}")
+    return out
+
+
 @contextlib.contextmanager
-def serving(thin: bool, threads: int) -> Iterator[common.Server]:
+def serving(thin: bool, threads: int, env: dict[str, str]) -> Iterator[common.Server]:
     """aotx at its defaults (but ``threads``, when given), or the thin server with aotx's
-    default slots (16 of 4,096)."""
+    default slots (16 of 4,096); ``env`` added to their environment."""
     if not thin:
-        with common.serving(f"[default]\nthreads = {threads}\n" if threads else "") as svc:
+        with common.serving(f"[default]\nthreads = {threads}\n" if threads else "",
+                            env=env) as svc:
             yield svc
         return
-    svc = common.thin(16, 4096)
+    svc = common.thin(16, 4096, env)
     try:
         yield svc
     finally:
@@ -180,6 +227,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--py-spy", help="a py-spy binary: profile the processes by function")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="profile each process's main thread with cProfile (its CPU clock)")
     ap.add_argument("--client", choices=("httpx", "raw"), default="httpx",
                     help="the streaming clients' library (bench_serve.raw_lines)")
     ap.add_argument("--thin", action="store_true",
@@ -190,57 +239,82 @@ def main() -> None:
     if args.thin and args.threads:
         ap.error("--threads sets aotx's decode threads; the thin server follows the cores")
     CLIENT["library"] = args.client
+    profiles = tempfile.mkdtemp(prefix="aotx-cprofile-") if args.cprofile else ""
+    env = {"PYTHONPATH": SITE, "AOTX_BENCH_CPROFILE": profiles} if profiles else {}
+    try:
+        with serving(args.thin, args.threads, env) as svc:
+            assert svc.proc is not None
+            asyncio.run(run_load(svc.url, svc.headers, "smollm2", 1, 1, 16, 900))  # warm
+            for n in (int(x) for x in args.clients.split(",")):
+                measure(svc, n, args, profiles)
+    finally:
+        if profiles:
+            shutil.rmtree(profiles, ignore_errors=True)
+
+
+def measure(svc: common.Server, n: int, args: argparse.Namespace, profiles: str) -> None:
+    """One load of ``n`` clients: its CPU a token by process and thread, printed."""
+    assert svc.proc is not None
+    folder = tempfile.mkdtemp(prefix="aotx-spy-") if args.py_spy else ""
+    spies = spy(args.py_spy, svc.proc.pid, folder) if args.py_spy else []
+    if profiles:
+        profile_all(svc.proc.pid, profiles)  # (what came before the load: dropped)
+    (before, ctx0), t0 = snapshot(svc.proc.pid), time.perf_counter()
+    if not any(before.values()):
+        print("no CPU times in /proc/*/task/*/schedstat: every figure reads 0")
+    me0, irq0 = time.process_time(), softirq()
+    load = asyncio.run(run_load(svc.url, svc.headers, "smollm2", n, args.requests,
+                                args.max_tokens, 100 * n))
+    wall, (after, ctx1) = time.perf_counter() - t0, snapshot(svc.proc.pid)
+    if profiles:
+        profile_all(svc.proc.pid, profiles)
+    for _, proc in spies:  # py-spy writes its file when interrupted
+        proc.send_signal(2)
+        proc.wait(60)
+    me1, irq1 = time.process_time(), softirq()
+    tokens = load["tokens"]
+    used = with_roles({k: v - before.get(k, 0.0) for k, v in after.items()})
+    woke = with_roles({k: v[0] - ctx0.get(k, (0, 0))[0] for k, v in ctx1.items()})
+    preempted = with_roles({k: v[1] - ctx0.get(k, (0, 0))[1] for k, v in ctx1.items()})
+    print(f"N={n}: {tokens} tokens in {wall:.1f} s ({tokens / wall:.1f} tok/s); "
+          "CPU ms per streamed token:")
+    threads = per_process(used, tokens, args.threads)
+    print(f"  {f'client (this process: {args.client}, SSE parsing)':10s} "
+          f"{1e3 * (me1 - me0) / tokens:7.3f}")
+    print(f"  {'interrupts (irq + softirq, whole machine)':10s} "
+          f"{1e3 * (irq1 - irq0) / tokens:7.3f}")
+    print("  wake-ups (voluntary) / preemptions (involuntary) per streamed token:")
+    for k, label in [(r, r) for r in ("gateway", "broker", *ENGINES) if r in woke] + [
+            (k, "  " + label) for k, label in threads]:
+        print(f"    {label:36s} {woke[k] / tokens:6.2f} / {preempted[k] / tokens:5.2f}")
     cores = len(os.sched_getaffinity(0))
-    ggml = args.threads or cores  # ggml's threads (the thin server's: every core): the busiest
+    idle = cores * wall - sum(v for k, v in used.items() if "/" not in k) - (me1 - me0)
+    print(f"  {'machine idle':10s} {1e3 * idle / tokens:7.3f}", flush=True)
+    for role, _ in spies:
+        print(f"  py-spy, {role}: active ms per streamed token by function")
+        print("\n".join(spied(folder, role, tokens)), flush=True)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+    for role in PROFILED if profiles else ():
+        if os.path.exists(os.path.join(profiles, f"{role}.pstats")):
+            print("\n".join(profiled(profiles, role, tokens)), flush=True)
+
+
+def per_process(used: dict[str, float], tokens: int, threads: int) -> list[tuple[str, str]]:
+    """Print each process's CPU a token and the engine's threads'; return the engine's
+    busiest threads with their labels."""
+    ggml = threads or len(os.sched_getaffinity(0))  # (the thin server's: every core)
     labels = ["engine thread (decode + scheduler)"] + ["ggml worker (decode only)"] * (ggml - 1)
-    with serving(args.thin, args.threads) as svc:
-        assert svc.proc is not None
-        asyncio.run(run_load(svc.url, svc.headers, "smollm2", 1, 1, 16, 900))  # warm
-        for n in (int(x) for x in args.clients.split(",")):
-            folder = tempfile.mkdtemp(prefix="aotx-spy-") if args.py_spy else ""
-            spies = spy(args.py_spy, svc.proc.pid, folder) if args.py_spy else []
-            (before, ctx0), t0 = snapshot(svc.proc.pid), time.perf_counter()
-            if not any(before.values()):
-                print("no CPU times in /proc/*/task/*/schedstat: every figure reads 0")
-            me0, irq0 = time.process_time(), softirq()
-            load = asyncio.run(run_load(svc.url, svc.headers, "smollm2", n, args.requests,
-                                        args.max_tokens, 100 * n))
-            wall, (after, ctx1) = time.perf_counter() - t0, snapshot(svc.proc.pid)
-            for _, proc in spies:  # py-spy writes its file when interrupted
-                proc.send_signal(2)
-                proc.wait(60)
-            me1, irq1 = time.process_time(), softirq()
-            client = me1 - me0
-            tokens = load["tokens"]
-            used = with_roles({k: v - before.get(k, 0.0) for k, v in after.items()})
-            woke = with_roles({k: v[0] - ctx0.get(k, (0, 0))[0] for k, v in ctx1.items()})
-            preempted = with_roles({k: v[1] - ctx0.get(k, (0, 0))[1] for k, v in ctx1.items()})
-            threads = sorted((k for k in used if k.split("/")[0] in ENGINES and "/" in k),
-                             key=lambda k: -used[k])
-            print(f"N={n}: {tokens} tokens in {wall:.1f} s ({tokens / wall:.1f} tok/s); "
-                  "CPU ms per streamed token:")
-            for role in ("gateway", "broker", "supervise", "serve", *ENGINES):
-                if role in used:
-                    print(f"  {role:10s} {1e3 * used[role] / tokens:7.3f}")
-            for k, label in zip(threads, labels, strict=False):
-                print(f"    {label:36s} {1e3 * used[k] / tokens:7.3f}")
-            rest = sum(used[k] for k in threads[len(labels):])
-            print(f"    {'its other threads':36s} {1e3 * rest / tokens:7.3f}")
-            print(f"  {f'client (this process: {args.client}, SSE parsing)':10s} "
-                  f"{1e3 * client / tokens:7.3f}")
-            print(f"  {'interrupts (irq + softirq, whole machine)':10s} "
-                  f"{1e3 * (irq1 - irq0) / tokens:7.3f}")
-            print("  wake-ups (voluntary) / preemptions (involuntary) per streamed token:")
-            for k, label in [(r, r) for r in ("gateway", "broker", *ENGINES) if r in woke] + [
-                    (k, "  " + label) for k, label in zip(threads, labels, strict=False)]:
-                print(f"    {label:36s} {woke[k] / tokens:6.2f} / {preempted[k] / tokens:5.2f}")
-            idle = cores * wall - sum(v for k, v in used.items() if "/" not in k) - client
-            print(f"  {'machine idle':10s} {1e3 * idle / tokens:7.3f}", flush=True)
-            for role, _ in spies:
-                print(f"  py-spy, {role}: active ms per streamed token by function")
-                print("\n".join(spied(folder, role, tokens)), flush=True)
-            if folder:
-                shutil.rmtree(folder, ignore_errors=True)
+    busiest = sorted((k for k in used if k.split("/")[0] in ENGINES and "/" in k),
+                     key=lambda k: -used[k])
+    for role in ("gateway", "broker", "supervise", "serve", *ENGINES):
+        if role in used:
+            print(f"  {role:10s} {1e3 * used[role] / tokens:7.3f}")
+    for k, label in zip(busiest, labels, strict=False):
+        print(f"    {label:36s} {1e3 * used[k] / tokens:7.3f}")
+    rest = sum(used[k] for k in busiest[len(labels):])
+    print(f"    {'its other threads':36s} {1e3 * rest / tokens:7.3f}")
+    return list(zip(busiest, labels, strict=False))
 
 
 if __name__ == "__main__":

@@ -186,10 +186,10 @@ def peer(spec: str, slots: int | None = None) -> Server:
                   "llama-server")
 
 
-def thin(slots: int, context: int) -> Server:
+def thin(slots: int, context: int, env: dict[str, str] | None = None) -> Server:
     """``thin_server.py``: the same engine behind the thinnest server (the ceiling)."""
     return launch([sys.executable, "-m", "bench.thin_server", "--slots", str(slots),
-                   "--context", str(context)], "thin")
+                   "--context", str(context)], "thin", env)
 
 
 def engine(**config: Any) -> LlamaEngine:
