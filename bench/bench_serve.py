@@ -270,8 +270,8 @@ async def run_load(base: str, headers: dict[str, str], model: str, n: int, per_c
     tokens = sum(r["tokens"] or len(r["stamps"]) for r in results)
     # Each request's time from its first streamed token to its last (the decode steps a
     # client sees), and the rest of the clients' time (connection, prompt, first token,
-    # the end of the response): what splits a server's tok/s into its steps and its
-    # requests' turnover (``split``).
+    # the end of the response; and a client that ended first waiting for the others):
+    # what splits a server's tok/s into its steps and its requests' turnover (``split``).
     span = sum(r["stamps"][-1] - r["stamps"][0] for r in results if r["stamps"])
     return {"tok_s": tokens / wall, "ttft": ttft, "itl": itl, "tokens": tokens,
             "inside": span / max(1, len(itl)),
