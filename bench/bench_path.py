@@ -34,10 +34,10 @@ the engine thread's share of ``llama_decode``).  Where the time is, not its exac
 With ``--cprofile`` each process's main thread (the gateway's and the broker's event
 loop, the device's control thread; the thin server's event loop) runs under cProfile
 with the thread's CPU clock as its timer (``bench/cprofile_site``, put first on their
-``PYTHONPATH``), and the functions that used the most CPU of it during each load are
-printed per streamed token, by their own time.  cProfile about doubles those threads'
-time, and so slows the decode beside them: take the shares from such a run, the CPU
-and the speed from one without it.
+``PYTHONPATH``, before any the caller set), and the functions that used the most CPU
+of it during each load are printed per streamed token, by their own time.  cProfile
+slows those threads (up to about twice their time), and so the decode beside them: take
+the calls and the shares from such a run, the CPU and the speed from one without it.
 """
 
 from __future__ import annotations
@@ -173,16 +173,34 @@ SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cprofile_site")
 PROFILED = ("gateway", "broker", *ENGINES)
 
 
+def catches_usr1(pid: int) -> bool:
+    """Whether ``pid`` has a handler for SIGUSR1 (``cprofile_site``'s): a process without
+    one would be ended by it."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return bool(caught >> (signal.SIGUSR1 - 1) & 1)
+
+
 def profile_all(root: int, folder: str) -> None:
     """Have every profiled process (``cprofile_site``) write its profile so far to
     ``folder`` and start afresh; return once every one has."""
-    roles = {}
+    roles = []
     for pid in tree(root):
-        if name(pid) in PROFILED:
-            roles[name(pid)] = pid
+        try:
+            role = name(pid)
+        except OSError:  # (ended meanwhile)
+            continue
+        if role in PROFILED and catches_usr1(pid):
             with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(folder, f"{name(pid)}.pstats"))
-            os.kill(pid, signal.SIGUSR1)
+                os.remove(os.path.join(folder, f"{role}.pstats"))
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+                roles.append(role)
+    if not roles:
+        raise SystemExit("no served process has the profiler (bench/cprofile_site)")
     deadline = time.monotonic() + 30
     while not all(os.path.exists(os.path.join(folder, f"{r}.pstats")) for r in roles):
         if time.monotonic() > deadline:
@@ -240,7 +258,9 @@ def main() -> None:
         ap.error("--threads sets aotx's decode threads; the thin server follows the cores")
     CLIENT["library"] = args.client
     profiles = tempfile.mkdtemp(prefix="aotx-cprofile-") if args.cprofile else ""
-    env = {"PYTHONPATH": SITE, "AOTX_BENCH_CPROFILE": profiles} if profiles else {}
+    # (first on the path, before any the caller set: another llama.cpp build's)
+    path = os.pathsep.join(p for p in (SITE, os.environ.get("PYTHONPATH")) if p)
+    env = {"PYTHONPATH": path, "AOTX_BENCH_CPROFILE": profiles} if profiles else {}
     try:
         with serving(args.thin, args.threads, env) as svc:
             assert svc.proc is not None
@@ -266,12 +286,12 @@ def measure(svc: common.Server, n: int, args: argparse.Namespace, profiles: str)
     load = asyncio.run(run_load(svc.url, svc.headers, "smollm2", n, args.requests,
                                 args.max_tokens, 100 * n))
     wall, (after, ctx1) = time.perf_counter() - t0, snapshot(svc.proc.pid)
+    me1, irq1 = time.process_time(), softirq()
     if profiles:
         profile_all(svc.proc.pid, profiles)
     for _, proc in spies:  # py-spy writes its file when interrupted
         proc.send_signal(2)
         proc.wait(60)
-    me1, irq1 = time.process_time(), softirq()
     tokens = load["tokens"]
     used = with_roles({k: v - before.get(k, 0.0) for k, v in after.items()})
     woke = with_roles({k: v[0] - ctx0.get(k, (0, 0))[0] for k, v in ctx1.items()})
