@@ -17,10 +17,11 @@ here to its clients and their arrivals). It prints per N the aggregate completio
 TTFT p50/p95, inter-token p50/p95, the limit and the ratio aotx/limit, and beside it the
 engine alone doing the same requests (each client's first prompt after the cached
 template prefix, all in one batch, then the decode steps: the prompt work the limit
-leaves out) with the ratio against that, and a line splitting each one's time into its time a
-token within a stream (first streamed token to last; the engine alone: a decode step of
-the same requests) and its time a request outside that (connection, prompt, first token;
-the engine alone: the prompts' batch). A ratio is the median of the rounds' ratios
+leaves out) with the ratio against that, and a line splitting each one's time into its
+time a token within a stream (first streamed token to last; the engine alone: a decode
+step of the same requests) and its time a request outside that (connection, prompt, first
+token, the response's end and, at N > 1, a client's wait for the others; the engine
+alone: the prompts' batch). A ratio is the median of the rounds' ratios
 (each round's are printed in brackets): this VM's speed drifts, so each ratio compares
 figures measured within minutes of each other. Then the native path (admission -> SSE
 until terminal), admission latency while 8 streams decode, and window-read throughput on
@@ -272,9 +273,12 @@ async def run_load(base: str, headers: dict[str, str], model: str, n: int, per_c
     # client sees), and the rest of the clients' time (connection, prompt, first token,
     # the end of the response; and a client that ended first waiting for the others):
     # what splits a server's tok/s into its steps and its requests' turnover (``split``).
+    # A chunk may carry more than one token: the span is divided by the tokens after
+    # each request's first (its usage's count, else its chunks').
     span = sum(r["stamps"][-1] - r["stamps"][0] for r in results if r["stamps"])
+    gaps = sum((r["tokens"] or len(r["stamps"])) - 1 for r in results if r["stamps"])
     return {"tok_s": tokens / wall, "ttft": ttft, "itl": itl, "tokens": tokens,
-            "inside": span / max(1, len(itl)),
+            "inside": span / max(1, gaps),
             "outside": (n * wall - span) / max(1, len(results))}
 
 
@@ -411,19 +415,28 @@ def summary(rounds: list[dict], key: str) -> dict[str, float]:
 
 
 def split(rounds: list[dict], key: str) -> str:
-    """A server's time a token within a stream (first token to last) and its time a
-    request outside that, medians over the rounds, in ms; for ``same_work`` (the
-    engine alone) the decode step and the rest of its time a request."""
+    """A server's time a token within a stream (first streamed token to last) and its
+    time a request outside that (its prompt, first token and end; at N > 1 also a
+    client's wait for the others at the end), medians over the rounds, in ms, and the
+    median of the rounds' ratios of the engine alone's step to its time a token; for
+    ``same_work`` (the engine alone) its decode step and its prompts' batch.  At N > 1
+    a server's later requests are prompted beside the running streams, inside their
+    time a token, where the engine alone batches the prompts first."""
     inside = statistics.median(r[key]["inside"] for r in rounds)
     outside = statistics.median(r[key]["outside"] for r in rounds)
-    return f"{key} {inside * 1e3:.2f} ms a token + {outside * 1e3:.1f} ms a request"
+    name = "engine alone" if key == "same_work" else key
+    text = f"{name} {inside * 1e3:.2f} ms a token + {outside * 1e3:.1f} ms a request"
+    if key == "same_work":
+        return text
+    rs = [r["same_work"]["inside"] / r[key]["inside"] for r in rounds]
+    return text + f" (step ratio {statistics.median(rs):.2f} [{'/'.join(f'{x:.2f}' for x in rs)}])"
 
 
 def engine_split(n: int, steps: int, same_work: float, prompt_s: float) -> dict[str, float]:
     """The engine alone's ``inside`` (a decode step of the same requests' n sequences)
     and ``outside`` (their prompts' batch, up to the first tokens) in seconds."""
     whole = n * steps / same_work
-    return {"inside": (whole - prompt_s) / (steps - 1), "outside": prompt_s}
+    return {"inside": (whole - prompt_s) / max(1, steps - 1), "outside": prompt_s}
 
 
 def ratios(rounds: list[dict], num: str, den: str) -> str:
@@ -434,7 +447,35 @@ def ratios(rounds: list[dict], num: str, den: str) -> str:
     return f"{statistics.median(rs):.2f}" + (f" [{each}]" if len(rs) > 1 else "")
 
 
-def main() -> None:
+def report(n: int, rounds: list[dict], others: list[str]) -> float:
+    """Print the load of ``n`` clients: each server's figures and ratios, and the split
+    of their time; return aotx's median inter-token time."""
+    a = summary(rounds, "aotx")
+    line = (f"N={n:2d}  aotx {a['tok_s']:6.1f} tok/s  "
+            f"limit {statistics.mean(r['limit']['tok_s'] for r in rounds):6.1f}  "
+            f"ratio {ratios(rounds, 'aotx', 'limit')}  (engine alone on the same requests "
+            f"{statistics.mean(r['same_work']['tok_s'] for r in rounds):6.1f}, "
+            f"ratio {ratios(rounds, 'aotx', 'same_work')})  "
+            f"TTFT p50 {a['ttft_p50'] * 1e3:6.1f} ms p95 {a['ttft_p95'] * 1e3:6.1f} ms  "
+            f"ITL p50 {a['itl_p50'] * 1e3:5.1f} ms p95 {a['itl_p95'] * 1e3:5.1f} ms")
+    if "thin" in others:
+        t = summary(rounds, "thin")
+        line += (f"  thin {t['tok_s']:6.1f} tok/s (thin/same work "
+                 f"{ratios(rounds, 'thin', 'same_work')}, aotx/thin "
+                 f"{ratios(rounds, 'aotx', 'thin')}) thin TTFT p50 "
+                 f"{t['ttft_p50'] * 1e3:6.1f} ms ITL p50 {t['itl_p50'] * 1e3:5.1f} ms")
+    if "peer" in others:
+        b = summary(rounds, "peer")
+        line += (f"  peer {b['tok_s']:6.1f} tok/s (aotx/peer {ratios(rounds, 'aotx', 'peer')}) "
+                 f"peer TTFT p50 {b['ttft_p50'] * 1e3:6.1f} ms "
+                 f"ITL p50 {b['itl_p50'] * 1e3:5.1f} ms")
+    print(line, flush=True)
+    print(f"       time split: {split(rounds, 'same_work')}; "
+          + "; ".join(split(rounds, key) for key in ("aotx", *others)), flush=True)
+    return float(a["itl_p50"])
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--clients", default="1,4,8,16")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -451,7 +492,11 @@ def main() -> None:
     ap.add_argument("--client", choices=("httpx", "raw"), default="httpx",
                     help="the streaming clients' library: httpx, or raw (raw_lines: what "
                          "the client's own parsing costs every server)")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     CLIENT["library"] = args.client
     ns = [int(x) for x in args.clients.split(",")]
     slots = max(16, max(ns))
@@ -493,30 +538,7 @@ def main() -> None:
                     finally:
                         other.stop()
                 rounds.append(rnd)
-            a = summary(rounds, "aotx")
-            itl_p50s.append(a["itl_p50"])
-            line = (f"N={n:2d}  aotx {a['tok_s']:6.1f} tok/s  "
-                    f"limit {statistics.mean(r['limit']['tok_s'] for r in rounds):6.1f}  "
-                    f"ratio {ratios(rounds, 'aotx', 'limit')}  (engine alone on the same requests "
-                    f"{statistics.mean(r['same_work']['tok_s'] for r in rounds):6.1f}, "
-                    f"ratio {ratios(rounds, 'aotx', 'same_work')})  "
-                    f"TTFT p50 {a['ttft_p50'] * 1e3:6.1f} ms p95 {a['ttft_p95'] * 1e3:6.1f} ms  "
-                    f"ITL p50 {a['itl_p50'] * 1e3:5.1f} ms p95 {a['itl_p95'] * 1e3:5.1f} ms")
-            if args.thin:
-                t = summary(rounds, "thin")
-                line += (f"  thin {t['tok_s']:6.1f} tok/s (thin/same work "
-                         f"{ratios(rounds, 'thin', 'same_work')}, aotx/thin "
-                         f"{ratios(rounds, 'aotx', 'thin')}) thin TTFT p50 "
-                         f"{t['ttft_p50'] * 1e3:6.1f} ms ITL p50 {t['itl_p50'] * 1e3:5.1f} ms")
-            if peer_spec:
-                b = summary(rounds, "peer")
-                line += (f"  peer {b['tok_s']:6.1f} tok/s (aotx/peer {ratios(rounds, 'aotx', 'peer')}) "
-                         f"peer TTFT p50 {b['ttft_p50'] * 1e3:6.1f} ms "
-                         f"ITL p50 {b['itl_p50'] * 1e3:5.1f} ms")
-            print(line, flush=True)
-            print(f"       time split: {split(rounds, 'same_work')}; "
-                  + "; ".join(split(rounds, key) for key in ("aotx", *(k for k, _ in others))),
-                  flush=True)
+            itl_p50s.append(report(n, rounds, [k for k, _ in others]))
         raw.close()
         if srv is None:
             srv = common.aotx(models)
