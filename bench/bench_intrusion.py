@@ -21,8 +21,9 @@ Each round runs every cost once (A B A B); per cost it prints the CPU the helper
 a token (schedstat: the burn, their wake-ups and their Python; the median of the
 rounds), tok/s, the ratio against cost 0 (the median of the rounds' ratios, each
 round's in brackets) and ``T / (T + used)``, the ratio that CPU would leave if each of
-its µs cost the decode one µs (T: cost 0's time a token).  The ratio that a path of a given cost allows is what
-an "of the engine alone" goal asks of it: aotx's path is measured by ``bench_path``.
+its µs cost the decode one µs (T: cost 0's time a token).  The ratio that a path of a
+given cost allows is what an "of the engine alone" goal asks of it: aotx's path is
+measured by ``bench_path``.
 """
 
 from __future__ import annotations

@@ -458,17 +458,12 @@ def report(n: int, rounds: list[dict], others: list[str]) -> float:
             f"ratio {ratios(rounds, 'aotx', 'same_work')})  "
             f"TTFT p50 {a['ttft_p50'] * 1e3:6.1f} ms p95 {a['ttft_p95'] * 1e3:6.1f} ms  "
             f"ITL p50 {a['itl_p50'] * 1e3:5.1f} ms p95 {a['itl_p95'] * 1e3:5.1f} ms")
-    if "thin" in others:
-        t = summary(rounds, "thin")
-        line += (f"  thin {t['tok_s']:6.1f} tok/s (thin/same work "
-                 f"{ratios(rounds, 'thin', 'same_work')}, aotx/thin "
-                 f"{ratios(rounds, 'aotx', 'thin')}) thin TTFT p50 "
-                 f"{t['ttft_p50'] * 1e3:6.1f} ms ITL p50 {t['itl_p50'] * 1e3:5.1f} ms")
-    if "peer" in others:
-        b = summary(rounds, "peer")
-        line += (f"  peer {b['tok_s']:6.1f} tok/s (aotx/peer {ratios(rounds, 'aotx', 'peer')}) "
-                 f"peer TTFT p50 {b['ttft_p50'] * 1e3:6.1f} ms "
-                 f"ITL p50 {b['itl_p50'] * 1e3:5.1f} ms")
+    for key in others:  # the thin server's against the engine alone too
+        o = summary(rounds, key)
+        alone = f"thin/same work {ratios(rounds, key, 'same_work')}, " if key == "thin" else ""
+        line += (f"  {key} {o['tok_s']:6.1f} tok/s ({alone}aotx/{key} "
+                 f"{ratios(rounds, 'aotx', key)}) {key} TTFT p50 "
+                 f"{o['ttft_p50'] * 1e3:6.1f} ms ITL p50 {o['itl_p50'] * 1e3:5.1f} ms")
     print(line, flush=True)
     print(f"       time split: {split(rounds, 'same_work')}; "
           + "; ".join(split(rounds, key) for key in ("aotx", *others)), flush=True)
