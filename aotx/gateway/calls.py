@@ -13,6 +13,7 @@ its parked WAIT at once (UNPARK).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 from collections.abc import AsyncIterator
@@ -213,37 +214,47 @@ async def read(g: Gateway, principal: Principal, epoch: int, identity: bytes, cu
                             cursor=cursor, wait_ms=timeout_ms, flags=flags,
                             phase=seen.phase if seen else 0,
                             cancel_requested=seen.cancel_requested if seen else 0)
-    # The WAIT holds a mailbox until the device answers it, even when this task is
-    # cancelled (the stream's client left): it runs as a task of its own, counted in
-    # ``parked`` until its reply comes, and a cancelled caller has the device answer it
-    # at once (UNPARK) instead of at its timeout.
+    # The WAIT holds a mailbox until the device answers it, even when this call is
+    # cancelled (the stream's client left): it is counted in ``parked`` until the broker
+    # client reports it settled (its reply came, the connection dropped, or it was never
+    # sent), and a cancelled caller has the device answer it at once (UNPARK) instead of
+    # at its timeout.
     g.parked[pid] = g.parked.get(pid, 0) + 1
-    task = asyncio.ensure_future(g.call(h))  # deadline: its wait_ms plus the margin
-    task.add_done_callback(lambda t: _waited(g, pid, t))
+    held = _Parked(g, pid)
     try:
-        rh, body = await asyncio.shield(task)
+        rh, body = await g.call(h, settled=held)  # deadline: its wait_ms plus the margin
     except asyncio.CancelledError:
-        if not task.done():
+        if held.pid:  # (sent and unanswered: the device holds it)
             unpark = wire.Header(op=wire.Op.UNPARK, principal=pid, epoch=epoch,
                                  identity=identity)
             later = asyncio.ensure_future(g.call(unpark))
             g.background.add(later)
-            later.add_done_callback(lambda t: _waited(g, 0, t))
+            later.add_done_callback(functools.partial(_unparked, g))
         raise
     if rh.status != 200:
         raise refusal(rh)
     return rh, body
 
 
-def _waited(g: Gateway, pid: int, task: asyncio.Future[Any]) -> None:
-    """A WAIT's (or an UNPARK's) reply came: its mailbox is free again."""
-    if pid:
-        g.parked[pid] -= 1
-        if not g.parked[pid]:
-            del g.parked[pid]
+class _Parked:
+    """Called once the device no longer holds a WAIT: it is no longer counted parked."""
+
+    def __init__(self, g: Gateway, pid: int) -> None:
+        self.g, self.pid = g, pid
+
+    def __call__(self) -> None:
+        pid, self.pid = self.pid, 0
+        if pid:
+            self.g.parked[pid] -= 1
+            if not self.g.parked[pid]:
+                del self.g.parked[pid]
+
+
+def _unparked(g: Gateway, task: asyncio.Future[Any]) -> None:
+    """An UNPARK's reply came (or never will)."""
     g.background.discard(task)
     if not task.cancelled():
-        task.exception()  # retrieved: a stream nobody reads any more needs no error
+        task.exception()  # retrieved: nobody waits for its answer
 
 
 def _over_wait_share(g: Gateway, pid: int) -> bool:

@@ -229,23 +229,24 @@ class Gateway:
         wait in the gateway, so the others always find one)."""
         return mailbox_share(self.info.mailboxes) if self.info else 2
 
-    async def call(self, h: wire.Header, payload: bytes = b"",
-                   timeout: float | None = None) -> tuple[wire.Header, bytes]:
+    async def call(self, h: wire.Header, payload: bytes = b"", timeout: float | None = None,
+                   settled: Callable[[], None] | None = None) -> tuple[wire.Header, bytes]:
         """One broker call within ``timeout`` (the operation's deadline unless given);
         503 when the broker is unreachable or the device does not answer in time.  A
         principal's calls hold at most its share of the mailboxes at once, counted until
         the device has answered them: a call given up on (its deadline passed, its
-        client gone) still counts while the device holds its packet."""
-        if not h.principal or h.op == wire.Op.UNPARK:  # the gateway's own; frees a mailbox
-            return await self._call(h, payload, timeout)
-        await self.ensure_ready()  # the share is a part of the mailboxes INFO reports
-        size = self.mailbox_share()
-        held = self._mailboxes.get(h.principal)
-        if held is None or held[0] != size:  # (a new epoch may have other mailboxes)
-            held = self._mailboxes[h.principal] = (size, asyncio.Semaphore(size))
-        await held[1].acquire()
-        release = _Once(held[1].release)
+        client gone) still counts while the device holds its packet.  ``settled`` is
+        called once then (at once when the packet was never sent)."""
+        release = _Once(settled)
         try:
+            if h.principal and h.op != wire.Op.UNPARK:  # (the gateway's own; an UNPARK frees one)
+                await self.ensure_ready()  # the share is a part of the mailboxes INFO reports
+                size = self.mailbox_share()
+                held = self._mailboxes.get(h.principal)
+                if held is None or held[0] != size:  # (a new epoch may have other mailboxes)
+                    held = self._mailboxes[h.principal] = (size, asyncio.Semaphore(size))
+                await held[1].acquire()
+                release.fns.append(held[1].release)
             return await self._call(h, payload, timeout, release)
         finally:
             if not release.handed:  # (the broker was never asked)
@@ -365,16 +366,16 @@ class Gateway:
 
 
 class _Once:
-    """A callback that runs once however often it is called; ``handed``: the broker
+    """Callbacks that run once however often this is called; ``handed``: the broker
     client has taken it (it calls it when the device no longer holds the packet)."""
 
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self.fn: Callable[[], None] | None = fn
+    def __init__(self, fn: Callable[[], None] | None) -> None:
+        self.fns: list[Callable[[], None]] = [fn] if fn is not None else []
         self.handed = False
 
     def __call__(self) -> None:
-        fn, self.fn = self.fn, None
-        if fn is not None:
+        fns, self.fns = self.fns, []
+        for fn in fns:
             fn()
 
 
