@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from .. import ids, wire
+from .. import wire
 from ..config import Settings
 from ..cpuslice import request_short_slice
 from ..engine.embedding import EmbedJob
@@ -50,6 +50,7 @@ from .admission import Admission, MediaJob
 from .catalog import folder_specs, settle_roles
 from .embeddings import EmbedCall, withdraw_due
 from .embeddings import reply as embed_reply
+from .epoch import next_epoch
 from .errors import DeviceError
 from .handlers import Handlers, Park, Reply, Result
 from .loading import LoadedModel, load_model
@@ -77,34 +78,6 @@ from .waits import Waits
 from .watch import Watch
 
 log = logging.getLogger("aotx.device")
-
-
-def next_epoch(paths: RuntimePaths, device_id: int = 0) -> int:
-    """Hand out the next runtime epoch for this state folder, durably, never twice: the
-    folder's activation count, under ``device_id`` (ids.py)."""
-    last = 0
-    try:
-        with open(paths.epoch_file) as f:
-            last = int(f.read().strip() or 0)
-    except FileNotFoundError:
-        pass
-    except ValueError:
-        raise SystemExit(f"{paths.epoch_file} is corrupt; refusing to guess an epoch") from None
-    epoch = last + 1
-    tmp = paths.epoch_file + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, f"{epoch}\n".encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, paths.epoch_file)
-    dfd = os.open(paths.state_dir, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-    return ids.make_epoch(device_id, epoch)
 
 
 class Device:
