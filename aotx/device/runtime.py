@@ -27,6 +27,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import logging
+import math
 import os
 import queue
 import secrets
@@ -78,6 +79,11 @@ from .waits import Waits
 from .watch import Watch
 
 log = logging.getLogger("aotx.device")
+#: The requests a stream sends every token: a pass that takes only these (and the
+#: answers a step's end makes due) changes nothing the housekeeping looks at.
+READS = frozenset((Op.READ, Op.WAIT, Op.WAITS))
+#: The longest a busy control loop goes without its housekeeping.
+QUIET_PASS_S = 0.05
 
 
 class Device:
@@ -101,7 +107,11 @@ class Device:
         self.region = Region(paths.region, mailboxes)
         self.bell = Bell(paths.device_bell, paths.broker_bell)
         self.admission = Admission(st)
-        self.handlers = Handlers(st, self.admission, mailboxes, self.bell.ring_self,
+        # Set by whatever wakes the control loop for work of its own (a handler, the
+        # loader, the folder watcher, a request's end, a request other than a read): its
+        # next pass does the housekeeping, not only the mailboxes and the parked WAITs.
+        self._full = True
+        self.handlers = Handlers(st, self.admission, mailboxes, self.wake,
                                  lambda identity: self.waits.force(identity))
         self.waits = Waits(st, self.handlers, self.reply_to, self._publish)
         self.busy_mailboxes: set[int] = set()  # submissions whose media is being prepared
@@ -125,7 +135,7 @@ class Device:
                              os.path.join(paths.state_dir, "model-hashes.json"))
         self.loader = Loader(lambda spec: load_model(spec, paths.state_dir, st.lock,
                                                      self._after_step, self.on_terminal),
-                             self.bell.ring_self)
+                             self.wake)
         st.policy = Policy(os.path.join(paths.state_dir, "memory"),
                            enabled=any(m.automatic_memory for m in st.models.values()))
 
@@ -136,11 +146,16 @@ class Device:
     # -- engine callbacks (engine thread; the lock is held for on_terminal) ----------------
     def on_terminal(self, req: Request) -> None:
         if self.admission.on_terminal(req):
-            self.bell.ring_self()
+            self.wake()
 
     def _after_step(self) -> None:
-        if self.handlers.parked_waits:
+        if self.handlers.parked_waits:  # (answers due: no housekeeping asked)
             self.bell.ring_self()
+
+    def wake(self) -> None:
+        """Wake the control loop for a pass with its housekeeping (any thread)."""
+        self._full = True
+        self.bell.ring_self()
 
     # -- replies -----------------------------------------------------------------------------
     def reply_to(self, h: Header, work: Callable[[], Result | None]) -> Result | None:
@@ -196,6 +211,8 @@ class Device:
                          epoch=self.state.epoch, value=exc.detail)
             self._publish(i, bad, b"")
             return
+        if h.op not in READS:
+            self._full = True  # (a request may change what the housekeeping looks at)
         reply = self.respond(i, h, payload)
         if reply is not None:
             self._publish(i, *reply)
@@ -427,8 +444,10 @@ class Device:
 
     def _pass(self, pending: list[int], timers: dict[str, float]) -> float:
         """One pass of the control loop (lock held): the mailboxes in ``pending``, the
-        parked waits, the policy and, once a second, retention; returns how long to
-        sleep at most."""
+        parked waits and, when asked (``wake``) or at least every ``QUIET_PASS_S``, the
+        housekeeping: loads and unloads, the models folder, the policy, withdrawn
+        embedding calls and, once a second, retention.  Returns how long to sleep at
+        most."""
         st = self.state
         # The pass's replies are rung in one write at its end: the broker wakes once for
         # them and sends them together, so the streams a step advanced get theirs in one
@@ -438,15 +457,30 @@ class Device:
             for i in pending:
                 if 0 <= i < self.region.count:
                     self._take(i)
-            self._on_demand()
             now = time.monotonic()
-            if self.watch is not None:
-                self.watch.step(st, now)
+            # A pass woken only by a step's end or by reads and WAITs (a stream's every
+            # token) leaves the housekeeping to the next pass asked for it: it is a
+            # fifth of the control thread's time a token, and each µs of it a µs of decode.
+            full = self._full or now - timers["full"] >= QUIET_PASS_S
+            if full:
+                self._full = False
+                timers["full"] = now
+                self._on_demand()
+                if self.watch is not None:
+                    self.watch.step(st, now)
             self.waits.settle(now)
-            embeds_due = withdraw_due(self.handlers.embeds, now)  # (callers given up)
+            if full:  # (callers given up)
+                timers["embeds_due"] = withdraw_due(self.handlers.embeds, now)
         finally:
             rings, self._rings = self._rings, None
             self.bell.ring_many(rings)
+        if full:
+            self._housekeeping(now, timers)
+        return min(self.waits.next_deadline(now, 1.0), max(0.0, timers["embeds_due"] - now))
+
+    def _housekeeping(self, now: float, timers: dict[str, float]) -> None:
+        """The policy's tick and, once a second, retention (lock held)."""
+        st = self.state
         try:
             self.policy_tick()
         except Exception:  # a disk error in the policy must not end the epoch
@@ -457,7 +491,6 @@ class Device:
             st.reclaim(time.monotonic_ns())
             st.media.sweep(now)
             timers["sweep"] = now
-        return min(self.waits.next_deadline(now, 1.0), max(0.0, embeds_due - now))
 
     def serve(self) -> None:
         self._start_threads()
@@ -465,7 +498,8 @@ class Device:
         log.info("event=device.ready epoch=%d models=%s mailboxes=%d", self.state.epoch,
                  ",".join(m.spec.alias for m in self.state.models.values()), self.region.count)
         pending = list(range(self.region.count))  # start-up: look at every mailbox once
-        timers = {"policy_failed": -60.0, "sweep": 0.0, "scan": time.monotonic()}
+        timers = {"policy_failed": -60.0, "sweep": 0.0, "scan": time.monotonic(),
+                  "full": 0.0, "embeds_due": math.inf}
         while not self._stopping:
             with self.state.lock:
                 timeout = self._pass(pending, timers)
@@ -474,7 +508,9 @@ class Device:
             except InterruptedError:
                 continue
             pending = []
-            if ready:
+            if not ready:  # a deadline: a WAIT's timeout, an embedding call's, the policy's
+                self._full = True
+            else:
                 got = self.bell.drain()
                 if SCAN_ALL in got:
                     pending = list(range(self.region.count))
