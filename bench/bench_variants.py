@@ -7,7 +7,8 @@ Each variant is ``NAME=SETTINGS``: ``peer=BIN`` is llama-server (``BIN``, on ``-
 its defaults); any other name is ``aotx serve`` with comma-separated settings:
 ``models:FILE`` (a models file, e.g. ``[default]`` with ``poll = 0``), ``lib:DIR`` (a
 folder whose ``llama_cpp`` goes first on ``PYTHONPATH``: another build of llama.cpp's
-libraries) or ``VAR:VALUE`` (an environment variable).  Each round starts each variant
+libraries), ``tree:DIR`` (another checkout of aotx, e.g. ``git worktree add DIR REV``:
+its code against this one's) or ``VAR:VALUE`` (an environment variable).  Each round starts each variant
 in turn, streams ``--requests`` chat completions per client (as ``bench_serve``: 128
 tokens, temperature 0) and stops it.  It prints per variant and client count the median
 tok/s and inter-token p50, and the median of the rounds' ratios to the last variant.
@@ -27,7 +28,7 @@ def start(name: str, settings: str) -> common.Server:
     if name == "peer":
         return common.peer(settings)
     env: dict[str, str] = {}
-    models = None
+    models = tree = None
     for item in filter(None, settings.split(",")):
         key, _, value = item.partition(":")
         if key == "models":
@@ -35,9 +36,11 @@ def start(name: str, settings: str) -> common.Server:
                 models = f.read()
         elif key == "lib":
             env["PYTHONPATH"] = value
+        elif key == "tree":
+            tree = value
         else:
             env[key] = value
-    return common.aotx(models, env=env)
+    return common.aotx(models, env=env, cwd=tree)
 
 
 def main() -> None:
