@@ -463,24 +463,21 @@ class Admission:
             recent.append(now)
 
     # -- engine callback (engine thread, lock held) ---------------------------------------
-    def on_terminal(self, req: Request) -> bool:
-        """Retention, media leases and the policy's source for a request that ended;
-        True when the control thread should look (the policy has something to do)."""
+    def on_terminal(self, req: Request) -> None:
+        """Retention, media leases and the policy's source for a request that ended (the
+        device then wakes its control loop: the policy's result, a model now idle)."""
         st = self.state
         if (od := st.on_demand.get(req.role)) is not None:
             od.used(req.principal, time.monotonic())  # its keep-alive runs from here
         if req.background:
-            return True  # the control thread collects the policy's result
+            return  # the control thread collects the policy's result
         st.ended(req)
-        wake = False
         if req.source_text and req.phase is wire.Phase.COMPLETED:
             # The user's own words are the source: facts about the user come from what the
             # user said (the answer is not fed back, so the model cannot quote itself).
             st.policy.record(MemorySource(req.principal, req.role, req.source_text))
-            wake = True
         for sid in st.leases.pop(req.identity, []):
             st.media.unlease(sid)
-        return wake
 
 
 def _thinking(p: Prepared) -> int:

@@ -145,8 +145,10 @@ class Device:
 
     # -- engine callbacks (engine thread; the lock is held for on_terminal) ----------------
     def on_terminal(self, req: Request) -> None:
-        if self.admission.on_terminal(req):
-            self.wake()
+        self.admission.on_terminal(req)
+        # Once a request: its model may now be idle (an unload asked, a keep-alive of
+        # 0, a load waiting for room) and the policy may start its work.
+        self.wake()
 
     def _after_step(self) -> None:
         if self.handlers.parked_waits:  # (answers due: no housekeeping asked)
@@ -254,6 +256,7 @@ class Device:
         assert isinstance(result, tuple)
         self.handlers.embeds.pop((call.header.principal, call.header.identity), None)
         self.busy_mailboxes.discard(call.mailbox)
+        self._full = True  # (its model may be idle now)
         self._publish(call.mailbox, *result)
 
     # -- media submissions (the media worker) -------------------------------------------------
@@ -393,7 +396,7 @@ class Device:
     def policy_tick(self) -> None:
         st = self.state
 
-        def busy() -> bool:  # asked only when the policy would start work (every pass)
+        def busy() -> bool:  # asked only when the policy would start work
             return any(not r.background for m in st.models.values()
                        for r in (*m.scheduler.queue, *m.scheduler.active))
 
@@ -461,7 +464,8 @@ class Device:
             # A pass woken only by a step's end or by reads and WAITs (a stream's every
             # token) leaves the housekeeping to the next pass asked for it: it is a
             # fifth of the control thread's time a token, and each µs of it a µs of decode.
-            full = self._full or now - timers["full"] >= QUIET_PASS_S
+            full = (self._full or now - timers["full"] >= QUIET_PASS_S
+                    or now >= timers["embeds_due"])
             if full:
                 self._full = False
                 timers["full"] = now
@@ -508,7 +512,7 @@ class Device:
             except InterruptedError:
                 continue
             pending = []
-            if not ready:  # a deadline: a WAIT's timeout, an embedding call's, the policy's
+            if not ready:  # a deadline (a WAIT's, an embedding call's), or the idle second
                 self._full = True
             else:
                 got = self.bell.drain()
@@ -585,7 +589,7 @@ def run(paths: RuntimePaths, mailboxes: int, models_file: str | None = None,
     device = Device(paths, specs, mailboxes, limits, settings.log_prompts, settings.short_slice)
     given = {s.alias for s in specs}
     device.state.unassigned = [(f.alias, f.path) for f in found if f.alias not in given]
-    device.watch = Watch(models_dir, paths.state_dir, declared, device.bell.ring_self)
+    device.watch = Watch(models_dir, paths.state_dir, declared, device.wake)
     signal.signal(signal.SIGTERM, lambda *_: device.stop())
     signal.signal(signal.SIGINT, lambda *_: device.stop())
     device.serve()
