@@ -10,7 +10,9 @@ WAITs are the exception: the WAITs that streams send in the same turn of the eve
 packet (docs/protocol.md, section 10.1), answered in one reply, so that a step costs the
 broker and the device one packet for all of them instead of one each.  A member that
 the reply answers with 204 (nothing new for it yet) joins the next group; its caller
-sees only the WAIT's own answer.
+sees only the WAIT's own answer.  While answered streams' WAITs are still to come, a
+flusher task waits for them (``LINGER_S`` at most); otherwise (one stream) the WAITs
+queued in a turn of the loop leave at its end, without a task.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import itertools
 import logging
 import socket
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from .. import wire
 
@@ -63,6 +65,7 @@ class BrokerClient:
         # WAITs to send in the next group, and their one sender while any are queued
         self._waits: list[tuple[wire.Header, asyncio.Future[tuple[wire.Header, bytes]]]] = []
         self._flusher: asyncio.Task[None] | None = None
+        self._soon: asyncio.Handle | None = None  # _send_queued, at the end of this turn
         self._arrived: asyncio.Future[None] | None = None  # set when a WAIT is queued
         self._expected = 0  # WAITs answered whose streams have not sent their next one
         self._groups: dict[int, list[int]] = {}  # a WAITS's tag -> its members' tags
@@ -125,7 +128,10 @@ class BrokerClient:
         fut = self._pending.pop(header.tag, None)
         if fut is not None and not fut.done():
             if header.op == wire.Op.WAIT and header.status != 204:
-                self._expected += 1  # its stream sends its next WAIT soon
+                # Its stream sends its next WAIT soon.  (A flagged WAIT's answer counts
+                # too, though its next WAIT is not grouped: the next group then waits
+                # LINGER_S at most.)
+                self._expected += 1
             fut.set_result((header, payload))
 
     def _drop(self, sock: socket.socket) -> None:
@@ -183,6 +189,9 @@ class BrokerClient:
     async def close(self) -> None:
         if self._flusher is not None:
             self._flusher.cancel()
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
         waits, self._waits = self._waits, []
         for _, fut in waits:
             if not fut.done():
@@ -204,13 +213,8 @@ class BrokerClient:
         while True:
             left = wait_ms - int((loop.time() - start) * 1000)
             fut: asyncio.Future[tuple[wire.Header, bytes]] = loop.create_future()
-            self._waits.append((header._replace(limit=max(1, left)), fut))
-            if self._flusher is None:
-                if self._expected or not self._send_alone():
-                    self._flusher = loop.create_task(self._flush_waits())
-            elif self._arrived is not None:
-                _settle(self._arrived)
             try:
+                self._queue(header._replace(limit=max(1, left)), fut)
                 rh, body = await _kept(fut, max(0.0, start + timeout - loop.time()))
             except BaseException as exc:
                 self._give_up(fut, settled)
@@ -222,28 +226,61 @@ class BrokerClient:
                     settled()
                 return rh, body
 
-    def _send_alone(self) -> bool:
-        """Send the one queued WAIT now, without a task, when nothing else is sending and
-        the socket takes it at once (one stream's WAIT: nobody to group it with); False
-        when it stays queued for the flusher."""
-        sock = self._sock
-        if sock is None or self._send_lock.locked() or len(self._waits) != 1:
-            return False
-        (h, fut), = self._waits
-        tag = next(self._tags)
+    def _queue(self, h: wire.Header, fut: asyncio.Future[tuple[wire.Header, bytes]]) -> None:
+        """Queue a WAIT for the next group.  With answered streams' WAITs to come, the
+        flusher task waits for them (``LINGER_S`` at most); with none, the WAITs queued
+        in this turn of the loop leave at its end, without a task (``_send_queued``)."""
+        self._waits.append((h, fut))
+        if self._flusher is not None:
+            if self._arrived is not None:
+                _settle(self._arrived)
+        elif self._soon is None:
+            loop = asyncio.get_running_loop()
+            if self._expected:
+                self._flusher = loop.create_task(self._flush_waits())
+            else:
+                self._soon = loop.call_soon(self._send_queued)
+
+    def _send_queued(self) -> None:
+        """Send the queued WAITs as one packet now, if nothing else is sending and the
+        socket takes it at once; else leave them to the flusher."""
+        self._soon = None
+        if self._flusher is not None or not self._waits:
+            return
         try:
-            sock.send(wire.encode_packet(h._replace(tag=tag)))
-        except BlockingIOError:
+            if not self._expected and len(self._waits) <= wire.WAITS_MAX and self._send_now():
+                return
+        except Exception as exc:  # (a packet that cannot be encoded: as a failed send)
+            waits, self._waits = self._waits, []
+            for _, fut in waits:
+                if not fut.done():
+                    fut.set_exception(BrokerUnavailable(f"a WAIT not sent: {exc}"))
+            return
+        self._flusher = asyncio.get_running_loop().create_task(self._flush_waits())
+
+    def _send_now(self) -> bool:
+        """Send every queued WAIT in one packet if the socket takes it without waiting
+        (False: it did not, and they stay queued)."""
+        sock = self._sock
+        if sock is None or self._send_lock.locked():
             return False
-        except OSError as exc:
-            self._waits.clear()
-            self._drop(sock)
-            fut.set_exception(BrokerUnavailable(f"send to the broker failed: {exc}"))
-            return True
+        batch = [(h, fut) for h, fut in self._waits if not fut.done()]
+        if batch:
+            packet, tags, group = self._packet(batch)
+            try:
+                sock.send(packet)
+            except BlockingIOError:
+                return False
+            except OSError as exc:
+                self._waits.clear()
+                self._drop(sock)
+                for _, fut in batch:
+                    fut.set_exception(BrokerUnavailable(f"send to the broker failed: {exc}"))
+                return True
+            self._register(batch, tags, group)
+            self.packets_sent += 1
+            self.waits_sent += len(batch)
         self._waits.clear()
-        self._pending[tag] = fut
-        self.packets_sent += 1
-        self.waits_sent += 1
         return True
 
     def _give_up(self, fut: asyncio.Future[tuple[wire.Header, bytes]],
@@ -255,7 +292,10 @@ class BrokerClient:
         if queued:
             del self._waits[queued[0]]
             fut.cancel()
-        fut.add_done_callback(functools.partial(_settled, settled))
+        if fut.done():  # never sent, or answered: settled now (calls.read then sends no UNPARK)
+            _settled(settled, fut)
+        else:
+            fut.add_done_callback(functools.partial(_settled, settled))
 
     async def _flush_waits(self) -> None:
         """The one sender of queued WAITs: once every stream just answered has queued
@@ -281,6 +321,24 @@ class BrokerClient:
     async def _send_group(self, batch: list[tuple[wire.Header,
                                                   asyncio.Future[tuple[wire.Header, bytes]]]]
                           ) -> None:
+        packet, tags, group = self._packet(batch)
+
+        def register() -> None:
+            self._register(batch, tags, group)
+
+        try:
+            await self._send(packet, register)
+            self.waits_sent += len(tags)
+        except BrokerUnavailable as exc:
+            for (_, fut), tag in zip(batch, tags, strict=True):
+                self._pending.pop(tag, None)
+                if not fut.done():
+                    fut.set_exception(exc)
+
+    def _packet(self, batch: list[tuple[wire.Header, asyncio.Future[tuple[wire.Header, bytes]]]]
+                ) -> tuple[bytes, list[int], int]:
+        """The packet for ``batch`` (one WAIT alone, or a WAITS group), its members' tags
+        and the group's tag (0: alone)."""
         tags = [next(self._tags) for _ in batch]
         members = [h._replace(tag=tag) for (h, _), tag in zip(batch, tags, strict=True)]
         group = next(self._tags) if len(members) > 1 else 0
@@ -288,21 +346,15 @@ class BrokerClient:
                                                          member_count=len(members)),
                                      wire.encode_waits(members))
                   if group else wire.encode_packet(members[0]))
+        return packet, tags, group
 
-        def register() -> None:
-            for (_, fut), tag in zip(batch, tags, strict=True):
-                self._pending[tag] = fut
-            if group:
-                self._groups[group] = tags
-
-        try:
-            await self._send(packet, register)
-            self.waits_sent += len(members)
-        except BrokerUnavailable as exc:
-            for (_, fut), tag in zip(batch, tags, strict=True):
-                self._pending.pop(tag, None)
-                if not fut.done():
-                    fut.set_exception(exc)
+    def _register(self, batch: list[tuple[wire.Header, asyncio.Future[tuple[wire.Header, bytes]]]],
+                  tags: list[int], group: int) -> None:
+        """The batch's reply futures, registered once its packet is sent."""
+        for (_, fut), tag in zip(batch, tags, strict=True):
+            self._pending[tag] = fut
+        if group:
+            self._groups[group] = tags
 
     def _answer_group(self, header: wire.Header, payload: bytes) -> None:
         """A WAITS's reply: each member's own, or the group's refusal as each member's."""
@@ -328,7 +380,7 @@ class BrokerClient:
                 fut.set_exception(BrokerUnavailable("a WAITS reply without a member's answer"))
 
 
-def _settled(settled: Callable[[], None] | None, fut: asyncio.Future[object]) -> None:
+def _settled(settled: Callable[[], None] | None, fut: asyncio.Future[Any]) -> None:
     """A call's reply came, or it will never come (connection dropped, never sent)."""
     if not fut.cancelled():
         fut.exception()  # retrieved: nobody may await a call given up on

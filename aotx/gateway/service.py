@@ -236,7 +236,7 @@ class Gateway:
         principal's calls hold at most its share of the mailboxes at once, counted until
         the device has answered them: a call given up on (its deadline passed, its
         client gone) still counts while the device holds its packet.  ``settled`` is
-        called once then (at once when the packet was never sent)."""
+        called once then (also when the packet was never sent)."""
         release = _Once(settled)
         try:
             if h.principal and h.op != wire.Op.UNPARK:  # (the gateway's own; an UNPARK frees one)

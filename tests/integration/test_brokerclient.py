@@ -146,6 +146,85 @@ def test_waits_sent_together_travel_as_one_group() -> None:
         shutil.rmtree(state, ignore_errors=True)
 
 
+def test_streams_that_start_together_on_a_connected_socket_send_one_group() -> None:
+    """A lone WAIT leaves as a plain WAIT; then, on the connected socket and with no
+    answered stream's WAIT to come, eight WAITs queued in one turn of the loop still
+    leave as one WAITS (not one packet each), and the four answered 204 as another."""
+    state = short_tmpdir()
+    path, listener = _listen(state)
+    stop = threading.Event()
+    seen: list[tuple[int, int]] = []
+    peer = threading.Thread(target=_group_peer, args=(listener, seen, stop), daemon=True)
+    peer.start()
+
+    def wait(k: int) -> wire.Header:
+        return wire.Header.request(wire.Op.WAIT, principal=7, identity=bytes([k]) * 16,
+                                   wait_ms=5000)
+
+    async def main() -> list[bytes]:
+        client = BrokerClient(path)
+        await client.call(wait(9), timeout=10)
+        done = await asyncio.gather(*(client.call(wait(k), timeout=10) for k in range(1, 9)))
+        await client.close()
+        return [b for h, b in done if h.status == 200]
+
+    try:
+        assert asyncio.run(main()) == [bytes([k]) for k in range(1, 9)]
+        assert seen == [(wire.Op.WAIT, 1), (wire.Op.WAITS, 8), (wire.Op.WAITS, 4)]
+    finally:
+        stop.set()
+        peer.join(5)
+        listener.close()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def test_a_wait_cancelled_before_it_left_is_settled_at_once_and_never_sent() -> None:
+    """Two streams answered together: the one that goes on queues its next WAIT, which
+    waits for the other's (LINGER_S); its client leaves meanwhile.  That WAIT is never
+    sent, and is settled before the cancellation reaches its caller (so the gateway
+    sends no UNPARK for it); the next WAIT is sent."""
+    state = short_tmpdir()
+    path, listener = _listen(state)
+    stop = threading.Event()
+    seen: list[tuple[int, int]] = []
+    peer = threading.Thread(target=_group_peer, args=(listener, seen, stop), daemon=True)
+    peer.start()
+
+    def wait(k: int) -> wire.Header:
+        return wire.Header.request(wire.Op.WAIT, principal=7, identity=bytes([k]) * 16,
+                                   wait_ms=5000)
+
+    async def main() -> None:
+        client = BrokerClient(path)
+        await asyncio.gather(client.call(wait(1), timeout=10), client.call(wait(3), timeout=10))
+        settled: list[bool] = []
+        at_cancel: list[list[bool]] = []
+
+        async def follow() -> None:  # (as calls.read: it decides on UNPARK right there)
+            try:
+                await client.call(wait(3), timeout=10, settled=lambda: settled.append(True))
+            except asyncio.CancelledError:
+                at_cancel.append(list(settled))
+                raise
+
+        task = asyncio.create_task(follow())
+        await asyncio.sleep(0)  # queued: the flusher waits for the other stream's WAIT
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert task.cancelled() and at_cancel == [[True]]
+        assert (await client.call(wait(3), timeout=10))[1] == b"\x03"
+        await client.close()
+
+    try:
+        asyncio.run(main())
+        assert seen == [(wire.Op.WAITS, 2), (wire.Op.WAIT, 1)]
+    finally:
+        stop.set()
+        peer.join(5)
+        listener.close()
+        shutil.rmtree(state, ignore_errors=True)
+
+
 def test_a_refused_group_is_each_members_refusal() -> None:
     """A WAITS the broker refuses (no mailbox) reaches every member as its own 503."""
     state = short_tmpdir()
