@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from aotx import wire
 from aotx.gateway.broker_client import BrokerClient
@@ -112,22 +113,35 @@ def _group_peer(listener: socket.socket, seen: list[tuple[int, int]],
     _serve(listener, answer, stop)
 
 
-def test_waits_sent_together_travel_as_one_group() -> None:
-    """Eight WAITs sent in one turn of the loop leave as one WAITS; each caller gets its
-    own member's answer; the four answered 204 are sent again, together, and then get
-    theirs; a lone WAIT leaves as a plain WAIT."""
+@contextlib.contextmanager
+def _grouping_peer() -> Iterator[tuple[str, list[tuple[int, int]]]]:
+    """A ``_group_peer`` listening: its socket's path, and the (op, members) it saw."""
     state = short_tmpdir()
     path, listener = _listen(state)
     stop = threading.Event()
     seen: list[tuple[int, int]] = []
     peer = threading.Thread(target=_group_peer, args=(listener, seen, stop), daemon=True)
     peer.start()
+    try:
+        yield path, seen
+    finally:
+        stop.set()
+        peer.join(5)
+        listener.close()
+        shutil.rmtree(state, ignore_errors=True)
 
-    def wait(k: int) -> wire.Header:
-        return wire.Header.request(wire.Op.WAIT, principal=7, identity=bytes([k]) * 16,
-                                   wait_ms=5000)
 
-    async def main() -> tuple[list[bytes], bytes]:
+def wait(k: int) -> wire.Header:
+    """A WAIT on the request whose identity is ``k`` sixteen times."""
+    return wire.Header.request(wire.Op.WAIT, principal=7, identity=bytes([k]) * 16,
+                               wait_ms=5000)
+
+
+def test_waits_sent_together_travel_as_one_group() -> None:
+    """Eight WAITs sent in one turn of the loop leave as one WAITS; each caller gets its
+    own member's answer; the four answered 204 are sent again, together, and then get
+    theirs; a lone WAIT leaves as a plain WAIT."""
+    async def main(path: str) -> tuple[list[bytes], bytes]:
         client = BrokerClient(path)
         done = await asyncio.gather(*(client.call(wait(k), timeout=10) for k in range(1, 9)))
         alone, body = await client.call(wait(9), timeout=10)
@@ -135,47 +149,26 @@ def test_waits_sent_together_travel_as_one_group() -> None:
         await client.close()
         return [b for h, b in done if h.status == 200 and h.op == wire.Op.WAIT], body
 
-    try:
-        bodies, alone = asyncio.run(main())
+    with _grouping_peer() as (path, seen):
+        bodies, alone = asyncio.run(main(path))
         assert bodies == [bytes([k]) for k in range(1, 9)] and alone == b"\x09"
         assert seen == [(wire.Op.WAITS, 8), (wire.Op.WAITS, 4), (wire.Op.WAIT, 1)]
-    finally:
-        stop.set()
-        peer.join(5)
-        listener.close()
-        shutil.rmtree(state, ignore_errors=True)
 
 
 def test_streams_that_start_together_on_a_connected_socket_send_one_group() -> None:
     """A lone WAIT leaves as a plain WAIT; then, on the connected socket and with no
     answered stream's WAIT to come, eight WAITs queued in one turn of the loop still
     leave as one WAITS (not one packet each), and the four answered 204 as another."""
-    state = short_tmpdir()
-    path, listener = _listen(state)
-    stop = threading.Event()
-    seen: list[tuple[int, int]] = []
-    peer = threading.Thread(target=_group_peer, args=(listener, seen, stop), daemon=True)
-    peer.start()
-
-    def wait(k: int) -> wire.Header:
-        return wire.Header.request(wire.Op.WAIT, principal=7, identity=bytes([k]) * 16,
-                                   wait_ms=5000)
-
-    async def main() -> list[bytes]:
+    async def main(path: str) -> list[bytes]:
         client = BrokerClient(path)
         await client.call(wait(9), timeout=10)
         done = await asyncio.gather(*(client.call(wait(k), timeout=10) for k in range(1, 9)))
         await client.close()
         return [b for h, b in done if h.status == 200]
 
-    try:
-        assert asyncio.run(main()) == [bytes([k]) for k in range(1, 9)]
+    with _grouping_peer() as (path, seen):
+        assert asyncio.run(main(path)) == [bytes([k]) for k in range(1, 9)]
         assert seen == [(wire.Op.WAIT, 1), (wire.Op.WAITS, 8), (wire.Op.WAITS, 4)]
-    finally:
-        stop.set()
-        peer.join(5)
-        listener.close()
-        shutil.rmtree(state, ignore_errors=True)
 
 
 def test_a_wait_cancelled_before_it_left_is_settled_at_once_and_never_sent() -> None:
@@ -183,18 +176,7 @@ def test_a_wait_cancelled_before_it_left_is_settled_at_once_and_never_sent() -> 
     waits for the other's (LINGER_S); its client leaves meanwhile.  That WAIT is never
     sent, and is settled before the cancellation reaches its caller (so the gateway
     sends no UNPARK for it); the next WAIT is sent."""
-    state = short_tmpdir()
-    path, listener = _listen(state)
-    stop = threading.Event()
-    seen: list[tuple[int, int]] = []
-    peer = threading.Thread(target=_group_peer, args=(listener, seen, stop), daemon=True)
-    peer.start()
-
-    def wait(k: int) -> wire.Header:
-        return wire.Header.request(wire.Op.WAIT, principal=7, identity=bytes([k]) * 16,
-                                   wait_ms=5000)
-
-    async def main() -> None:
+    async def main(path: str) -> None:
         client = BrokerClient(path)
         await asyncio.gather(client.call(wait(1), timeout=10), client.call(wait(3), timeout=10))
         settled: list[bool] = []
@@ -215,14 +197,9 @@ def test_a_wait_cancelled_before_it_left_is_settled_at_once_and_never_sent() -> 
         assert (await client.call(wait(3), timeout=10))[1] == b"\x03"
         await client.close()
 
-    try:
-        asyncio.run(main())
+    with _grouping_peer() as (path, seen):
+        asyncio.run(main(path))
         assert seen == [(wire.Op.WAITS, 2), (wire.Op.WAIT, 1)]
-    finally:
-        stop.set()
-        peer.join(5)
-        listener.close()
-        shutil.rmtree(state, ignore_errors=True)
 
 
 def test_a_refused_group_is_each_members_refusal() -> None:
