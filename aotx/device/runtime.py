@@ -462,8 +462,8 @@ class Device:
                     self._take(i)
             now = time.monotonic()
             # A pass woken only by a step's end or by reads and WAITs (a stream's every
-            # token) leaves the housekeeping to the next pass asked for it: it is a
-            # fifth of the control thread's time a token, and each µs of it a µs of decode.
+            # token) leaves the housekeeping to the next pass asked for it: it was a
+            # fifth of the control thread's time a token (cProfile, one stream).
             full = (self._full or now - timers["full"] >= QUIET_PASS_S
                     or now >= timers["embeds_due"])
             if full:
