@@ -28,7 +28,7 @@ from .body import keep_alive_header
 from .errors import ApiError, Call, refusal
 from .render import dumps, native_token, state_fields
 from .requests import ChatMessage, ChatRequest, ImageUrlPart, InputAudioPart, MediaPart, b64
-from .service import Gateway, Principal, parse_id
+from .service import Gateway, Once, Principal, parse_id
 from .uploads import upload_inline
 
 WAIT_MS = 10_000  # a parked WAIT answers at least this often (keep-alive cadence)
@@ -220,11 +220,11 @@ async def read(g: Gateway, principal: Principal, epoch: int, identity: bytes, cu
     # sent), and a cancelled caller has the device answer it at once (UNPARK) instead of
     # at its timeout.
     g.parked[pid] = g.parked.get(pid, 0) + 1
-    held = _Parked(g, pid)
+    held = Once(functools.partial(_not_parked, g, pid))
     try:
         rh, body = await g.call(h, settled=held)  # deadline: its wait_ms plus the margin
     except asyncio.CancelledError:
-        if held.pid:  # (sent and unanswered: the device holds it)
+        if held.fns:  # (not settled: sent and unanswered, the device holds it)
             unpark = wire.Header(op=wire.Op.UNPARK, principal=pid, epoch=epoch,
                                  identity=identity)
             later = asyncio.ensure_future(g.call(unpark))
@@ -236,18 +236,11 @@ async def read(g: Gateway, principal: Principal, epoch: int, identity: bytes, cu
     return rh, body
 
 
-class _Parked:
-    """Called once the device no longer holds a WAIT: it is no longer counted parked."""
-
-    def __init__(self, g: Gateway, pid: int) -> None:
-        self.g, self.pid = g, pid
-
-    def __call__(self) -> None:
-        pid, self.pid = self.pid, 0
-        if pid:
-            self.g.parked[pid] -= 1
-            if not self.g.parked[pid]:
-                del self.g.parked[pid]
+def _not_parked(g: Gateway, pid: int) -> None:
+    """The device no longer holds one of ``pid``'s WAITs."""
+    g.parked[pid] -= 1
+    if not g.parked[pid]:
+        del g.parked[pid]
 
 
 def _unparked(g: Gateway, task: asyncio.Future[Any]) -> None:

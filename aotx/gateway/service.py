@@ -237,7 +237,7 @@ class Gateway:
         the device has answered them: a call given up on (its deadline passed, its
         client gone) still counts while the device holds its packet.  ``settled`` is
         called once then (also when the packet was never sent)."""
-        release = _Once(settled)
+        release = Once(settled)
         try:
             if h.principal and h.op != wire.Op.UNPARK:  # (the gateway's own; an UNPARK frees one)
                 await self.ensure_ready()  # the share is a part of the mailboxes INFO reports
@@ -253,7 +253,7 @@ class Gateway:
                 release()
 
     async def _call(self, h: wire.Header, payload: bytes, timeout: float | None,
-                    settled: _Once | None = None) -> tuple[wire.Header, bytes]:
+                    settled: Once | None = None) -> tuple[wire.Header, bytes]:
         await self.ensure_ready()
         timeout = self.deadlines.of(h) if timeout is None else timeout
         try:
@@ -365,9 +365,10 @@ class Gateway:
         return m
 
 
-class _Once:
-    """Callbacks that run once however often this is called; ``handed``: the broker
-    client has taken it (it calls it when the device no longer holds the packet)."""
+class Once:
+    """Callbacks that run once however often this is called (``fns`` is empty once they
+    have); ``handed``: the broker client has taken it (it calls it when the device no
+    longer holds the packet)."""
 
     def __init__(self, fn: Callable[[], None] | None) -> None:
         self.fns: list[Callable[[], None]] = [fn] if fn is not None else []
