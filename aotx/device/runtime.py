@@ -86,6 +86,12 @@ READS = frozenset((Op.READ, Op.WAIT, Op.WAITS))
 QUIET_PASS_S = 0.05
 
 
+def start_timers() -> dict[str, float]:
+    """The control loop's clocks at start-up (``Device._pass``; monotonic seconds)."""
+    return {"policy_failed": -60.0, "sweep": 0.0, "scan": time.monotonic(), "full": 0.0,
+            "embeds_due": math.inf}
+
+
 class Device:
     def __init__(self, paths: RuntimePaths, specs: list[ModelSpec], mailboxes: int,
                  limits: DeviceLimits | None = None, log_prompts: bool = False,
@@ -107,9 +113,8 @@ class Device:
         self.region = Region(paths.region, mailboxes)
         self.bell = Bell(paths.device_bell, paths.broker_bell)
         self.admission = Admission(st)
-        # Set by whatever wakes the control loop for work of its own (a handler, the
-        # loader, the folder watcher, a request's end, a request other than a read): its
-        # next pass does the housekeeping, not only the mailboxes and the parked WAITs.
+        # Set by what asks the control loop's next pass for its housekeeping (``wake``:
+        # a handler, the loader, the watcher, a request's end; a request but a read).
         self._full = True
         self.handlers = Handlers(st, self.admission, mailboxes, self.wake,
                                  lambda identity: self.waits.force(identity))
@@ -447,10 +452,9 @@ class Device:
 
     def _pass(self, pending: list[int], timers: dict[str, float]) -> float:
         """One pass of the control loop (lock held): the mailboxes in ``pending``, the
-        parked waits and, when asked (``wake``) or at least every ``QUIET_PASS_S``, the
-        housekeeping: loads and unloads, the models folder, the policy, withdrawn
-        embedding calls and, once a second, retention.  Returns how long to sleep at
-        most."""
+        parked waits and, when asked (``wake``) or every ``QUIET_PASS_S`` at least, the
+        housekeeping (loads and unloads, the models folder, the policy, withdrawn embedding
+        calls, once a second retention).  Returns how long to sleep at most."""
         st = self.state
         # The pass's replies are rung in one write at its end: the broker wakes once for
         # them and sends them together, so the streams a step advanced get theirs in one
@@ -502,8 +506,7 @@ class Device:
         log.info("event=device.ready epoch=%d models=%s mailboxes=%d", self.state.epoch,
                  ",".join(m.spec.alias for m in self.state.models.values()), self.region.count)
         pending = list(range(self.region.count))  # start-up: look at every mailbox once
-        timers = {"policy_failed": -60.0, "sweep": 0.0, "scan": time.monotonic(),
-                  "full": 0.0, "embeds_due": math.inf}
+        timers = start_timers()
         while not self._stopping:
             with self.state.lock:
                 timeout = self._pass(pending, timers)

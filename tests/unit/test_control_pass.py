@@ -5,18 +5,11 @@ asks (``Device.wake``, a request of another kind) or ``QUIET_PASS_S`` has passed
 
 from __future__ import annotations
 
-import math
-
 from aotx import wire
-from aotx.device.runtime import QUIET_PASS_S, Device
+from aotx.device.runtime import QUIET_PASS_S, Device, start_timers
 from aotx.mailbox import REPLY, REQUEST
 
 from .devices import scripted_device
-
-
-def _timers() -> dict[str, float]:
-    return {"policy_failed": -60.0, "sweep": 0.0, "scan": 0.0, "full": 0.0,
-            "embeds_due": math.inf}
 
 
 def _pass(dev: Device, timers: dict[str, float], header: wire.Header | None = None) -> None:
@@ -37,7 +30,7 @@ def test_a_streams_passes_skip_the_housekeeping_until_something_asks() -> None:
     with scripted_device() as (dev, _):
         runs: list[str] = []
         dev._on_demand = lambda: runs.append("housekeeping")  # type: ignore[method-assign]
-        timers = _timers()
+        timers = start_timers()
         _pass(dev, timers)  # start-up
         assert runs == ["housekeeping"]
         read = wire.Header(op=wire.Op.READ, epoch=dev.epoch, identity=bytes(16))
@@ -63,7 +56,7 @@ def test_a_streams_passes_skip_the_housekeeping_until_something_asks() -> None:
 def test_a_request_that_ends_asks_for_the_housekeeping() -> None:
     """Its model may be idle now: an unload asked, a load waiting for room."""
     with scripted_device() as (dev, sched):
-        timers = _timers()
+        timers = start_timers()
         _pass(dev, timers)
         assert not dev._full
         sub = wire.encode_submission(wire.Submission((wire.Message(wire.Role.USER, (
