@@ -428,8 +428,8 @@ def split(rounds: list[dict], key: str) -> str:
     text = f"{name} {inside * 1e3:.2f} ms a token + {outside * 1e3:.1f} ms a request"
     if key == "same_work":
         return text
-    rs = [r["same_work"]["inside"] / r[key]["inside"] for r in rounds]
-    return text + f" (step ratio {statistics.median(rs):.2f} [{'/'.join(f'{x:.2f}' for x in rs)}])"
+    steps = [r["same_work"]["inside"] / r[key]["inside"] for r in rounds]
+    return text + f" (step ratio {median_each(steps)})"
 
 
 def engine_split(n: int, steps: int, same_work: float, prompt_s: float) -> dict[str, float]:
@@ -442,7 +442,11 @@ def engine_split(n: int, steps: int, same_work: float, prompt_s: float) -> dict[
 def ratios(rounds: list[dict], num: str, den: str) -> str:
     """The median of the rounds' ratios num/den (each round's figures were measured
     minutes apart at most), and each round's ratio."""
-    rs = [r[num]["tok_s"] / r[den]["tok_s"] for r in rounds]
+    return median_each([r[num]["tok_s"] / r[den]["tok_s"] for r in rounds])
+
+
+def median_each(rs: list[float]) -> str:
+    """The median of the rounds' ratios ``rs``, and each round's (more than one)."""
     each = "/".join(f"{x:.2f}" for x in rs)
     return f"{statistics.median(rs):.2f}" + (f" [{each}]" if len(rs) > 1 else "")
 
