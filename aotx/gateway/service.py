@@ -237,37 +237,40 @@ class Gateway:
         the device has answered them: a call given up on (its deadline passed, its
         client gone) still counts while the device holds its packet.  ``settled`` is
         called once then (also when the packet was never sent)."""
+        rh, body = await self._held(h, payload, timeout, settled)
+        if rh.epoch and rh.epoch != self.epoch:
+            # The device restarted: reinstall grants, then retry a refusal once, within
+            # the principal's share as the first was.
+            try:
+                await self.refresh()
+            except BrokerUnavailable as exc:
+                raise unavailable(exc) from None
+            if rh.status == 403:
+                rh, body = await self._held(h, payload, timeout, None)
+        return rh, body
+
+    async def _held(self, h: wire.Header, payload: bytes, timeout: float | None,
+                    settled: Callable[[], None] | None) -> tuple[wire.Header, bytes]:
+        """One packet sent while the principal holds a place in its share."""
         release = Once(settled)
         try:
+            await self.ensure_ready()  # (the share is a part of the mailboxes INFO reports)
             if h.principal and h.op != wire.Op.UNPARK:  # (the gateway's own; an UNPARK frees one)
-                await self.ensure_ready()  # the share is a part of the mailboxes INFO reports
                 size = self.mailbox_share()
                 held = self._mailboxes.get(h.principal)
                 if held is None or held[0] != size:  # (a new epoch may have other mailboxes)
                     held = self._mailboxes[h.principal] = (size, asyncio.Semaphore(size))
                 await held[1].acquire()
                 release.fns.append(held[1].release)
-            return await self._call(h, payload, timeout, release)
+            release.handed = True
+            try:
+                return await self.broker.call(h, payload, self.deadlines.of(h)
+                                              if timeout is None else timeout, release)
+            except BrokerUnavailable as exc:
+                raise unavailable(exc) from None
         finally:
             if not release.handed:  # (the broker was never asked)
                 release()
-
-    async def _call(self, h: wire.Header, payload: bytes, timeout: float | None,
-                    settled: Once | None = None) -> tuple[wire.Header, bytes]:
-        await self.ensure_ready()
-        timeout = self.deadlines.of(h) if timeout is None else timeout
-        try:
-            if settled is not None:
-                settled.handed = True
-            rh, body = await self.broker.call(h, payload, timeout, settled)
-            if rh.epoch and rh.epoch != self.epoch:
-                # The device restarted: reinstall grants, then retry a refusal once.
-                await self.refresh()
-                if rh.status == 403:
-                    rh, body = await self.broker.call(h, payload, timeout)
-        except BrokerUnavailable as exc:
-            raise unavailable(exc) from None
-        return rh, body
 
     def withdraw(self, h: wire.Header) -> None:
         """Have the device withdraw the call ``h`` (an EMBED whose caller gave up or

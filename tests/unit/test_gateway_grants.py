@@ -244,3 +244,56 @@ def test_a_cancelled_wait_keeps_its_mailbox_counted_until_the_device_answers(
         assert gateway.parked == {} and not gateway.background
 
     asyncio.run(main())
+
+
+class RestartedBroker(FlakyBroker):
+    """A device that restarted (epoch 8) before the gateway noticed: it refuses a call
+    with 403 until the gateway has reinstalled the grants, then holds each call until
+    ``go`` is set, counting each principal's calls it holds at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epoch = INFO.epoch
+        self.go = asyncio.Event()
+        self.holding: dict[int, int] = {}
+        self.most: dict[int, int] = {}
+        self.refused = 0
+
+    async def answer(self, h: wire.Header, payload: bytes = b"",
+                     timeout: float = 120.0) -> tuple[wire.Header, bytes]:
+        if h.op is wire.Op.INFO:
+            return h.reply(200, epoch=self.epoch), wire.encode_info(INFO._replace(epoch=self.epoch))
+        if h.op is not wire.Op.READ:
+            reply, body = await super().answer(h, payload, timeout)
+            return reply._replace(epoch=self.epoch), body
+        if h.principal not in self.device:  # (the restarted device holds no grant yet)
+            self.refused += 1
+            return h.refuse(403, wire.Reason.NO_GRANT, 0, epoch=self.epoch), b""
+        self.holding[h.principal] = n = self.holding.get(h.principal, 0) + 1
+        self.most[h.principal] = max(self.most.get(h.principal, 0), n)
+        await self.go.wait()
+        self.holding[h.principal] -= 1
+        return h.reply(200, epoch=self.epoch), b""
+
+
+def test_a_call_retried_after_a_device_restart_stays_within_the_share(
+        gateway: Gateway) -> None:
+    """Six calls of one principal refused by a restarted device are each retried once
+    the grants are back, and the retries hold at most the principal's share of the
+    mailboxes (2 of 8) at once, as the first sends did."""
+    broker = RestartedBroker()
+    gateway.broker = broker  # type: ignore[assignment]
+    asyncio.run(gateway.refresh())
+    pid = next(iter(gateway.principals))
+
+    async def main() -> list[int]:
+        broker.epoch, broker.device = 8, {}  # the device restarted
+        read = wire.Header(op=wire.Op.READ, principal=pid, identity=bytes(16))
+        calls_ = [asyncio.create_task(gateway.call(read)) for _ in range(6)]
+        await asyncio.sleep(0.2)
+        assert gateway.epoch == 8 and broker.holding == {pid: 2}  # 4 wait in the gateway
+        broker.go.set()
+        return [h.status for h, _ in await asyncio.wait_for(asyncio.gather(*calls_), 5)]
+
+    assert asyncio.run(main()) == [200] * 6
+    assert broker.most == {pid: 2} and broker.refused == 6  # each refused once
