@@ -306,7 +306,7 @@ class Admission:
             matcher = None if _dry(p) else constraint_matcher(
                 p.model, p.submission.constraint, _thinking(p),
                 max(1, (p.header.max_tokens or p.model.engine.slot_context) // 2),
-                p.header.thought_budget)
+                p.header.thought_budget, _channel_calls(p))
             try:
                 if p.model.encoder is None or not p.leased:
                     prompt = self._tokens(p)
@@ -492,6 +492,14 @@ def _thinking(p: Prepared) -> int:
         return 0
     opened = end.endswith("<think>")
     return wire.STATE_FLAG_THINKS | (wire.STATE_FLAG_THINK_OPEN if opened else 0)
+
+
+def _channel_calls(p: Prepared) -> bool:
+    """Whether the constraint is gpt-oss's tool calls, which choose the channel after the
+    analysis one."""
+    flags = p.header.submit_flags
+    return bool(flags & wire.SUBMIT_FLAG_TOOLS) and \
+        wire.submit_tool_format(flags) is wire.ToolFormat.HARMONY
 
 
 def _dry(p: Prepared) -> bool:

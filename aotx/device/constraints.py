@@ -45,11 +45,16 @@ def compiler_of(model: LoadedModel) -> GrammarCompiler:
 
 
 def constraint_matcher(model: LoadedModel, constraint: Constraint | None, thinking: int = 0,
-                       budget: int = 0, asked: int = 0) -> Matcher | None:
+                       budget: int = 0, asked: int = 0, channel: bool = False
+                       ) -> Matcher | None:
     """A fresh matcher for ``constraint`` (None without one); 400 GRAMMAR when refused.
     ``thinking``: the request's STATE_FLAG_THINKS bits: the constraint applies after the
     model's think block, which has at most ``budget`` tokens, or ``asked`` (the request's
-    thinking budget), which bounds the think block of a request without a constraint too."""
+    thinking budget), which bounds the think block of a request without a constraint too.
+    ``channel``: gpt-oss's tool calls, whose grammar opens the output's channel itself
+    (gateway/tools.py), with no analysis channel before it."""
+    if channel:
+        thinking = 0
     if asked and thinking & STATE_FLAG_THINKS:
         budget = asked
         constraint = constraint or Constraint(GrammarKind.LARK, "start: /(.|\\n)*/\n")

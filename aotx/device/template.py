@@ -181,10 +181,14 @@ _PROBE: list[dict[str, Any]] = [{"role": "user", "content": "Call the probe."},
           {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]},
           {"role": "tool", "tool_call_id": "call_aotxprobe", "content": _PROBE_RESULT},
           {"role": "user", "content": "Thanks."}]
-#: What a template writes for the probe's call, by the format the output then follows.
+#: What a template writes for the probe's call, by the format the output then follows
+#: (every text of the tuple).  gpt-oss's template names the recipient in the message's
+#: header, where the model writes it after the channel: either parses (gateway/tools.py).
 _CALL_TEXT = {
-    ToolFormat.HERMES: '<tool_call>\n{"name": "aotx_probe_fn", "arguments": {"x": 7}}\n</tool_call>',
-    ToolFormat.LLAMA3: '{"name": "aotx_probe_fn", "parameters": {"x": 7}}',
+    ToolFormat.HERMES: ('<tool_call>\n{"name": "aotx_probe_fn", "arguments": {"x": 7}}\n'
+                        '</tool_call>',),
+    ToolFormat.LLAMA3: ('{"name": "aotx_probe_fn", "parameters": {"x": 7}}',),
+    ToolFormat.HARMONY: ("to=functions.aotx_probe_fn", '<|message|>{"x": 7}<|call|>'),
 }
 
 
@@ -200,4 +204,5 @@ def tool_format(template: ChatTemplate) -> ToolFormat:
         return ToolFormat.FALLBACK
     if _PROBE_NAME not in offered or _PROBE_NAME in plain or _PROBE_RESULT not in text:
         return ToolFormat.FALLBACK
-    return next((f for f, call in _CALL_TEXT.items() if call in text), ToolFormat.FALLBACK)
+    return next((f for f, call in _CALL_TEXT.items() if all(t in text for t in call)),
+                ToolFormat.FALLBACK)

@@ -7,7 +7,13 @@ the ``tool`` messages travel as structured fields (gateway/calls.py) and the tem
 writes them, as the model was trained.  Its calls are then parsed in that format:
 ``HERMES`` (Qwen 2.5 and 3, Hermes) as below; ``LLAMA3`` (Llama 3.1 to 3.3) one JSON
 object ``{"name": ..., "parameters": {...}}`` as the whole answer (those templates
-take one call a turn, so ``parallel_tool_calls`` yields one).
+take one call a turn, so ``parallel_tool_calls`` yields one); ``HARMONY`` (gpt-oss)
+one call a turn in the commentary channel after the analysis one,
+``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}``, or
+(``auto``) an answer in the final channel.  Such a constrained answer opens its channel
+at once, with no analysis channel before it: the think block's grammar
+(device/constraints.py) dead-ended in llguidance 1.9.1 when SmolLM2 wrote that template's
+channel markup itself (a panic computing the mask, "num_rows=3 row_infos=2").
 
 A template that knows no tools (SmolLM2's plain ChatML) has ``FALLBACK``: the gateway
 renders them in the format Hermes and Qwen 2.5 models are trained on (docs/api.md,
@@ -49,6 +55,12 @@ ARGUMENT_CHUNK = 24  # characters of arguments per streamed delta
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
+#: gpt-oss's call, as the answer after the analysis channel (gateway/reasoning.py):
+#: its recipient, then the arguments' JSON, up to ``<|call|>`` where the text shows it.
+HARMONY_CALL = "<|channel|>commentary"
+_HARMONY = re.compile(r"<\|channel\|>commentary to=functions\.([^\s<]+)\s*"
+                      r"(?:<\|constrain\|>\s*json\s*)?<\|message\|>(.*?)(?:<\|call\|>)?\s*",
+                      re.DOTALL)
 
 
 class FunctionDef(Body):
@@ -207,6 +219,8 @@ def grammar(tools: Sequence[ToolDef], choice: ToolChoice | None, parallel: bool,
     functions = allowed(tools, choice)
     if fmt is ToolFormat.LLAMA3:
         return _llama3_grammar(functions, mode(tools, choice) == "required")
+    if fmt is ToolFormat.HARMONY:
+        return _harmony_grammar(functions, mode(tools, choice) == "required")
     rules = _function_rules(functions, "arguments")
     repeat = f' ("\\n<tool_call>" body){{0,{MAX_PARALLEL - 1}}}' if parallel else ""
     start = ('start: "<tool_call>" calls' if mode(tools, choice) == "required"
@@ -221,13 +235,13 @@ def grammar(tools: Sequence[ToolDef], choice: ToolChoice | None, parallel: bool,
 
 def _function_rules(allowed: Sequence[FunctionDef], key: str) -> list[str]:
     """Rule ``fi`` per function: ``{"name": "<name>", "<key>": <its parameters>}``."""
-    rules = []
-    for i, f in enumerate(allowed):
-        schema = json.dumps(close_objects(parameters(f)), ensure_ascii=False,
-                            separators=(",", ":"))
-        rules.append(f'f{i}: "{{\\"name\\": \\"{f.name}\\", \\"{key}\\": " %json {schema}'
-                     f' "}}"')
-    return rules
+    return [f'f{i}: "{{\\"name\\": \\"{f.name}\\", \\"{key}\\": " %json {_schema(f)} "}}"'
+            for i, f in enumerate(allowed)]
+
+
+def _schema(f: FunctionDef) -> str:
+    """The function's arguments' schema, as its grammar's ``%json`` takes it."""
+    return json.dumps(close_objects(parameters(f)), ensure_ascii=False, separators=(",", ":"))
 
 
 def _llama3_grammar(allowed: Sequence[FunctionDef], required: bool) -> str:
@@ -238,6 +252,18 @@ def _llama3_grammar(allowed: Sequence[FunctionDef], required: bool) -> str:
     # TEXT begins with neither "{" nor white space: the parser and the stream read an
     # answer that begins with "{" as a call, so no text may reach one unconstrained
     start = "start: call" if required else "start: TEXT | call\nTEXT: /[^{\\s](.|\\n)*/"
+    return "\n".join([start, call, *rules]) + "\n"
+
+
+def _harmony_grammar(allowed: Sequence[FunctionDef], required: bool) -> str:
+    """gpt-oss's: the whole answer, one call in the commentary channel or (``auto``) the
+    final channel's text (the device puts no analysis channel before it)."""
+    rules = [f'f{i}: {json.dumps(f.name + " <|constrain|>json<|message|>")} %json {_schema(f)}'
+             for i, f in enumerate(allowed)]
+    call = (f'call: {json.dumps(HARMONY_CALL + " to=functions.")} ('
+            + " | ".join(f"f{i}" for i in range(len(allowed))) + ")")
+    start = ("start: call" if required
+             else 'start: "<|channel|>final<|message|>" TEXT | call\nTEXT: /(.|\\n)+/')
     return "\n".join([start, call, *rules]) + "\n"
 
 
@@ -256,6 +282,8 @@ def parse(text: str, identity: bytes, fmt: ToolFormat
     content."""
     if fmt is ToolFormat.LLAMA3:
         return _parse_llama3(text, identity)
+    if fmt is ToolFormat.HARMONY:
+        return _parse_harmony(text, identity)
     calls: list[dict[str, Any]] = []
     for found in _CALL.finditer(text):
         try:
@@ -283,6 +311,21 @@ def _parse_llama3(text: str, identity: bytes) -> tuple[str | None, list[dict[str
         return text, []
     return None, [{"id": call_id(identity, 0), "type": "function",
                    "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}]
+
+
+def _parse_harmony(text: str, identity: bytes) -> tuple[str | None, list[dict[str, Any]]]:
+    found = _HARMONY.fullmatch(text)
+    if found is None:
+        return text, []
+    try:
+        args = json.loads(found.group(2))
+    except ValueError:
+        return text, []
+    if not isinstance(args, dict):
+        return text, []
+    return None, [{"id": call_id(identity, 0), "type": "function",
+                   "function": {"name": found.group(1),
+                                "arguments": json.dumps(args, ensure_ascii=False)}}]
 
 
 def message(text: str, finish: str, active: Mode | None, identity: bytes, fmt: ToolFormat
@@ -315,9 +358,11 @@ class ToolStream:
         self.held += text
         if self.calls:
             return ""
-        if self.fmt is ToolFormat.LLAMA3:  # a call is the whole answer: its first character
-            self.calls = self.held.startswith("{")
-            self.text = bool(self.held) and not self.calls
+        if self.fmt in (ToolFormat.LLAMA3, ToolFormat.HARMONY):
+            # a call is the whole answer: what it begins with
+            mark = "{" if self.fmt is ToolFormat.LLAMA3 else HARMONY_CALL
+            self.calls = self.held.startswith(mark)
+            self.text = not self.calls and not mark.startswith(self.held)
             out, self.held = (self.held, "") if self.text else ("", self.held)
             return out
         at = self.held.find(OPEN)

@@ -89,6 +89,9 @@ class ToolFormat(enum.IntEnum):
     FALLBACK = 0  #: the template knows no tools: the gateway writes them as text (Hermes)
     HERMES = 1  #: the template renders tools; a call is ``<tool_call>`` JSON ``</tool_call>``
     LLAMA3 = 2  #: the template renders tools; a call is one JSON ``{"name", "parameters"}``
+    #: gpt-oss's harmony: a call is the commentary channel after the analysis one,
+    #: ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`` its arguments
+    HARMONY = 3
 
 
 class PartKind(enum.IntEnum):

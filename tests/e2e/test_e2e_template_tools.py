@@ -1,7 +1,8 @@
 """Tools rendered by the model's own chat template (issue 20), end to end through the
-official ``openai`` client: the embedded SmolLM2 GGUF loaded three times, with its own
-template (no tools: the fallback format), with Qwen 2.5's (``hermes``) and with Llama
-3.2's (``llama3``), both from the models file's ``chat_template``.  The device logs each
+official ``openai`` client: the embedded SmolLM2 GGUF loaded four times, with its own
+template (no tools: the fallback format), with Qwen 2.5's (``hermes``), with Llama
+3.2's (``llama3``) and with gpt-oss's (``harmony``: a call in the commentary channel
+after the analysis one), each from the models file's ``chat_template``.  The device logs each
 rendered prompt (AOTX_LOG_PROMPTS), so the tests see that the template wrote the tools,
 the calls and the results; every call's arguments validate against the function's
 parameters, stream and not, and the native tool-call document agrees."""
@@ -9,6 +10,7 @@ parameters, stream and not, and the native tool-call document agrees."""
 from __future__ import annotations
 
 import ast
+import base64
 import json
 import os
 import secrets
@@ -28,11 +30,13 @@ pytestmark = pytest.mark.e2e
 TEMPLATES = os.path.join(os.path.dirname(__file__), "..", "data", "templates")
 QWEN = os.path.join(TEMPLATES, "Qwen-Qwen2.5-7B-Instruct.jinja")
 LLAMA = os.path.join(TEMPLATES, "meta-llama-Llama-3.2-3B-Instruct.jinja")
+GPTOSS = os.path.join(TEMPLATES, "openai-gpt-oss-120b.jinja")
 
 
 @pytest.fixture(scope="module")
 def svc() -> Iterator[Service]:
-    models = with_templates((("qwen-tmpl", QWEN), ("llama-tmpl", LLAMA)))
+    models = with_templates((("qwen-tmpl", QWEN), ("llama-tmpl", LLAMA),
+                             ("gptoss-tmpl", GPTOSS)))
     with running_service(models=models, env={"AOTX_LOG_PROMPTS": "1"}) as s:
         yield s
 
@@ -78,10 +82,11 @@ def streamed_calls(oai: openai.OpenAI, **kw: Any
 def test_each_model_reports_how_its_template_writes_tools(oai: openai.OpenAI) -> None:
     listed = {m.id: m.model_dump() for m in oai.models.list().data}
     assert {k: v["tool_format"] for k, v in listed.items()} == {
-        "smollm2": "fallback", "qwen-tmpl": "hermes", "llama-tmpl": "llama3"}
+        "smollm2": "fallback", "qwen-tmpl": "hermes", "llama-tmpl": "llama3",
+        "gptoss-tmpl": "harmony"}
 
 
-@pytest.mark.parametrize("model", ["qwen-tmpl", "llama-tmpl"])
+@pytest.mark.parametrize("model", ["qwen-tmpl", "llama-tmpl", "gptoss-tmpl"])
 @pytest.mark.parametrize("temperature,seed", [(0.0, 1), (1.2, 7), (1.2, 8)])
 def test_required_calls_are_written_in_the_templates_format(
         svc: Service, oai: openai.OpenAI, model: str, temperature: float, seed: int) -> None:
@@ -93,15 +98,20 @@ def test_required_calls_are_written_in_the_templates_format(
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls" and ch.message.content is None
     check_calls(ch.message.tool_calls or [])
-    if model == "llama-tmpl":
+    if model != "qwen-tmpl":
         assert len(ch.message.tool_calls or []) == 1  # one call a turn, as the template takes
     prompt = prompt_of(svc, nonce)
     if model == "qwen-tmpl":  # Qwen's own system text and its tool block
         assert prompt.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.")
         assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in prompt
-    else:  # Llama 3.2's: the tools in the first user turn, answers as JSON
+    elif model == "llama-tmpl":  # Llama 3.2's: the tools in the first user turn, as JSON
         assert 'Respond in the format {"name": function name, "parameters"' in prompt
         assert '"name": "web-search"' in prompt
+    else:  # gpt-oss's: a TypeScript namespace in the developer message; the call opens
+        # the commentary channel at once (no analysis channel to tell apart)
+        assert "namespace functions {\n\n// Get the weather forecast for a city\n" in prompt
+        assert prompt.endswith("<|start|>assistant")
+        assert getattr(ch.message, "reasoning_content", None) is None
     text, calls, finish, rid = streamed_calls(oai, **kw)
     assert finish == "tool_calls" and text == ""
     for c in calls:
@@ -119,6 +129,8 @@ def test_required_calls_are_written_in_the_templates_format(
                   "<|im_end|>"),
     ("llama-tmpl", '<|start_header_id|>ipython<|end_header_id|>\n\n"Rainy, 12 C ({n})"'),
     ("smollm2", "<tool_response>\nRainy, 12 C ({n})\n</tool_response>"),
+    ("gptoss-tmpl", '<|start|>functions.get_weather to=assistant<|channel|>commentary'
+                    '<|message|>"Rainy, 12 C ({n})"<|end|>'),
 ])
 def test_a_conversation_with_a_call_and_its_result(svc: Service, oai: openai.OpenAI,
                                                    model: str, result_markup: str) -> None:
@@ -142,6 +154,32 @@ def test_a_conversation_with_a_call_and_its_result(svc: Service, oai: openai.Ope
     elif model == "llama-tmpl":
         assert ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius", '
                 '"days": 1}}<|eot_id|>') in prompt
+    elif model == "gptoss-tmpl":
+        assert ('<|start|>assistant to=functions.get_weather<|channel|>commentary json'
+                '<|message|>{"city": "Paris", "unit": "celsius", "days": 1}<|call|>') in prompt
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_gpt_oss_answers_in_its_final_channel_or_calls(svc: Service, oai: openai.OpenAI,
+                                                      seed: int) -> None:
+    """``auto`` on gpt-oss's template: a call in the commentary channel, or text in the
+    final one; neither shows the channels' markup, streamed or not."""
+    kw: dict[str, Any] = dict(model="gptoss-tmpl", messages=ask(secrets.token_hex(6)),
+                              tools=TOOLS, temperature=1.0, seed=seed, max_tokens=80)
+    ch = oai.chat.completions.create(**kw).choices[0]
+    if ch.message.tool_calls:
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None
+        check_calls(ch.message.tool_calls)
+    else:
+        assert ch.message.content and ch.finish_reason in ("stop", "length")
+        assert "<|" not in ch.message.content
+    text, calls, finish, rid = streamed_calls(oai, **kw)
+    assert "<|" not in text and (finish == "tool_calls") == bool(calls)
+    with httpx.Client(base_url=svc.url, headers=svc.headers, timeout=30) as c:
+        raw = c.get(f"/aotx/v1/requests/{rid}").json()["output"]["bytes"]
+    opened = base64.b64decode(raw).decode(errors="replace")
+    assert opened.startswith("<|channel|>commentary to=functions." if calls
+                             else "<|channel|>final<|message|>")
 
 
 def test_the_native_document_parses_the_templates_format(svc: Service,

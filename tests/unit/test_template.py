@@ -68,6 +68,7 @@ def bundled(name: str) -> ChatTemplate:
     ("meta-llama-Llama-3.1-8B-Instruct", ToolFormat.LLAMA3),
     ("meta-llama-Llama-3.2-3B-Instruct", ToolFormat.LLAMA3),
     ("mistralai-Mistral-Nemo-Instruct-2407", ToolFormat.FALLBACK),  # [TOOL_CALLS]: not ours
+    ("openai-gpt-oss-120b", ToolFormat.HARMONY),  # the commentary channel
 ])
 def test_the_tool_format_is_found_by_rendering_a_probe(name: str, fmt: ToolFormat) -> None:
     assert bundled(name).tool_format is fmt
@@ -106,6 +107,7 @@ def test_tools_calls_and_results_are_rendered_as_transformers_renders_them() -> 
     ("mistralai-Mistral-Nemo-Instruct-2407", False, False),
     ("../think-open", True, False),  # DeepSeek R1's way: the prompt opens the block
     ("../harmony", True, True),  # gpt-oss's channels
+    ("openai-gpt-oss-120b", True, True),
 ])
 def test_which_templates_think(name: str, thinks: bool, channels: bool) -> None:
     t = bundled(name)

@@ -270,6 +270,48 @@ def test_llama3_answers_whole_and_streamed() -> None:
     assert s.feed(cut) == "" and s.end("length") == (cut, [], "length")
 
 
+# -- gpt-oss's harmony: a call in the commentary channel ------------------------------------
+HM = ToolFormat.HARMONY
+
+
+def hmcall(name: str, args: str) -> str:
+    return f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{args}"
+
+
+def test_the_harmony_grammar(compiler: GrammarCompiler) -> None:  # noqa: F811
+    auto = request(tools=[WEATHER, CLOCK])
+    assert accepts_in(compiler, auto, HM, "<|channel|>final<|message|>Hello there")
+    assert accepts_in(compiler, auto, HM, hmcall("get_weather", '{"city": "Oslo"}'))
+    assert not accepts_in(compiler, auto, HM, hmcall("now", '{"x": 1}'))
+    assert not accepts_in(compiler, auto, HM, "Hello")  # no channel: not gpt-oss's answer
+    assert not accepts_in(compiler, auto, HM, "<|channel|>analysis<|message|>Hm")
+    required = request(tools=[WEATHER, CLOCK], tool_choice="required")
+    assert not accepts_in(compiler, required, HM, "<|channel|>final<|message|>Hello")
+    assert accepts_in(compiler, required, HM, hmcall("now", "{}"))
+    assert not accepts_in(compiler, required, HM, hmcall("now", "{}") + hmcall("now", "{}"))
+
+
+def test_harmony_answers_whole_and_streamed() -> None:
+    text = hmcall("get_weather", '{"city": "Oslo"}')
+    for whole in (text, text + "<|call|>"):  # (the call's end shows where text has it)
+        msg, finish = tools.message(whole, "stop", "auto", ID, HM)
+        assert (msg["content"], finish) == (None, "tool_calls")
+        assert msg["tool_calls"] == [{"id": tools.call_id(ID, 0), "type": "function",
+                                      "function": {"name": "get_weather",
+                                                   "arguments": '{"city": "Oslo"}'}}]
+    assert tools.message("Hi", "stop", "auto", ID, HM)[0] == {"role": "assistant",
+                                                              "content": "Hi"}
+    s = tools.ToolStream("auto", ID, HM)
+    assert [s.feed(t) for t in ["<|chan", "nel|>comm", text[15:]]] == ["", "", ""]
+    content, deltas, finish = s.end("stop")
+    assert (content, finish, len(deltas)) == ("", "tool_calls", 2)
+    s = tools.ToolStream("auto", ID, HM)  # (the final channel's markup went with the
+    assert [s.feed(t) for t in ["<|", "It is", " warm"]] == ["", "<|It is", " warm"]  # split)
+    cut = hmcall("now", '{"a')  # max_tokens cut the call: all content
+    s = tools.ToolStream("required", ID, HM)
+    assert s.feed(cut) == "" and s.end("length") == (cut, [], "length")
+
+
 def test_a_template_that_renders_tools_gets_them_as_fields() -> None:
     body = request(tools=[WEATHER], messages=[
         {"role": "user", "content": "Weather in Oslo?"},
