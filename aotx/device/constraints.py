@@ -19,6 +19,7 @@ import threading
 
 import orjson
 
+from ..engine.closing import Closing
 from ..engine.grammar import GrammarCompiler, GrammarError, GrammarSpec, Matcher
 from ..wire import (
     STATE_FLAG_THINK_OPEN,
@@ -61,11 +62,18 @@ def constraint_matcher(model: LoadedModel, constraint: Constraint | None, thinki
     if constraint is None:
         return None
     try:
-        if thinking & STATE_FLAG_THINKS and constraint.kind is not GrammarKind.REGEX:
-            constraint = after_thinking(constraint, bool(thinking & STATE_FLAG_THINK_OPEN),
-                                        budget, think_tags(thinking))
-        spec = _spec(constraint)
-        return compiler_of(model).matcher(spec)
+        thinks = bool(thinking & STATE_FLAG_THINKS) and constraint.kind is not GrammarKind.REGEX
+        opened, tags = bool(thinking & STATE_FLAG_THINK_OPEN), think_tags(thinking)
+        if thinks:
+            constraint = after_thinking(constraint, opened, budget, tags)
+        compiler = compiler_of(model)
+        matcher = compiler.matcher(_spec(constraint))
+        if thinks:  # the budget, kept by forcing the closing (engine/closing.py)
+            tokens = compiler.tokenizer.tokenize_bytes
+            head = 0 if opened else len(tokens(tags[0].encode()))
+            matcher.closing = Closing(tags[1].encode(), budget + head, tokens,
+                                      model.engine.token_bytes)
+        return matcher
     except GrammarError as exc:
         log.debug("event=request.grammar_refused code=%s where=%s", exc.code, exc.where)
         raise DeviceError(400, Reason.GRAMMAR, payload=orjson.dumps(
@@ -80,21 +88,23 @@ def after_thinking(constraint: Constraint, opened: bool, budget: int,
     as the answer.  ``tags``: the block's opening and closing (gpt-oss's: its analysis
     channel, then the final one).
 
-    The thought is a lazy lexeme that ``</think>`` stops (``stop``, then the tag again
-    outside it, which llguidance matches without backtracking): a greedy one that
-    merely excludes the tag cannot end where the tag begins, since llguidance's lexer
-    does not go back over the tag's first bytes, and the model could close the block
-    only once the budget forced it.  The blanks are bounded because a model may write
-    newline after newline there (SmolLM2 after gpt-oss's final channel) until
-    ``max_tokens``, with no answer."""
+    The thought is a lazy lexeme that ends with ``</think>`` (its ``suffix``): a greedy
+    one that merely excludes the tag cannot end where the tag begins, since llguidance's
+    lexer does not go back over the tag's first bytes, and the model could close the
+    block only once the budget forced it.  The budget is the matcher's
+    (engine/closing.py): the lexeme's own ``max_tokens``, a few tokens more, would end
+    it without the tag.  The blanks are bounded because a model may write newline after
+    newline there (SmolLM2 after gpt-oss's final channel) until ``max_tokens``, with no
+    answer."""
     if constraint.kind is GrammarKind.JSON_SCHEMA:
         answer = f"answer: %json {constraint.text}"
     else:  # a Lark grammar: its start rule becomes the answer
         answer = _START.sub("answer:", constraint.text)
     head = "" if opened else json.dumps(tags[0]) + " "
+    most = budget + len(tags[1].encode()) + 1  # (the closing's tokens, forced, fit)
     return Constraint(GrammarKind.LARK, (
-        f"start: {head}thought {json.dumps(tags[1])} GAP answer\n"
-        f"thought[stop={json.dumps(tags[1])}, max_tokens={budget}]: /(.|\\n)*/\n"
+        f"start: {head}thought GAP answer\n"
+        f"thought[suffix={json.dumps(tags[1])}, max_tokens={most}]: /(.|\\n)*/\n"
         "GAP: /[ \\t\\n]{0,4}/\n") + answer + "\n")
 
 

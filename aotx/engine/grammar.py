@@ -35,6 +35,7 @@ import numpy as np
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
 from ..config import MAX_CONSTRAINT_BYTES, MAX_SCHEMA_DEPTH
+from .closing import Closing
 from .masks import apply_mask, mask_words
 from .regex_size import MAX_EXPANDED, expanded_size
 
@@ -324,7 +325,7 @@ class Matcher:
     generation tokens are allowed by the mask only where :attr:`can_stop`.
     """
 
-    __slots__ = ("_m", "spec_key", "words", "spec", "owner")
+    __slots__ = ("_m", "spec_key", "words", "spec", "owner", "closing")
 
     def __init__(self, matcher: LLMatcher, spec_key: str, n_vocab: int,
                  spec: GrammarSpec | None = None) -> None:
@@ -333,15 +334,24 @@ class Matcher:
         self.words = mask_words(n_vocab)  # int32 words in one bitmask row
         self.spec = spec  # what was compiled (an engine that applies it itself: vLLM)
         self.owner = 0  # whose request: the principal its masks' time is charged to
+        self.closing: Closing | None = None  # a think block's budget (engine/closing.py)
 
     def fill(self, row: np.ndarray[Any, np.dtype[np.int32]]) -> None:
         """Write the allowed-token bitmask for the next token into ``row`` (int32,
         ``mask_words(n_vocab)`` long; bit t of word t // 32 set: token t allowed)."""
+        forced = self.closing.next if self.closing is not None else None
+        if forced is not None:  # (the think block's closing, once its budget is spent)
+            row[:] = 0
+            row.view(np.uint32)[forced >> 5] = 1 << (forced & 31)
+            return
         self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
     def consume(self, token: int) -> bool:
         """Advance past a sampled token; False puts the matcher in :attr:`error`."""
-        return bool(self._m.consume_token(token))
+        ok = bool(self._m.consume_token(token))
+        if ok and self.closing is not None:
+            self.closing.passed(token)
+        return ok
 
     @property
     def finished(self) -> bool:

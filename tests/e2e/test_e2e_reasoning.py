@@ -92,6 +92,25 @@ def test_a_schema_answer_comes_after_the_thinking(oai: openai.OpenAI, model: str
     assert streamed(oai, model, response_format=FORMAT) == (thought, m.content, "stop")
 
 
+def test_a_model_that_closes_its_thinking_itself_gets_its_schema(oai: openai.OpenAI) -> None:
+    """Asked to, SmolLM2 writes ``</think>`` itself, a token at a time; with the tag as
+    the thought's ``stop`` llguidance panicked at ``</think`` and all 12 of 12 such
+    requests failed (500).  Now the tag is the thought's suffix; a thought that runs to
+    its budget (half of max_tokens) is closed by the matcher."""
+    spent = []
+    for seed in range(4):
+        ask = [{"role": "user", "content": "Think, then close your thinking with </think> "
+                f"and name a colour. Example: <think>I like red.</think> ({seed})"}]
+        r = oai.chat.completions.create(model="qwen3-tmpl", messages=ask,  # type: ignore[arg-type]
+                                        response_format=FORMAT,  # type: ignore[arg-type]
+                                        max_tokens=300, temperature=1.0, seed=seed)
+        m = r.choices[0].message
+        jsonschema.validate(json.loads(m.content), SCHEMA)
+        assert isinstance(getattr(m, "reasoning_content", None), str)
+        spent.append(r.usage.completion_tokens_details.reasoning_tokens)
+    assert min(spent) < 150, spent  # (one closed it before its budget at least)
+
+
 def test_the_native_route_keeps_the_bytes(svc: Service) -> None:
     with svc.client() as c:
         r = c.post("/aotx/v1/requests", json={"model": "qwen3-tmpl", "messages": ASK,

@@ -410,38 +410,62 @@ def test_a_think_block_closes_when_the_model_closes_it_or_its_budget_ends(
         compiler: GrammarCompiler) -> None:
     """The schema after thinking (device/constraints.py).  The model may close the block
     whenever it likes, after text that holds the tag's first bytes too (before, only
-    the budget could close it); once the budget is spent the tag is forced.  At most
-    four blanks come before the answer: a model that would write newline after newline
-    there (SmolLM2 after gpt-oss's final channel, greedy, on an Intel CPU) must start
-    its answer instead of spending max_tokens on blanks."""
-    from aotx.device.constraints import after_thinking
-    from aotx.wire import Constraint, GrammarKind
+    the budget could close it), and at any tokenization of the tag: with the tag as the
+    thought's ``stop`` and then again as text, llguidance panicked computing the mask
+    once ``</think`` was written (every such request failed); once the budget is spent
+    the matcher forces the tag (engine/closing.py).  At most four blanks come before the
+    answer: a model that would write newline after newline there (SmolLM2 after
+    gpt-oss's final channel, greedy, on an Intel CPU) must start its answer instead of
+    spending max_tokens on blanks."""
+    from types import SimpleNamespace
+
+    from aotx.device.constraints import constraint_matcher
+    from aotx.wire import STATE_FLAG_THINKS, Constraint, GrammarKind
 
     schema = Constraint(GrammarKind.JSON_SCHEMA, '{"type": "integer"}')
-    spec = GrammarSpec.lark(after_thinking(schema, False, 40).text)
+    model: Any = SimpleNamespace(grammars=compiler, engine=SimpleNamespace(
+        token_bytes=lambda t: bytes([t - 1])))
+
+    def matcher(budget: int) -> Matcher:
+        m = constraint_matcher(model, schema, STATE_FLAG_THINKS, budget)
+        assert m is not None
+        return m
 
     def run(text: str) -> bool:
-        m = compiler.matcher(spec)
+        m = matcher(40)
         return all(m.consume(t) for t in tok(text)) and m.can_stop
 
     assert run("<think>hm</think>\n\n7") and run("<think>hm</think>7")
     assert run("<think>a</b </thin</think>7")  # the tag's first bytes, then the tag
     assert run("<think>hm</think> \n\t\n7") and not run("<think>hm</think>\n\n\n\n\n7")
     assert not run("<think>hm</think>\n\n")  # an answer is due
-    m = compiler.matcher(GrammarSpec.lark(after_thinking(schema, False, 12).text))
-    assert all(m.consume(t) for t in tok("<think>" + "a" * 12))  # the budget, spent
     row = np.zeros(mask_words(compiler.n_vocab), dtype=np.int32)
+    m = matcher(40)
+    assert all(m.consume(t) for t in tok("<think>hm</think"))  # the tag but its last byte
+    m.fill(row)
+    assert not m.error and tok(">")[0] in allowed(row, compiler.n_vocab)
+    m = matcher(12)
+    assert all(m.consume(t) for t in tok("<think>" + "a" * 12))  # the budget, spent
 
     def choices() -> set[int]:
         m.fill(row)
         return allowed(row, compiler.n_vocab)
 
     forced = b""
-    while len(only := choices()) == 1:  # (one token allowed: the grammar's)
+    while len(only := choices()) == 1:  # (one token allowed: the closing's)
         token = only.pop()
         forced += bytes([token - 1])
         assert m.consume(token)
-    assert forced == b"</think>"
+    assert forced == b"</think>" and m.closing is not None and m.closing.left == -1
+    assert all(m.consume(t) for t in tok("\n42")) and m.can_stop  # then the answer, free
+    m = matcher(12)  # the budget spent inside the tag: its rest is forced
+    assert all(m.consume(t) for t in tok("<think>" + "a" * 8 + "</th"))
+    forced = b""
+    while len(only := choices()) == 1:
+        token = only.pop()
+        forced += bytes([token - 1])
+        assert m.consume(token)
+    assert forced == b"ink>"
 
 
 def test_a_pattern_whose_repetitions_outgrow_the_lexer_is_refused_at_once() -> None:

@@ -1,0 +1,61 @@
+"""A think block's budget, kept by forcing its closing (llama.cpp's engine, which fills
+its own masks).
+
+A constrained request of a thinking model has its constraint after a think block of at
+most a budget of tokens (device/constraints.py).  The grammar's thought is a lazy lexeme
+with the closing as its ``suffix``: the model closes the block itself at any tokenization
+of the closing.  (The closing as a ``stop``, then again as text, made llguidance 1.9.1
+panic computing the mask, "num_rows=3 row_infos=2", once the model had written the
+closing up to its last token, ``</think`` before ``>``: every such request failed.)
+llguidance's own ``max_tokens`` ends a lexeme without its suffix, so the budget is kept
+here instead: once the block has taken its tokens, the matcher allows only the closing's
+tokens, one a step, which the lexeme then ends on.  The grammar's ``max_tokens`` stays a
+few tokens above, for an engine that applies the grammar itself (vLLM), whose thought
+then ends at the budget without the closing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+class Closing:
+    """Where a think block's budget stands: tokens left, the last bytes (where the
+    closing would show), and the closing's tokens still to force."""
+
+    __slots__ = ("tag", "left", "tail", "forced", "tokenize", "piece")
+
+    def __init__(self, tag: bytes, budget: int, tokenize: Callable[[bytes], list[int]],
+                 piece: Callable[[int], bytes]) -> None:
+        self.tag = tag
+        self.left = budget  # tokens the block may still take; -1: it is closed
+        self.tail = b""
+        self.forced: list[int] = []
+        self.tokenize = tokenize  # a text's tokens, without special parsing
+        self.piece = piece  # a token's bytes
+
+    @property
+    def next(self) -> int | None:
+        """The token the next step must sample, or None (the grammar's mask applies)."""
+        return self.forced[0] if self.forced else None
+
+    def passed(self, token: int) -> None:
+        """``token`` was sampled (and the grammar took it)."""
+        if self.left < 0:
+            return
+        if self.forced:
+            self.forced.pop(0)
+            if not self.forced:
+                self.left = -1
+            return
+        self.tail = (self.tail + self.piece(token))[-2 * len(self.tag):]
+        if self.tag in self.tail:  # the model closed it
+            self.left = -1
+            return
+        self.left -= 1
+        if self.left <= 0:
+            begun = next((k for k in range(min(len(self.tag) - 1, len(self.tail)), 0, -1)
+                          if self.tail.endswith(self.tag[:k])), 0)
+            self.forced = self.tokenize(self.tag[begun:])
+            if not self.forced:
+                self.left = -1
