@@ -368,7 +368,7 @@ class Admission:
                                                    | wire.SUBMIT_TOOL_FORMAT) | thinking,
                       think=(THINK_NONE if not thinking else THINK_INSIDE
                              if thinking & wire.STATE_FLAG_THINK_OPEN else THINK_UNDECIDED),
-                      think_tags=tuple(t.encode() for t in wire.think_tags(thinking)),
+                      think_tags=_think_tags(thinking),
                       segments=segments)
         if p.memory_on and st.policy.enabled:
             req.source_text = "\n".join(f"{m['role'].capitalize()}: {m['content']}"
@@ -492,6 +492,13 @@ def _thinking(p: Prepared) -> int:
         return 0
     opened = end.endswith("<think>")
     return wire.STATE_FLAG_THINKS | (wire.STATE_FLAG_THINK_OPEN if opened else 0)
+
+
+def _think_tags(thinking: int) -> tuple[bytes, ...]:
+    """The think block's opening and its closings (gpt-oss's: its final channel, or a
+    tool call's commentary channel), as the engine counts its tokens."""
+    calls = (wire.CHANNEL_CALL,) if thinking & wire.STATE_FLAG_CHANNELS else ()
+    return tuple(t.encode() for t in (*wire.think_tags(thinking), *calls))
 
 
 def _channel_calls(p: Prepared) -> bool:

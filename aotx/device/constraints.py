@@ -22,6 +22,7 @@ import orjson
 from ..engine.closing import Closing
 from ..engine.grammar import GrammarCompiler, GrammarError, GrammarSpec, Matcher
 from ..wire import (
+    CHANNEL_NEXT,
     STATE_FLAG_THINK_OPEN,
     STATE_FLAG_THINKS,
     THINK_TAGS,
@@ -52,10 +53,8 @@ def constraint_matcher(model: LoadedModel, constraint: Constraint | None, thinki
     ``thinking``: the request's STATE_FLAG_THINKS bits: the constraint applies after the
     model's think block, which has at most ``budget`` tokens, or ``asked`` (the request's
     thinking budget), which bounds the think block of a request without a constraint too.
-    ``channel``: gpt-oss's tool calls, whose grammar opens the output's channel itself
-    (gateway/tools.py), with no analysis channel before it."""
-    if channel:
-        thinking = 0
+    ``channel``: gpt-oss's tool calls, whose grammar names the channel that follows the
+    analysis one, ``final`` or ``commentary`` (gateway/tools.py)."""
     if asked and thinking & STATE_FLAG_THINKS:
         budget = asked
         constraint = constraint or Constraint(GrammarKind.LARK, "start: /(.|\\n)*/\n")
@@ -64,8 +63,10 @@ def constraint_matcher(model: LoadedModel, constraint: Constraint | None, thinki
     try:
         thinks = bool(thinking & STATE_FLAG_THINKS) and constraint.kind is not GrammarKind.REGEX
         opened, tags = bool(thinking & STATE_FLAG_THINK_OPEN), think_tags(thinking)
+        if channel:
+            tags = (tags[0], CHANNEL_NEXT)
         if thinks:
-            constraint = after_thinking(constraint, opened, budget, tags)
+            constraint = after_thinking(constraint, opened, budget, tags, gap=not channel)
         compiler = compiler_of(model)
         matcher = compiler.matcher(_spec(constraint))
         if thinks:  # the budget, kept by forcing the closing (engine/closing.py)
@@ -81,7 +82,7 @@ def constraint_matcher(model: LoadedModel, constraint: Constraint | None, thinki
 
 
 def after_thinking(constraint: Constraint, opened: bool, budget: int,
-                   tags: tuple[str, str] = THINK_TAGS) -> Constraint:
+                   tags: tuple[str, str] = THINK_TAGS, gap: bool = True) -> Constraint:
     """``constraint`` after a think block: ``<think>`` (unless the prompt opened it), free
     text of at most ``budget`` tokens, ``</think>`` (the model writes it when it is done,
     or must once the budget is spent), at most four blanks, and the constraint's grammar
@@ -95,7 +96,8 @@ def after_thinking(constraint: Constraint, opened: bool, budget: int,
     (engine/closing.py): the lexeme's own ``max_tokens``, a few tokens more, would end
     it without the tag.  The blanks are bounded because a model may write newline after
     newline there (SmolLM2 after gpt-oss's final channel) until ``max_tokens``, with no
-    answer."""
+    answer.  Without ``gap`` the answer follows the closing at once (gpt-oss's tool
+    calls: the closing ends at ``<|channel|>``, and the answer names the channel)."""
     if constraint.kind is GrammarKind.JSON_SCHEMA:
         answer = f"answer: %json {constraint.text}"
     else:  # a Lark grammar: its start rule becomes the answer
@@ -103,9 +105,9 @@ def after_thinking(constraint: Constraint, opened: bool, budget: int,
     head = "" if opened else json.dumps(tags[0]) + " "
     most = budget + len(tags[1].encode()) + 1  # (the closing's tokens, forced, fit)
     return Constraint(GrammarKind.LARK, (
-        f"start: {head}thought GAP answer\n"
+        f"start: {head}thought{' GAP' * gap} answer\n"
         f"thought[suffix={json.dumps(tags[1])}, max_tokens={most}]: /(.|\\n)*/\n"
-        "GAP: /[ \\t\\n]{0,4}/\n") + answer + "\n")
+        + "GAP: /[ \\t\\n]{0,4}/\n" * gap) + answer + "\n")
 
 
 _START = re.compile(r"^start\s*:", re.MULTILINE)

@@ -81,7 +81,7 @@ THINK_UNDECIDED, THINK_INSIDE, THINK_NONE = 0, 1, 2
 def count_thinking(req: Request, piece: bytes) -> None:
     """Count ``piece``'s token among the request's reasoning tokens while it is in its
     think block (the tags' tokens included): the usage's ``reasoning_tokens``."""
-    opening, closing = req.think_tags
+    opening, *closings = req.think_tags
     if req.think == THINK_UNDECIDED:
         req.think_tail += piece
         head = req.think_tail.lstrip()
@@ -94,6 +94,7 @@ def count_thinking(req: Request, piece: bytes) -> None:
         req.think, req.think_tail = THINK_INSIDE, head[len(opening):]
     else:
         req.reasoning_tokens += 1
-        req.think_tail = (req.think_tail + piece)[-(len(closing) + len(piece)):]
-    if closing in req.think_tail:
+        keep = max(len(c) for c in closings) + len(piece)
+        req.think_tail = (req.think_tail + piece)[-keep:]
+    if any(c in req.think_tail for c in closings):
         req.think, req.think_tail = THINK_NONE, b""

@@ -46,7 +46,7 @@ class Request:
     # A thinking model's (engine/accept.py count_thinking): where the output is (THINK_*),
     # the bytes it looks at, and the tokens sampled from <think> to </think>
     think: int = 2
-    think_tags: tuple[bytes, ...] = (b"<think>", b"</think>")  # (open, close)
+    think_tags: tuple[bytes, ...] = (b"<think>", b"</think>")  # (open, close, other closes)
     think_tail: bytes = b""
     reasoning_tokens: int = 0
     failure: Failure = Failure.NONE

@@ -8,7 +8,9 @@ output's bytes stay as the model wrote them (the native route reads them whole);
 standard routes show the thinking apart: chat's ``reasoning_content``, a ``reasoning``
 item on Responses, ``thinking`` blocks on Messages.  The answer is what follows
 ``</think>``, its leading blank lines dropped; tool calls and JSON are parsed in it.
-An output cut off while thinking has no answer.
+An output cut off while thinking has no answer.  gpt-oss's analysis channel ends at its
+final channel, or at the commentary channel of a tool call: that answer keeps the call's
+``<|channel|>commentary`` header, which the tool parser reads (gateway/tools.py).
 """
 
 from __future__ import annotations
@@ -35,7 +37,22 @@ class Think:
     @property
     def bare(self) -> str:
         """What opens an answer given without thinking (dropped), or ""."""
-        return BARE_FINAL if self.open == wire.CHANNEL_TAGS[0] else ""
+        return BARE_FINAL if self.channels else ""
+
+    @property
+    def channels(self) -> bool:
+        return self.open == wire.CHANNEL_TAGS[0]
+
+    def closing(self, text: str) -> tuple[int, int]:
+        """Where the thinking in ``text`` ends and where its answer begins, or (-1, -1):
+        at ``close``, or (gpt-oss) at a tool call's commentary channel, whose header
+        stays with the answer."""
+        at = text.find(self.close)
+        if self.channels:
+            call = text.find(wire.CHANNEL_CALL)
+            if call >= 0 and (at < 0 or call < at):
+                return call, call + len(wire.CHANNEL_NEXT) - len("<|channel|>")
+        return at, at + len(self.close) if at >= 0 else -1
 
     def split(self, text: str) -> tuple[str | None, str]:
         """(the thinking, or None without a think block; the answer) of a whole output."""
@@ -47,8 +64,10 @@ class Think:
                     return None, stripped[len(self.bare):]
                 return None, text
             body = stripped[len(self.open):]
-        thought, sep, answer = body.partition(self.close)
-        return thought.strip("\n"), answer.lstrip("\n") if sep else ""
+        at, answer = self.closing(body)
+        if at < 0:
+            return body.strip("\n"), ""
+        return body[:at].strip("\n"), body[answer:].lstrip("\n")
 
 def mode(flags: int) -> Think | None:
     """How a request of these state flags thinks (None: it does not)."""
@@ -78,7 +97,9 @@ class ThinkStream:
     for the next characters; so do the newlines around the block's edges."""
 
     def __init__(self, think: Think) -> None:
+        self.think = think
         self.open, self.close, self.bare = think.open, think.close, think.bare
+        self.closings = (self.close, wire.CHANNEL_CALL) if think.channels else (self.close,)
         self.state = "thinking" if think.opened else "start"
         self.held = ""
         self.fresh = True  # at the thinking's start: its leading newlines go
@@ -103,11 +124,11 @@ class ThinkStream:
                 if not self.held:
                     return out
                 self.fresh = False
-            at = self.held.find(self.close)
+            at, answer = self.think.closing(self.held)
             if at < 0:
                 # (held: what may begin </think>, and the newlines before it)
-                cut = len(self.held[:len(self.held) - _partial(self.held, self.close)]
-                          .rstrip("\n"))
+                partial = max(_partial(self.held, t) for t in self.closings)
+                cut = len(self.held[:len(self.held) - partial].rstrip("\n"))
                 if cut:
                     out.append(("thinking", self.held[:cut]))
                 self.held = self.held[cut:]
@@ -115,7 +136,7 @@ class ThinkStream:
             thought = self.held[:at].rstrip("\n")
             if thought:
                 out.append(("thinking", thought))
-            self.state, self.held = "after", self.held[at + len(self.close):]
+            self.state, self.held = "after", self.held[answer:]
         if self.state == "after":
             self.held = self.held.lstrip("\n")
             if not self.held:

@@ -10,10 +10,8 @@ object ``{"name": ..., "parameters": {...}}`` as the whole answer (those templat
 take one call a turn, so ``parallel_tool_calls`` yields one); ``HARMONY`` (gpt-oss)
 one call a turn in the commentary channel after the analysis one,
 ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}``, or
-(``auto``) an answer in the final channel.  Such a constrained answer opens its channel
-at once, with no analysis channel before it: the think block's grammar
-(device/constraints.py) dead-ended in llguidance 1.9.1 when SmolLM2 wrote that template's
-channel markup itself (a panic computing the mask, "num_rows=3 row_infos=2").
+(``auto``) an answer in the final channel (the device puts the choice of channel after
+the analysis channel's thinking: device/constraints.py).
 
 A template that knows no tools (SmolLM2's plain ChatML) has ``FALLBACK``: the gateway
 renders them in the format Hermes and Qwen 2.5 models are trained on (docs/api.md,
@@ -256,14 +254,15 @@ def _llama3_grammar(allowed: Sequence[FunctionDef], required: bool) -> str:
 
 
 def _harmony_grammar(allowed: Sequence[FunctionDef], required: bool) -> str:
-    """gpt-oss's: the whole answer, one call in the commentary channel or (``auto``) the
-    final channel's text (the device puts no analysis channel before it)."""
+    """gpt-oss's: what follows ``<|start|>assistant<|channel|>`` after the thinking (the
+    device wraps it so): one call in the commentary channel, or (``auto``) the final
+    channel's text."""
     rules = [f'f{i}: {json.dumps(f.name + " <|constrain|>json<|message|>")} %json {_schema(f)}'
              for i, f in enumerate(allowed)]
-    call = (f'call: {json.dumps(HARMONY_CALL + " to=functions.")} ('
+    call = ('call: "commentary to=functions." ('
             + " | ".join(f"f{i}" for i in range(len(allowed))) + ")")
     start = ("start: call" if required
-             else 'start: "<|channel|>final<|message|>" TEXT | call\nTEXT: /(.|\\n)+/')
+             else 'start: "final<|message|>" TEXT | call\nTEXT: /(.|\\n)+/')
     return "\n".join([start, call, *rules]) + "\n"
 
 

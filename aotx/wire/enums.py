@@ -155,6 +155,10 @@ STATE_FLAG_CHANNELS = 1 << 18  # with THINKS: the thinking is gpt-oss's analysis
 #: text; the <|end|> between the two channels is a control token, rendered as nothing).
 THINK_TAGS = ("<think>", "</think>")
 CHANNEL_TAGS = ("<|channel|>analysis<|message|>", "<|start|>assistant<|channel|>final<|message|>")
+#: What opens gpt-oss's next channel after the analysis one: ``final``, or a tool call's
+#: ``commentary`` (CHANNEL_CALL; such an answer is the call from its ``<|channel|>``).
+CHANNEL_NEXT = "<|start|>assistant<|channel|>"
+CHANNEL_CALL = CHANNEL_NEXT + "commentary"
 
 
 def think_tags(flags: int) -> tuple[str, str]:

@@ -107,11 +107,12 @@ def test_required_calls_are_written_in_the_templates_format(
     elif model == "llama-tmpl":  # Llama 3.2's: the tools in the first user turn, as JSON
         assert 'Respond in the format {"name": function name, "parameters"' in prompt
         assert '"name": "web-search"' in prompt
-    else:  # gpt-oss's: a TypeScript namespace in the developer message; the call opens
-        # the commentary channel at once (no analysis channel to tell apart)
+    else:  # gpt-oss's: a TypeScript namespace in the developer message; the call in the
+        # commentary channel after the analysis one, whose thinking is told apart
         assert "namespace functions {\n\n// Get the weather forecast for a city\n" in prompt
         assert prompt.endswith("<|start|>assistant")
-        assert getattr(ch.message, "reasoning_content", None) is None
+        assert isinstance(getattr(ch.message, "reasoning_content", None), str)
+        assert r.usage.completion_tokens_details.reasoning_tokens < r.usage.completion_tokens
     text, calls, finish, rid = streamed_calls(oai, **kw)
     assert finish == "tool_calls" and text == ""
     for c in calls:
@@ -162,10 +163,11 @@ def test_a_conversation_with_a_call_and_its_result(svc: Service, oai: openai.Ope
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_gpt_oss_answers_in_its_final_channel_or_calls(svc: Service, oai: openai.OpenAI,
                                                       seed: int) -> None:
-    """``auto`` on gpt-oss's template: a call in the commentary channel, or text in the
-    final one; neither shows the channels' markup, streamed or not."""
+    """``auto`` on gpt-oss's template: after the analysis channel, a call in the
+    commentary channel or text in the final one; neither shows the channels' markup,
+    streamed or not."""
     kw: dict[str, Any] = dict(model="gptoss-tmpl", messages=ask(secrets.token_hex(6)),
-                              tools=TOOLS, temperature=1.0, seed=seed, max_tokens=80)
+                              tools=TOOLS, temperature=1.0, seed=seed, max_tokens=240)
     ch = oai.chat.completions.create(**kw).choices[0]
     if ch.message.tool_calls:
         assert ch.finish_reason == "tool_calls" and ch.message.content is None
@@ -177,9 +179,10 @@ def test_gpt_oss_answers_in_its_final_channel_or_calls(svc: Service, oai: openai
     assert "<|" not in text and (finish == "tool_calls") == bool(calls)
     with httpx.Client(base_url=svc.url, headers=svc.headers, timeout=30) as c:
         raw = c.get(f"/aotx/v1/requests/{rid}").json()["output"]["bytes"]
-    opened = base64.b64decode(raw).decode(errors="replace")
-    assert opened.startswith("<|channel|>commentary to=functions." if calls
-                             else "<|channel|>final<|message|>")
+    output = base64.b64decode(raw).decode(errors="replace")
+    assert output.startswith("<|channel|>analysis<|message|>")
+    assert ("<|start|>assistant<|channel|>commentary to=functions." if calls
+            else "<|start|>assistant<|channel|>final<|message|>") in output
 
 
 def test_the_native_document_parses_the_templates_format(svc: Service,

@@ -181,3 +181,8 @@ def test_a_thinking_models_reasoning_tokens_are_those_of_its_think_block() -> No
                                  b"<|message|>", b"Hi"], harmony) == (9, THINK_NONE)
     assert run(THINK_UNDECIDED, [b"<|channel|>", b"final", b"<|message|>", b"Hi"],
                harmony) == (0, THINK_NONE)
+    # or to a tool call's commentary channel (its other closing, as admission gives it)
+    calls = (*harmony, wire.CHANNEL_CALL.encode())
+    assert run(THINK_UNDECIDED, [b"<|channel|>", b"analysis", b"<|message|>", b"hm",
+                                 b"<|start|>", b"assistant", b"<|channel|>", b"comment",
+                                 b"ary to=functions.f", b"{}"], calls) == (9, THINK_NONE)

@@ -14,7 +14,8 @@ PIECES = st.lists(st.sampled_from(["<think>", "</think>", "<", "</", "think", ">
 CHANNELS = st.lists(st.sampled_from([
     "<|channel|>analysis<|message|>", "<|start|>assistant<|channel|>final<|message|>",
     "<|channel|>final<|message|>", "<|channel|>", "<|message|>", "<|start|>", "assistant",
-    "analysis", "final", "<|", "|>", "\n", " ", "a", "b c"]), max_size=12)
+    "analysis", "final", "<|", "|>", "\n", " ", "a", "b c",
+    "<|start|>assistant<|channel|>commentary", "commentary", " to=functions.f"]), max_size=12)
 HARMONY = mode(wire.STATE_FLAG_THINKS | wire.STATE_FLAG_CHANNELS)
 
 
@@ -68,3 +69,9 @@ def test_the_shapes() -> None:
                          "<|channel|>final<|message|>Hi") == ("Think.", "Hi")
     assert HARMONY.split("<|channel|>final<|message|>Hi") == (None, "Hi")
     assert HARMONY.split("<|channel|>analysis<|message|>cut") == ("cut", "")
+    # a tool call's commentary channel ends the thinking too; the call keeps its header
+    call = "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}"
+    assert HARMONY.split("<|channel|>analysis<|message|>Think.<|start|>assistant" + call
+                         ) == ("Think.", call)
+    assert streamed("<|channel|>analysis<|message|>Think.<|start|>assistant" + call,
+                    [20, 40, 45, 60], HARMONY) == ("Think.", call)

@@ -279,16 +279,21 @@ def hmcall(name: str, args: str) -> str:
 
 
 def test_the_harmony_grammar(compiler: GrammarCompiler) -> None:  # noqa: F811
+    """What follows ``<|start|>assistant<|channel|>`` after the thinking (the device puts
+    the analysis channel before it: test_grammar)."""
+    def after(text: str) -> str:  # (the answer as the grammar sees it: from the channel)
+        return text.removeprefix("<|channel|>")
+
     auto = request(tools=[WEATHER, CLOCK])
-    assert accepts_in(compiler, auto, HM, "<|channel|>final<|message|>Hello there")
-    assert accepts_in(compiler, auto, HM, hmcall("get_weather", '{"city": "Oslo"}'))
-    assert not accepts_in(compiler, auto, HM, hmcall("now", '{"x": 1}'))
+    assert accepts_in(compiler, auto, HM, "final<|message|>Hello there")
+    assert accepts_in(compiler, auto, HM, after(hmcall("get_weather", '{"city": "Oslo"}')))
+    assert not accepts_in(compiler, auto, HM, after(hmcall("now", '{"x": 1}')))
     assert not accepts_in(compiler, auto, HM, "Hello")  # no channel: not gpt-oss's answer
-    assert not accepts_in(compiler, auto, HM, "<|channel|>analysis<|message|>Hm")
+    assert not accepts_in(compiler, auto, HM, "analysis<|message|>Hm")
     required = request(tools=[WEATHER, CLOCK], tool_choice="required")
-    assert not accepts_in(compiler, required, HM, "<|channel|>final<|message|>Hello")
-    assert accepts_in(compiler, required, HM, hmcall("now", "{}"))
-    assert not accepts_in(compiler, required, HM, hmcall("now", "{}") + hmcall("now", "{}"))
+    assert not accepts_in(compiler, required, HM, "final<|message|>Hello")
+    assert accepts_in(compiler, required, HM, after(hmcall("now", "{}")))
+    assert not accepts_in(compiler, required, HM, after(hmcall("now", "{}")) + hmcall("now", "{}"))
 
 
 def test_harmony_answers_whole_and_streamed() -> None:
