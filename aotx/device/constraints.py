@@ -103,7 +103,7 @@ def after_thinking(constraint: Constraint, opened: bool, budget: int,
     else:  # a Lark grammar: its start rule becomes the answer
         answer = _START.sub("answer:", constraint.text)
     head = "" if opened else json.dumps(tags[0]) + " "
-    most = budget + len(tags[1].encode()) + 1  # (the closing's tokens, forced, fit)
+    most = budget + len(tags[1].encode()) + 4  # (a character's end, then the closing)
     return Constraint(GrammarKind.LARK, (
         f"start: {head}thought{' GAP' * gap} answer\n"
         f"thought[suffix={json.dumps(tags[1])}, max_tokens={most}]: /(.|\\n)*/\n"

@@ -9,8 +9,8 @@ panic computing the mask, "num_rows=3 row_infos=2", once the model had written t
 closing up to its last token, ``</think`` before ``>``: every such request failed.)
 llguidance's own ``max_tokens`` ends a lexeme without its suffix, so the budget is kept
 here instead: once the block has taken its tokens, the matcher allows only the closing's
-tokens, one a step, which the lexeme then ends on.  The grammar's ``max_tokens`` stays a
-few tokens above, for an engine that applies the grammar itself (vLLM), whose thought
+tokens, one a step, which the lexeme then ends on (once a character the model left
+unfinished is whole).  The grammar's ``max_tokens`` stays a few tokens above, for an engine that applies the grammar itself (vLLM), whose thought
 then ends at the budget without the closing.
 """
 
@@ -41,21 +41,31 @@ class Closing:
 
     def passed(self, token: int) -> None:
         """``token`` was sampled (and the grammar took it)."""
-        if self.left < 0:
-            return
         if self.forced:
             self.forced.pop(0)
             if not self.forced:
                 self.left = -1
             return
+        if self.left < 0:
+            return
         self.tail = (self.tail + self.piece(token))[-2 * len(self.tag):]
         if self.tag in self.tail:  # the model closed it
             self.left = -1
             return
-        self.left -= 1
-        if self.left <= 0:
+        self.left = max(0, self.left - 1)
+        if self.left == 0 and not _inside_a_character(self.tail):
             begun = next((k for k in range(min(len(self.tag) - 1, len(self.tail)), 0, -1)
                           if self.tail.endswith(self.tag[:k])), 0)
             self.forced = self.tokenize(self.tag[begun:])
             if not self.forced:
                 self.left = -1
+
+
+def _inside_a_character(data: bytes) -> bool:
+    """Whether ``data`` ends inside a UTF-8 character (a byte token's part of one): the
+    closing waits for its end, as the thought's text must stay UTF-8."""
+    for back in range(1, min(4, len(data)) + 1):
+        b = data[-back]
+        if b & 0xC0 != 0x80:  # not a continuation: the character's first byte
+            return (1 if b < 0x80 else 2 if b >> 5 == 6 else 3 if b >> 4 == 14 else 4) > back
+    return False

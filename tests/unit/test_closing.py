@@ -1,0 +1,55 @@
+"""A think block's budget kept by forcing its closing (engine/closing.py), on a byte
+vocabulary: token t is the byte t."""
+
+from __future__ import annotations
+
+from aotx.engine.closing import Closing
+
+
+def closing(budget: int) -> Closing:
+    return Closing(b"</think>", budget, lambda data: list(data), lambda t: bytes([t]))
+
+
+def feed(c: Closing, data: bytes) -> None:
+    for t in data:
+        c.passed(t)
+
+
+def forced(c: Closing) -> bytes:
+    out = b""
+    while (t := c.next) is not None:
+        out += bytes([t])
+        c.passed(t)
+    return out
+
+
+def test_the_closing_is_forced_once_the_budget_is_spent() -> None:
+    c = closing(4)
+    feed(c, b"abc")
+    assert c.next is None  # a token left
+    feed(c, b"d")
+    assert forced(c) == b"</think>" and c.left == -1
+    feed(c, b"{}")
+    assert c.next is None  # closed: the answer is the grammar's
+
+
+def test_a_closing_the_model_began_is_finished() -> None:
+    c = closing(6)
+    feed(c, b"ab</th")
+    assert forced(c) == b"ink>"
+
+
+def test_a_model_that_closes_it_itself_is_left_alone() -> None:
+    c = closing(12)
+    feed(c, b"hm</think>")
+    assert c.left == -1
+    feed(c, b"{" * 20)
+    assert c.next is None
+
+
+def test_a_character_left_unfinished_is_finished_first() -> None:
+    c = closing(2)
+    feed(c, b"a\xc3")  # the first byte of a two-byte character, at the budget's end
+    assert c.next is None  # waits: the character is not whole
+    feed(c, b"\xa9")
+    assert forced(c) == b"</think>" and c.left == -1
