@@ -65,15 +65,17 @@ def constraint_matcher(model: LoadedModel, constraint: Constraint | None, thinki
         opened, tags = bool(thinking & STATE_FLAG_THINK_OPEN), think_tags(thinking)
         if channel:
             tags = (tags[0], CHANNEL_NEXT)
+        forcing = thinks and not model.engine.applies_grammar  # (engine/closing.py)
         if thinks:
-            constraint = after_thinking(constraint, opened, budget, tags, gap=not channel)
+            constraint = after_thinking(constraint, opened, budget, tags, gap=not channel,
+                                        forcing=forcing)
         compiler = compiler_of(model)
         matcher = compiler.matcher(_spec(constraint))
-        if thinks:  # the budget, kept by forcing the closing (engine/closing.py)
-            tokens = compiler.tokenizer.tokenize_bytes
-            head = 0 if opened else len(tokens(tags[0].encode()))
-            matcher.closing = Closing(tags[1].encode(), budget + head, tokens,
-                                      model.engine.token_bytes)
+        if forcing:
+            matcher.closing = Closing(tags[1].encode(), budget,
+                                      compiler.tokenizer.tokenize_bytes,
+                                      model.engine.token_bytes,
+                                      b"" if opened else tags[0].encode())
         return matcher
     except GrammarError as exc:
         log.debug("event=request.grammar_refused code=%s where=%s", exc.code, exc.where)
@@ -82,7 +84,8 @@ def constraint_matcher(model: LoadedModel, constraint: Constraint | None, thinki
 
 
 def after_thinking(constraint: Constraint, opened: bool, budget: int,
-                   tags: tuple[str, str] = THINK_TAGS, gap: bool = True) -> Constraint:
+                   tags: tuple[str, str] = THINK_TAGS, gap: bool = True,
+                   forcing: bool = True) -> Constraint:
     """``constraint`` after a think block: ``<think>`` (unless the prompt opened it), free
     text of at most ``budget`` tokens, ``</think>`` (the model writes it when it is done,
     or must once the budget is spent), at most four blanks, and the constraint's grammar
@@ -93,8 +96,11 @@ def after_thinking(constraint: Constraint, opened: bool, budget: int,
     one that merely excludes the tag cannot end where the tag begins, since llguidance's
     lexer does not go back over the tag's first bytes, and the model could close the
     block only once the budget forced it.  The budget is the matcher's
-    (engine/closing.py): the lexeme's own ``max_tokens``, a few tokens more, would end
-    it without the tag.  The blanks are bounded because a model may write newline after
+    (engine/closing.py; ``forcing``): the lexeme's own ``max_tokens`` would end it
+    without the tag.  For an engine that applies the grammar itself (vLLM) the lexeme
+    stops at the tag (``stop``, then the tag again as text) within ``max_tokens``, which
+    llguidance 1.9.1 closes, but where it panics once the model has written the tag up
+    to its last token (engine/closing.py).  The blanks are bounded because a model may write newline after
     newline there (SmolLM2 after gpt-oss's final channel) until ``max_tokens``, with no
     answer.  Without ``gap`` the answer follows the closing at once (gpt-oss's tool
     calls: the closing ends at ``<|channel|>``, and the answer names the channel)."""
@@ -103,10 +109,12 @@ def after_thinking(constraint: Constraint, opened: bool, budget: int,
     else:  # a Lark grammar: its start rule becomes the answer
         answer = _START.sub("answer:", constraint.text)
     head = "" if opened else json.dumps(tags[0]) + " "
-    most = budget + len(tags[1].encode()) + 4  # (a character's end, then the closing)
+    tag = json.dumps(tags[1])
+    thought, rule = ((f"thought[suffix={tag}]", "thought") if forcing else
+                     (f"thought[stop={tag}, max_tokens={budget}]", f"thought {tag}"))
     return Constraint(GrammarKind.LARK, (
-        f"start: {head}thought{' GAP' * gap} answer\n"
-        f"thought[suffix={json.dumps(tags[1])}, max_tokens={most}]: /(.|\\n)*/\n"
+        f"start: {head}{rule}{' GAP' * gap} answer\n"
+        f"{thought}: /(.|\\n)*/\n"
         + "GAP: /[ \\t\\n]{0,4}/\n" * gap) + answer + "\n")
 
 

@@ -1,5 +1,5 @@
-"""A think block's budget, kept by forcing its closing (llama.cpp's engine, which fills
-its own masks).
+"""A think block's budget, kept by forcing its closing (llama.cpp's engine, whose masks
+aotx fills).
 
 A constrained request of a thinking model has its constraint after a think block of at
 most a budget of tokens (device/constraints.py).  The grammar's thought is a lazy lexeme
@@ -8,10 +8,10 @@ of the closing.  (The closing as a ``stop``, then again as text, made llguidance
 panic computing the mask, "num_rows=3 row_infos=2", once the model had written the
 closing up to its last token, ``</think`` before ``>``: every such request failed.)
 llguidance's own ``max_tokens`` ends a lexeme without its suffix, so the budget is kept
-here instead: once the block has taken its tokens, the matcher allows only the closing's
-tokens, one a step, which the lexeme then ends on (once a character the model left
-unfinished is whole).  The grammar's ``max_tokens`` stays a few tokens above, for an engine that applies the grammar itself (vLLM), whose thought
-then ends at the budget without the closing.
+here instead: once the block (from its opening) has taken its tokens, and any character
+the model left unfinished is whole, the matcher allows only the closing's tokens, one a
+step, which the lexeme then ends on.  An engine that applies the grammar itself (vLLM)
+keeps the ``stop`` form, whose ``max_tokens`` llguidance closes.
 """
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ from collections.abc import Callable
 
 class Closing:
     """Where a think block's budget stands: tokens left, the last bytes (where the
-    closing would show), and the closing's tokens still to force."""
+    opening and the closing would show), and the closing's tokens still to force."""
 
-    __slots__ = ("tag", "left", "tail", "forced", "tokenize", "piece")
+    __slots__ = ("tag", "opening", "left", "tail", "forced", "tokenize", "piece")
 
     def __init__(self, tag: bytes, budget: int, tokenize: Callable[[bytes], list[int]],
-                 piece: Callable[[int], bytes]) -> None:
+                 piece: Callable[[int], bytes], opening: bytes = b"") -> None:
         self.tag = tag
+        self.opening = opening  # b"": the block is open (the prompt opened it, or it began)
         self.left = budget  # tokens the block may still take; -1: it is closed
         self.tail = b""
         self.forced: list[int] = []
@@ -48,7 +49,16 @@ class Closing:
             return
         if self.left < 0:
             return
-        self.tail = (self.tail + self.piece(token))[-2 * len(self.tag):]
+        piece = self.piece(token)
+        keep = max(len(self.tag), len(self.opening), 4) - 1 + len(piece)
+        self.tail = (self.tail + piece)[-keep:]
+        if self.opening:  # (the opening's tokens are not the thought's)
+            at = self.tail.find(self.opening)
+            if at < 0:
+                return
+            self.tail, self.opening = self.tail[at + len(self.opening):], b""
+            if not self.tail:
+                return
         if self.tag in self.tail:  # the model closed it
             self.left = -1
             return

@@ -62,6 +62,7 @@ class Model(Protocol):
     model_bytes: int
     threads: int
     closes_slowly: bool  # close() waits on another process: the device closes it aside
+    applies_grammar: bool  # the engine applies a request's grammar itself (its masks)
 
     def tokenize_pieces(self, pieces: Sequence[tuple[str, bool]], add_special: bool = True,
                         start: bool = True, end: bool = True) -> list[int]: ...

@@ -47,6 +47,7 @@ class TokenizingEngine(ScriptedEngine):
     special_ids: frozenset[int] = frozenset()
     model_bytes = 0  # (the telemetry's allocation counts requests and media alone)
     closes_slowly = False
+    applies_grammar = False
 
     def kv_bytes(self) -> int:
         return 0

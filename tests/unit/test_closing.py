@@ -1,13 +1,19 @@
 """A think block's budget kept by forcing its closing (engine/closing.py), on a byte
-vocabulary: token t is the byte t."""
+vocabulary (token t is the byte t) and on pieces of several bytes."""
 
 from __future__ import annotations
 
 from aotx.engine.closing import Closing
 
+PIECES = [b"", b"<think>", b"hm", b"</think>\n\n{\"answer\": 1", b"ab", b"\xe6\x96", b"\x87"]
 
-def closing(budget: int) -> Closing:
-    return Closing(b"</think>", budget, lambda data: list(data), lambda t: bytes([t]))
+
+def closing(budget: int, opening: bytes = b"", pieces: bool = False) -> Closing:
+    if pieces:  # token t is PIECES[t]
+        return Closing(b"</think>", budget, lambda data: list(data), PIECES.__getitem__,
+                       opening)
+    return Closing(b"</think>", budget, lambda data: list(data), lambda t: bytes([t]),
+                   opening)
 
 
 def feed(c: Closing, data: bytes) -> None:
@@ -33,6 +39,14 @@ def test_the_closing_is_forced_once_the_budget_is_spent() -> None:
     assert c.next is None  # closed: the answer is the grammar's
 
 
+def test_the_budget_counts_from_the_opening() -> None:
+    c = closing(3, b"<think>")
+    feed(c, b"\n<think>ab")
+    assert c.next is None and c.left == 1
+    feed(c, b"c")
+    assert forced(c) == b"</think>"
+
+
 def test_a_closing_the_model_began_is_finished() -> None:
     c = closing(6)
     feed(c, b"ab</th")
@@ -45,6 +59,10 @@ def test_a_model_that_closes_it_itself_is_left_alone() -> None:
     assert c.left == -1
     feed(c, b"{" * 20)
     assert c.next is None
+    c = closing(3, b"<think>", pieces=True)  # the closing and more in one token
+    for t in (1, 2, 3):
+        c.passed(t)
+    assert c.left == -1 and c.next is None
 
 
 def test_a_character_left_unfinished_is_finished_first() -> None:
@@ -53,3 +71,8 @@ def test_a_character_left_unfinished_is_finished_first() -> None:
     assert c.next is None  # waits: the character is not whole
     feed(c, b"\xa9")
     assert forced(c) == b"</think>" and c.left == -1
+    c = closing(1, pieces=True)
+    c.passed(5)  # a token that ends inside a three-byte character
+    assert c.next is None
+    c.passed(6)
+    assert c.next is not None

@@ -424,7 +424,7 @@ def test_a_think_block_closes_when_the_model_closes_it_or_its_budget_ends(
 
     schema = Constraint(GrammarKind.JSON_SCHEMA, '{"type": "integer"}')
     model: Any = SimpleNamespace(grammars=compiler, engine=SimpleNamespace(
-        token_bytes=lambda t: bytes([t - 1])))
+        token_bytes=lambda t: bytes([t - 1]), applies_grammar=False))
 
     def matcher(budget: int) -> Matcher:
         m = constraint_matcher(model, schema, STATE_FLAG_THINKS, budget)
@@ -466,6 +466,18 @@ def test_a_think_block_closes_when_the_model_closes_it_or_its_budget_ends(
         forced += bytes([token - 1])
         assert m.consume(token)
     assert forced == b"ink>"
+    # an engine that applies the grammar itself (vLLM) gets llguidance's own budget: the
+    # tag as the thought's stop within max_tokens, which llguidance closes
+    model.engine.applies_grammar = True
+    m = matcher(12)
+    assert m.closing is None and m.spec is not None and "max_tokens=12" in m.spec.source
+    assert all(m.consume(t) for t in tok("<think>" + "a" * 12))
+    forced = b""
+    while len(only := choices()) == 1:
+        token = only.pop()
+        forced += bytes([token - 1])
+        assert m.consume(token)
+    assert forced == b"</think>"
 
 
 def test_a_pattern_whose_repetitions_outgrow_the_lexer_is_refused_at_once() -> None:

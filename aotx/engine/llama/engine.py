@@ -115,6 +115,7 @@ def model_metadata(model: llama_cpp.llama_model_p, key: str) -> str | None:
 
 class LlamaEngine:
     closes_slowly = False  # (interface.Model)
+    applies_grammar = False  # aotx's scheduler fills the masks (engine/grammar.py)
 
     def __init__(self, config: EngineConfig) -> None:
         global _backend_ready

@@ -48,6 +48,7 @@ class VllmModel(HfVocab):
 
     kv_cells = 0
     closes_slowly = True  # close() waits for vLLM's engine-core process to end
+    applies_grammar = True  # vLLM's guidance backend takes the grammar's source
     model_bytes = 0
     threads = 0
     max_sequences = 0  # vLLM's max_num_seqs (the capabilities' slots)
