@@ -403,7 +403,7 @@ def output_items(h: wire.Header, data: bytes) -> list[dict[str, Any]]:
     thinks = reasoning.mode(h.submit_flags)
     thought, text = thinks.split(raw) if thinks else (None, raw)
     # (a think block that closed is done, whatever became of the answer after it)
-    done = "completed" if thinks and thinks.close in raw else state
+    done = "completed" if thinks and thinks.closing(raw)[0] >= 0 else state
     out = [] if thought is None else [reasoning_item(h.identity, thought, done)]
     if not h.submit_flags & wire.SUBMIT_FLAG_TOOLS:
         if h.phase == wire.Phase.QUEUED:

@@ -244,7 +244,7 @@ class ModelEntry(_Doc):
     automatic_memory: bool
     chat: bool = Field(description="false: an embedding model or a reranker (no chat "
                                    "requests)")
-    tool_format: Literal["fallback", "hermes", "llama3"] = Field(
+    tool_format: Literal["fallback", "hermes", "llama3", "harmony"] = Field(
         description="how the model's chat template writes tools (fallback: aotx writes "
                     "them as text)")
     embeddings: EmbeddingsCapability | None
@@ -308,7 +308,7 @@ class OpenAIModel(_Doc):
     automatic_memory: bool
     chat: bool = Field(description="false: an embedding model or a reranker (no chat "
                                    "requests)")
-    tool_format: Literal["fallback", "hermes", "llama3"] = Field(
+    tool_format: Literal["fallback", "hermes", "llama3", "harmony"] = Field(
         description="how the model's chat template writes tools (fallback: aotx writes "
                     "them as text)")
     embeddings: EmbeddingsCapability | None

@@ -143,6 +143,20 @@ def test_tool_output_is_a_message_and_function_calls() -> None:
     assert items[1]["id"] == "fc_" + items[1]["call_id"][5:]
 
 
+def test_gpt_oss_thinks_then_calls() -> None:
+    """The analysis channel's thinking is done where the call's commentary channel opens,
+    as the stream says (response_events)."""
+    flags = (wire.SUBMIT_FLAG_TOOLS | wire.ToolFormat.HARMONY << wire.SUBMIT_TOOL_FORMAT_SHIFT
+             | wire.STATE_FLAG_THINKS | wire.STATE_FLAG_CHANNELS)
+    data = (b"<|channel|>analysis<|message|>Hm.<|start|>assistant<|channel|>commentary "
+            b'to=functions.f <|constrain|>json<|message|>{"a": 1}')
+    h = header(wire.Phase.RUNNING, wire.Finish.NONE)._replace(flags=flags)
+    items = output_items(h, data)
+    assert [(i["type"], i["status"]) for i in items] == [("reasoning", "completed"),
+                                                           ("function_call", "completed")]
+    assert items[0]["content"][0]["text"] == "Hm." and items[1]["arguments"] == '{"a": 1}'
+
+
 def run(data: bytes, chunks: list[int], last: wire.Header) -> list[dict[str, Any]]:
     """The events of output ``data`` arriving in runs of the given sizes."""
     def snap(h: wire.Header, d: bytes, s: str | None) -> dict[str, Any]:
