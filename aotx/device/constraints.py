@@ -65,11 +65,14 @@ def constraint_matcher(model: LoadedModel, constraint: Constraint | None, thinki
         opened, tags = bool(thinking & STATE_FLAG_THINK_OPEN), think_tags(thinking)
         if channel:
             tags = (tags[0], CHANNEL_NEXT)
+        compiler = compiler_of(model)
         forcing = thinks and not model.engine.applies_grammar  # (engine/closing.py)
         if thinks:
+            # an engine that applies the grammar itself keeps llguidance's budget (``stop``)
+            # for a closing of one token only: with more, llguidance fails on it
+            stop = not forcing and len(compiler.tokenizer.tokenize_bytes(tags[1].encode())) == 1
             constraint = after_thinking(constraint, opened, budget, tags, gap=not channel,
-                                        forcing=forcing)
-        compiler = compiler_of(model)
+                                        stop=stop)
         matcher = compiler.matcher(_spec(constraint))
         if forcing:
             matcher.closing = Closing(tags[1].encode(), budget,
@@ -85,7 +88,7 @@ def constraint_matcher(model: LoadedModel, constraint: Constraint | None, thinki
 
 def after_thinking(constraint: Constraint, opened: bool, budget: int,
                    tags: tuple[str, str] = THINK_TAGS, gap: bool = True,
-                   forcing: bool = True) -> Constraint:
+                   stop: bool = False) -> Constraint:
     """``constraint`` after a think block: ``<think>`` (unless the prompt opened it), free
     text of at most ``budget`` tokens, ``</think>`` (the model writes it when it is done,
     or must once the budget is spent), at most four blanks, and the constraint's grammar
@@ -96,11 +99,12 @@ def after_thinking(constraint: Constraint, opened: bool, budget: int,
     one that merely excludes the tag cannot end where the tag begins, since llguidance's
     lexer does not go back over the tag's first bytes, and the model could close the
     block only once the budget forced it.  The budget is the matcher's
-    (engine/closing.py; ``forcing``): the lexeme's own ``max_tokens`` would end it
-    without the tag.  For an engine that applies the grammar itself (vLLM) the lexeme
-    stops at the tag (``stop``, then the tag again as text) within ``max_tokens``, which
-    llguidance 1.9.1 closes, but where it panics once the model has written the tag up
-    to its last token (engine/closing.py).  The blanks are bounded because a model may write newline after
+    (engine/closing.py): the lexeme's own ``max_tokens`` would end it without the tag.
+    With ``stop`` (an engine that applies the grammar itself, vLLM, and a closing of one
+    token) the lexeme stops at the tag (``stop``, then the tag again as text) within
+    ``max_tokens``, which llguidance closes; with a closing of several tokens that form
+    panics in llguidance 1.9.1 once the model has written the tag up to its last token
+    (engine/closing.py), so such an engine gets the ``suffix`` form and no budget.  The blanks are bounded because a model may write newline after
     newline there (SmolLM2 after gpt-oss's final channel) until ``max_tokens``, with no
     answer.  Without ``gap`` the answer follows the closing at once (gpt-oss's tool
     calls: the closing ends at ``<|channel|>``, and the answer names the channel)."""
@@ -110,8 +114,8 @@ def after_thinking(constraint: Constraint, opened: bool, budget: int,
         answer = _START.sub("answer:", constraint.text)
     head = "" if opened else json.dumps(tags[0]) + " "
     tag = json.dumps(tags[1])
-    thought, rule = ((f"thought[suffix={tag}]", "thought") if forcing else
-                     (f"thought[stop={tag}, max_tokens={budget}]", f"thought {tag}"))
+    thought, rule = ((f"thought[stop={tag}, max_tokens={budget}]", f"thought {tag}") if stop
+                     else (f"thought[suffix={tag}]", "thought"))
     return Constraint(GrammarKind.LARK, (
         f"start: {head}{rule}{' GAP' * gap} answer\n"
         f"{thought}: /(.|\\n)*/\n"

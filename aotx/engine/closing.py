@@ -42,16 +42,20 @@ class Closing:
 
     def passed(self, token: int) -> None:
         """``token`` was sampled (and the grammar took it)."""
-        if self.forced:
-            self.forced.pop(0)
-            if not self.forced:
-                self.left = -1
-            return
         if self.left < 0:
             return
         piece = self.piece(token)
         keep = max(len(self.tag), len(self.opening), 4) - 1 + len(piece)
         self.tail = (self.tail + piece)[-keep:]
+        if self.forced:
+            if token == self.forced[0]:
+                self.forced.pop(0)
+                if not self.forced:
+                    self.left = -1
+                return
+            # (another token came, as a sampler may give when the forced one's logit is
+            # -inf: the closing is forced again from where the text now ends)
+            self.forced = []
         if self.opening:  # (the opening's tokens are not the thought's)
             at = self.tail.find(self.opening)
             if at < 0:
@@ -63,6 +67,8 @@ class Closing:
             self.left = -1
             return
         self.left = max(0, self.left - 1)
+        # (a wait for a character's end lasts while tokens end inside one: a few at most
+        # in practice, the budget then a few tokens over)
         if self.left == 0 and not _inside_a_character(self.tail):
             begun = next((k for k in range(min(len(self.tag) - 1, len(self.tail)), 0, -1)
                           if self.tail.endswith(self.tag[:k])), 0)

@@ -76,3 +76,19 @@ def test_a_character_left_unfinished_is_finished_first() -> None:
     assert c.next is None
     c.passed(6)
     assert c.next is not None
+
+
+def test_a_token_other_than_the_forced_one_forces_the_closing_again() -> None:
+    c = closing(2)
+    feed(c, b"ab")
+    assert c.next == ord("<")
+    c.passed(ord("x"))  # (a sampler that did not keep to the one-hot mask)
+    assert c.left == 0 and forced(c) == b"</think>"
+    c = closing(2)
+    feed(c, b"ab</t")  # three of the closing's bytes forced, then another token
+    c.passed(ord("<"))
+    assert forced(c) == b"/think>"  # (from the "<" that ends the text now)
+    c = closing(2)
+    feed(c, b"ab</")
+    c.passed(ord("/"))  # "</" then "/": the text ends "<//"; the closing begins again
+    assert forced(c) == b"</think>"

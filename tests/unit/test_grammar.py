@@ -466,18 +466,20 @@ def test_a_think_block_closes_when_the_model_closes_it_or_its_budget_ends(
         forced += bytes([token - 1])
         assert m.consume(token)
     assert forced == b"ink>"
-    # an engine that applies the grammar itself (vLLM) gets llguidance's own budget: the
-    # tag as the thought's stop within max_tokens, which llguidance closes
+    # an engine that applies the grammar itself (vLLM): a closing of several tokens gets
+    # the suffix form and no budget (llguidance fails on the stop form there) ...
     model.engine.applies_grammar = True
     m = matcher(12)
-    assert m.closing is None and m.spec is not None and "max_tokens=12" in m.spec.source
-    assert all(m.consume(t) for t in tok("<think>" + "a" * 12))
-    forced = b""
-    while len(only := choices()) == 1:
-        token = only.pop()
-        forced += bytes([token - 1])
-        assert m.consume(token)
-    assert forced == b"</think>"
+    assert m.closing is None and m.spec is not None and "max_tokens" not in m.spec.source
+    assert all(m.consume(t) for t in tok("<think>" + "a" * 20 + "</think"))
+    m.fill(row)
+    assert not m.error
+    # ... and a closing of one token llguidance's own budget, which it closes
+    from aotx.device.constraints import after_thinking
+    m = compiler.matcher(GrammarSpec.lark(after_thinking(schema, False, 12, ("<", "|"),
+                                                         stop=True).text))
+    assert all(m.consume(t) for t in tok("<" + "a" * 11))  # (the stop's token counts)
+    assert choices() == set(tok("|"))
 
 
 def test_a_pattern_whose_repetitions_outgrow_the_lexer_is_refused_at_once() -> None:
