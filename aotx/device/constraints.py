@@ -100,14 +100,17 @@ def after_thinking(constraint: Constraint, opened: bool, budget: int,
     lexer does not go back over the tag's first bytes, and the model could close the
     block only once the budget forced it.  The budget is the matcher's
     (engine/closing.py): the lexeme's own ``max_tokens`` would end it without the tag.
+
     With ``stop`` (an engine that applies the grammar itself, vLLM, and a closing of one
     token) the lexeme stops at the tag (``stop``, then the tag again as text) within
-    ``max_tokens``, which llguidance closes; with a closing of several tokens that form
+    ``max_tokens``, which llguidance closes.  With a closing of several tokens that form
     panics in llguidance 1.9.1 once the model has written the tag up to its last token
-    (engine/closing.py), so such an engine gets the ``suffix`` form and no budget.  The blanks are bounded because a model may write newline after
-    newline there (SmolLM2 after gpt-oss's final channel) until ``max_tokens``, with no
-    answer.  Without ``gap`` the answer follows the closing at once (gpt-oss's tool
-    calls: the closing ends at ``<|channel|>``, and the answer names the channel)."""
+    (engine/closing.py), so such an engine gets the ``suffix`` form and no budget.
+
+    The blanks are bounded because a model may write newline after newline there
+    (SmolLM2 after gpt-oss's final channel) until ``max_tokens``, with no answer.
+    Without ``gap`` the answer follows the closing at once (gpt-oss's tool calls: the
+    closing ends at ``<|channel|>``, and the answer names the channel)."""
     if constraint.kind is GrammarKind.JSON_SCHEMA:
         answer = f"answer: %json {constraint.text}"
     else:  # a Lark grammar: its start rule becomes the answer
