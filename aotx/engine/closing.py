@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from .output import begun_length, utf8_complete_length
+
 
 class Closing:
     """Where a think block's budget stands: tokens left, the last bytes (where the
@@ -69,19 +71,8 @@ class Closing:
         self.left = max(0, self.left - 1)
         # (a wait for a character's end lasts while tokens end inside one: a few at most
         # in practice, the budget then a few tokens over)
-        if self.left == 0 and not _inside_a_character(self.tail):
-            begun = next((k for k in range(min(len(self.tag) - 1, len(self.tail)), 0, -1)
-                          if self.tail.endswith(self.tag[:k])), 0)
-            self.forced = self.tokenize(self.tag[begun:])
+        if self.left == 0 and utf8_complete_length(self.tail) == len(self.tail):
+            self.forced = self.tokenize(self.tag[begun_length(self.tail, self.tag):])
             if not self.forced:
                 self.left = -1
 
-
-def _inside_a_character(data: bytes) -> bool:
-    """Whether ``data`` ends inside a UTF-8 character (a byte token's part of one): the
-    closing waits for its end, as the thought's text must stay UTF-8."""
-    for back in range(1, min(4, len(data)) + 1):
-        b = data[-back]
-        if b & 0xC0 != 0x80:  # not a continuation: the character's first byte
-            return (1 if b < 0x80 else 2 if b >> 5 == 6 else 3 if b >> 4 == 14 else 4) > back
-    return False

@@ -17,6 +17,18 @@ def utf8_complete_length(data: bytes | bytearray) -> int:
     return n
 
 
+def begun_length(data: bytes | bytearray, tag: bytes) -> int:
+    """The length of the longest end of ``data`` that begins ``tag`` (shorter than it):
+    such ends begin only where ``tag``'s first byte occurs, so jump between those (find)
+    and compare each."""
+    i = len(data) - min(len(tag) - 1, len(data))
+    while (i := data.find(tag[:1], i)) >= 0:
+        if tag.startswith(data[i:]):
+            return len(data) - i
+        i += 1
+    return 0
+
+
 class OutputBuffer:
     """Turns token pieces into published bytes, honouring stop strings.
 
@@ -44,17 +56,7 @@ class OutputBuffer:
                 out = bytes(self.held[:first])
                 self.held.clear()
                 return out, True
-        keep = 0
-        for s in self.stops:
-            # The longest tail of ``held`` that starts ``s``: tails begin only where
-            # ``s``'s first byte occurs, so jump between those (find) and compare each.
-            m = min(len(s) - 1, len(self.held))
-            i = len(self.held) - m
-            while (i := self.held.find(s[0], i)) >= 0:
-                if s.startswith(self.held[i:]):
-                    keep = max(keep, len(self.held) - i)
-                    break
-                i += 1
+        keep = max((begun_length(self.held, s) for s in self.stops), default=0)
         cut = len(self.held) - keep
         cut = utf8_complete_length(self.held[:cut])
         out = bytes(self.held[:cut])
