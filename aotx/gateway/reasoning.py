@@ -51,7 +51,7 @@ class Think:
         if self.channels:
             call = text.find(wire.CHANNEL_CALL)
             if call >= 0 and (at < 0 or call < at):
-                return call, call + len(wire.CHANNEL_NEXT) - len("<|channel|>")
+                return call, call + len(wire.CHANNEL_START)
         return at, at + len(self.close) if at >= 0 else -1
 
     def split(self, text: str) -> tuple[str | None, str]:

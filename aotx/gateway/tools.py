@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from ..wire import ToolFormat
+from ..wire import CHANNEL_CALL, CHANNEL_START, ToolFormat
 from .body import Body
 from .closed_objects import close_objects
 
@@ -55,7 +55,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
 #: gpt-oss's call, as the answer after the analysis channel (gateway/reasoning.py):
 #: its recipient, then the arguments' JSON, up to ``<|call|>`` where the text shows it.
-HARMONY_CALL = "<|channel|>commentary"
+HARMONY_CALL = CHANNEL_CALL.removeprefix(CHANNEL_START)  # "<|channel|>commentary"
 _HARMONY = re.compile(r"<\|channel\|>commentary to=functions\.([^\s<]+)\s*"
                       r"(?:<\|constrain\|>\s*json\s*)?<\|message\|>(.*?)(?:<\|call\|>)?\s*",
                       re.DOTALL)
@@ -290,9 +290,7 @@ def parse(text: str, identity: bytes, fmt: ToolFormat
             name, args = call["name"], call["arguments"]
         except (ValueError, KeyError, TypeError):
             continue
-        calls.append({"id": call_id(identity, len(calls)), "type": "function",
-                      "function": {"name": str(name),
-                                   "arguments": json.dumps(args, ensure_ascii=False)}})
+        calls.append(_call(identity, len(calls), str(name), args))
     if not calls:
         return text, []
     return text[:text.find(OPEN)].rstrip() or None, calls
@@ -308,8 +306,7 @@ def _parse_llama3(text: str, identity: bytes) -> tuple[str | None, list[dict[str
         return text, []
     if not isinstance(name, str) or not isinstance(args, dict):
         return text, []
-    return None, [{"id": call_id(identity, 0), "type": "function",
-                   "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}]
+    return None, [_call(identity, 0, name, args)]
 
 
 def _parse_harmony(text: str, identity: bytes) -> tuple[str | None, list[dict[str, Any]]]:
@@ -322,9 +319,13 @@ def _parse_harmony(text: str, identity: bytes) -> tuple[str | None, list[dict[st
         return text, []
     if not isinstance(args, dict):
         return text, []
-    return None, [{"id": call_id(identity, 0), "type": "function",
-                   "function": {"name": found.group(1),
-                                "arguments": json.dumps(args, ensure_ascii=False)}}]
+    return None, [_call(identity, 0, found.group(1), args)]
+
+
+def _call(identity: bytes, index: int, name: str, args: Any) -> dict[str, Any]:
+    """A parsed call as ``tool_calls`` lists it: its id, its name, its arguments as JSON."""
+    return {"id": call_id(identity, index), "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
 
 
 def message(text: str, finish: str, active: Mode | None, identity: bytes, fmt: ToolFormat

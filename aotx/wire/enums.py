@@ -157,7 +157,8 @@ THINK_TAGS = ("<think>", "</think>")
 CHANNEL_TAGS = ("<|channel|>analysis<|message|>", "<|start|>assistant<|channel|>final<|message|>")
 #: What opens gpt-oss's next channel after the analysis one: ``final``, or a tool call's
 #: ``commentary`` (CHANNEL_CALL; such an answer is the call from its ``<|channel|>``).
-CHANNEL_NEXT = "<|start|>assistant<|channel|>"
+CHANNEL_START = "<|start|>assistant"
+CHANNEL_NEXT = CHANNEL_START + "<|channel|>"
 CHANNEL_CALL = CHANNEL_NEXT + "commentary"
 
 
