@@ -60,9 +60,10 @@ def chosen(tmp_path: Path, nvcc: bool = False, gpus: str | None = None,
 
 
 def build_id(args: list[str], cflags: str) -> str:
-    """The wheel folder's key as llama-build computes it: the flags and the patch."""
-    patch = (REPO / "scripts" / "llama-flash-attention.patch").read_bytes()
-    text = f"{' '.join(args)}\n{cflags}\n".encode() + patch
+    """The wheel folder's key as llama-build computes it: the flags and the patches."""
+    patches = b"".join((REPO / "scripts" / name).read_bytes()
+                       for name in ("llama-flash-attention.patch", "llama-q4_1-rows.patch"))
+    text = f"{' '.join(args)}\n{cflags}\n".encode() + patches
     return hashlib.sha256(text).hexdigest()[:12]
 
 
@@ -120,12 +121,14 @@ def test_another_backend_stops_setup_with_the_reason(tmp_path: Path) -> None:
     assert "AOTX_LLAMA_BACKEND is cpu or cuda, got 'rocm'" in done.stderr
 
 
-def test_setup_builds_with_those_arguments_and_the_patch() -> None:
-    """scripts/setup passes llama-build's CMake arguments to the build, applies the patch
-    whatever the backend, and keeps the wheel in llama-build's folder."""
+def test_setup_builds_with_those_arguments_and_the_patches() -> None:
+    """scripts/setup passes llama-build's CMake arguments to the build, applies its
+    patches whatever the backend, and keeps the wheel in llama-build's folder."""
     setup = (REPO / "scripts" / "setup").read_text()
     assert "source scripts/llama-build" in setup
     assert 'CMAKE_ARGS="$LLAMA_CMAKE_ARGS"' in setup
-    assert 'apply "$PWD/$LLAMA_PATCH"' in setup
+    assert 'apply "${LLAMA_PATCHES[@]/#/$PWD/}"' in setup
+    assert ("LLAMA_PATCHES=(scripts/llama-flash-attention.patch scripts/llama-q4_1-rows.patch)"
+            in (REPO / "scripts" / "llama-build").read_text())
     assert "wheels=$LLAMA_WHEELS" in setup
     assert os.access(REPO / "scripts" / "setup", os.X_OK)
