@@ -95,8 +95,9 @@ def _q8_1_values(y: np.ndarray, n: int) -> np.ndarray:
 
 def test_a_models_logits_are_the_same_bits_on_one_thread_or_five() -> None:
     """The embedded model's Q4_1 products, a prompt's rows and a decode step's, on one
-    thread and on five: with five, the K and V projections' 192 rows split at 39 and the
-    rows at a share's end take the one-row kernel where one thread takes four."""
+    thread and on five: with five, the K and V projections' 192 rows (Q4_1 in this
+    model) split at 39 and the rows at a share's end take the one-row kernel where one
+    thread takes four.  (The other products' shares start at multiples of four.)"""
     from aotx.device.models import default_model_path
     from aotx.engine.interface import BatchEntry
     from aotx.engine.llama.engine import EngineConfig, LlamaEngine

@@ -127,7 +127,8 @@ def test_setup_builds_with_those_arguments_and_the_patches() -> None:
     setup = (REPO / "scripts" / "setup").read_text()
     assert "source scripts/llama-build" in setup
     assert 'CMAKE_ARGS="$LLAMA_CMAKE_ARGS"' in setup
-    assert 'apply "${LLAMA_PATCHES[@]/#/$PWD/}"' in setup
+    # $PWD quoted inside the substitution: an "&" in the checkout's path stays itself
+    assert 'apply "${LLAMA_PATCHES[@]/#/"$PWD"/}"' in setup
     assert ("LLAMA_PATCHES=(scripts/llama-flash-attention.patch scripts/llama-q4_1-rows.patch)"
             in (REPO / "scripts" / "llama-build").read_text())
     assert "wheels=$LLAMA_WHEELS" in setup
