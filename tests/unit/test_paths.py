@@ -4,20 +4,33 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import socket
+import tempfile
+from collections.abc import Iterator
 
 import pytest
 
 from aotx.paths import RuntimePaths, clear_vllm_sockets, vllm_sockets
 
 
+@pytest.fixture
+def short_dir() -> Iterator[pathlib.Path]:
+    """A state folder whose run/vllm/<uuid> fits a socket path.  pytest's tmp_path does
+    not always: from its hundredth numbered folder on a machine ("pytest-104") this
+    test's came to 108 characters, and vllm_sockets rightly left the path to vLLM."""
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="aotx-paths-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def test_vllms_sockets_go_to_the_run_folder_and_are_cleared(
-        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        short_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # set, then removed: monkeypatch then restores the variable's absence afterwards, so
     # that what vllm_sockets sets does not reach the services later tests start
     monkeypatch.setenv("VLLM_RPC_BASE_PATH", "")
     monkeypatch.delenv("VLLM_RPC_BASE_PATH")
-    paths = RuntimePaths(str(tmp_path))
+    paths = RuntimePaths(str(short_dir))
     paths.ensure()
     vllm_sockets(paths)
     assert os.environ["VLLM_RPC_BASE_PATH"] == paths.vllm_dir
