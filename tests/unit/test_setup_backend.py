@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -59,10 +60,22 @@ def chosen(tmp_path: Path, nvcc: bool = False, gpus: str | None = None,
     return backend, args.split(), cflags, wheels
 
 
+#: The patches llama-build applies, in their order.
+PATCHES = ("scripts/llama-flash-attention.patch", "scripts/llama-q4_1-rows.patch",
+           "scripts/llama-prefetch.patch")
+
+
+def llama_patches() -> tuple[str, ...]:
+    """llama-build's ``LLAMA_PATCHES`` array, as written there."""
+    found = re.search(r"^LLAMA_PATCHES=\(([^)]*)\)", (REPO / "scripts" / "llama-build").read_text(),
+                      re.MULTILINE)
+    assert found is not None
+    return tuple(found.group(1).split())
+
+
 def build_id(args: list[str], cflags: str) -> str:
     """The wheel folder's key as llama-build computes it: the flags and the patches."""
-    patches = b"".join((REPO / "scripts" / name).read_bytes()
-                       for name in ("llama-flash-attention.patch", "llama-q4_1-rows.patch"))
+    patches = b"".join((REPO / name).read_bytes() for name in PATCHES)
     text = f"{' '.join(args)}\n{cflags}\n".encode() + patches
     return hashlib.sha256(text).hexdigest()[:12]
 
@@ -129,7 +142,6 @@ def test_setup_builds_with_those_arguments_and_the_patches() -> None:
     assert 'CMAKE_ARGS="$LLAMA_CMAKE_ARGS"' in setup
     # $PWD quoted inside the substitution: an "&" in the checkout's path stays itself
     assert 'apply "${LLAMA_PATCHES[@]/#/"$PWD"/}"' in setup
-    assert ("LLAMA_PATCHES=(scripts/llama-flash-attention.patch scripts/llama-q4_1-rows.patch)"
-            in (REPO / "scripts" / "llama-build").read_text())
+    assert llama_patches() == PATCHES
     assert "wheels=$LLAMA_WHEELS" in setup
     assert os.access(REPO / "scripts" / "setup", os.X_OK)
